@@ -1,0 +1,27 @@
+"""Fake kernel of moonep::dispatch."""
+
+import torch
+
+from .checks import ROW_DTYPES, check_tensor
+
+
+def check_token_plan(op: str, S: int, K: int, device, **tables: torch.Tensor) -> None:
+    for name, t in tables.items():
+        check_tensor(op, name, t, (torch.int32,), (S, K), device)
+
+
+def check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary) -> None:
+    check_tensor("dispatch", "x", x, ROW_DTYPES, (None, None))
+    S, H = x.shape
+    check_tensor("dispatch", "route_w", route_w, (torch.float32,), (S, None), x.device)
+    K = route_w.shape[1]
+    check_token_plan("dispatch", S, K, x.device, dst_rank=dst_rank, dst_row=dst_row, primary_row=primary_row)
+    check_tensor("dispatch", "recv_rows", recv_rows, (x.dtype,), (None, H), x.device)
+    NvS = recv_rows.shape[0]
+    check_tensor("dispatch", "recv_w", recv_w, (torch.float32,), (NvS,), x.device)
+    check_tensor("dispatch", "recv_primary", recv_primary, (torch.int32,), (NvS,), x.device)
+
+
+def dispatch(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary, group_name: str):
+    check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary)
+    return torch.empty_like(recv_rows), torch.empty_like(recv_w), torch.empty_like(recv_primary)

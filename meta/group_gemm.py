@@ -1,0 +1,54 @@
+"""Fake kernels of moonep::group_gemm, group_gemm_dgrad and group_gemm_wgrad."""
+
+import torch
+
+from .checks import ROW_DTYPES, check_tensor
+
+
+def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device) -> tuple[int, int]:
+    check_tensor(op, "w_home", w_home, (dtype,), (None, None, None), device)
+    epn, Kd, Nd = w_home.shape
+    check_tensor(op, "w_slot", w_slot, (dtype,), (None, Kd, Nd), device)
+    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (epn + w_slot.shape[0],), device)
+    return Kd, Nd
+
+
+def check_group_gemm_args(x, w_home, w_slot, cu_seqlens) -> int:
+    check_tensor("group_gemm", "x", x, ROW_DTYPES, (None, None))
+    Kd, Nd = check_weights("group_gemm", w_home, w_slot, cu_seqlens, x.dtype, x.device)
+    if x.shape[1] != Kd:
+        raise ValueError(f"moonep.group_gemm: x has {x.shape[1]} columns but w_home rows are {Kd} long")
+    return Nd
+
+
+def group_gemm(x, w_home, w_slot, cu_seqlens):
+    Nd = check_group_gemm_args(x, w_home, w_slot, cu_seqlens)
+    return x.new_empty((x.shape[0], Nd))
+
+
+def check_dgrad_args(dy, w_home, w_slot, cu_seqlens) -> int:
+    check_tensor("group_gemm_dgrad", "dy", dy, ROW_DTYPES, (None, None))
+    Kd, Nd = check_weights("group_gemm_dgrad", w_home, w_slot, cu_seqlens, dy.dtype, dy.device)
+    if dy.shape[1] != Nd:
+        raise ValueError(f"moonep.group_gemm_dgrad: dy has {dy.shape[1]} columns but the weights have {Nd}")
+    return Kd
+
+
+def group_gemm_dgrad(dy, w_home, w_slot, cu_seqlens):
+    Kd = check_dgrad_args(dy, w_home, w_slot, cu_seqlens)
+    return dy.new_empty((dy.shape[0], Kd))
+
+
+def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot) -> None:
+    check_tensor("group_gemm_wgrad", "x", x, ROW_DTYPES, (None, None))
+    N, Kd = x.shape
+    check_tensor("group_gemm_wgrad", "dy", dy, (x.dtype,), (N, None), x.device)
+    Nd = dy.shape[1]
+    check_tensor("group_gemm_wgrad", "dw_home", dw_home, (torch.float32,), (None, Kd, Nd), x.device)
+    check_tensor("group_gemm_wgrad", "dw_slot", dw_slot, (torch.float32,), (None, Kd, Nd), x.device)
+    G = dw_home.shape[0] + dw_slot.shape[0]
+    check_tensor("group_gemm_wgrad", "cu_seqlens", cu_seqlens, (torch.int32,), (G,), x.device)
+
+
+def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot) -> None:
+    check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot)

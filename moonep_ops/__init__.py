@@ -1,0 +1,16 @@
+"""moonep_ops: balanced expert-parallel MoE ops for PyTorch that compile end to end.
+
+    cfg = EPConfig(S=..., H=..., K=..., E=..., F=..., R=world_size)
+    ep = EPGroup(cfg)                      # after torch.distributed.init_process_group
+    layer = MoELayer(ep)                   # router -> plan -> dispatch -> prefetch -> GEMMs -> combine
+    y = layer(x)                           # x [S, H] on every rank
+"""
+
+from . import autograd, ops, planning  # noqa: F401  (registers the moonep ops and their autograd)
+from .config import EPConfig
+from .dense import dense_moe
+from .group import EPGroup
+from .layers import MoEExperts, MoELayer
+from .routing import route
+
+__all__ = ["EPConfig", "EPGroup", "MoEExperts", "MoELayer", "dense_moe", "route", "ops", "planning", "autograd"]

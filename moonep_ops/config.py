@@ -1,0 +1,90 @@
+"""Static configuration of one expert-parallel MoE layer family.
+
+Every shape in the library derives from an `EPConfig`: the receive buffer, the plan tensors, the
+kernel grids. Nothing depends on the routing, which is what keeps the compiled graph and the memory
+footprint identical at any skew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Rows of H or F elements are moved as 16-byte vectors (8 bf16): a multiple of 8 keeps every row
+# start 16-byte aligned, which TMA and vectorised NVLink stores need.
+ROW_ALIGN_ELEMS = 8
+MAX_TOPK = 32
+
+
+def align_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """Shapes of an EP MoE layer.
+
+    S: tokens per rank (the same on every rank); H: hidden size; K: routed experts per token;
+    E: routed experts in the EP group; F: expert FFN intermediate size; R: EP ranks;
+    P: row padding of each expert group; B: copy slots per rank (default: epn, enough for any
+    routing in training; a small number such as 3-4 for inference).
+    """
+
+    S: int
+    H: int
+    K: int
+    E: int
+    F: int
+    R: int
+    P: int = 128
+    B: int | None = None
+
+    def __post_init__(self):
+        for name in ("S", "H", "K", "E", "F", "R", "P"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"EPConfig.{name} must be an int, got {type(v).__name__}")
+        if self.R < 1:
+            raise ValueError(f"EPConfig.R must be >= 1, got R={self.R}")
+        if self.E < 1 or self.E % self.R != 0:
+            raise ValueError(
+                f"EPConfig.E must be a positive multiple of R (every rank owns E/R home experts), "
+                f"got E={self.E}, R={self.R}")
+        if self.S < 1:
+            raise ValueError(f"EPConfig.S must be >= 1, got S={self.S}")
+        if self.K < 1 or self.K > min(self.E, MAX_TOPK):
+            raise ValueError(
+                f"EPConfig.K must be in [1, min(E, {MAX_TOPK})] = [1, {min(self.E, MAX_TOPK)}], "
+                f"got K={self.K}")
+        for name in ("H", "F"):
+            v = getattr(self, name)
+            if v < ROW_ALIGN_ELEMS or v % ROW_ALIGN_ELEMS != 0:
+                raise ValueError(
+                    f"EPConfig.{name} must be a positive multiple of {ROW_ALIGN_ELEMS} "
+                    f"(rows move as 16-byte vectors of bf16), got {name}={v}")
+        if self.P < 16 or self.P & (self.P - 1):
+            raise ValueError(f"EPConfig.P must be a power of two >= 16, got P={self.P}")
+        if self.S * self.K * self.R >= 2**31:
+            raise ValueError(
+                f"EPConfig: S*K*R must be < 2**31 (int32 row and token indices), "
+                f"got S*K*R={self.S * self.K * self.R}")
+        if self.B is None:
+            object.__setattr__(self, "B", self.epn)
+        if isinstance(self.B, bool) or not isinstance(self.B, int):
+            raise ValueError(f"EPConfig.B must be an int or None, got {type(self.B).__name__}")
+        if self.B < 0 or self.B > self.epn:
+            raise ValueError(f"EPConfig.B must be in [0, epn] = [0, {self.epn}], got B={self.B}")
+
+    @property
+    def epn(self) -> int:
+        """Home experts per rank."""
+        return self.E // self.R
+
+    @property
+    def G(self) -> int:
+        """Expert groups in a rank's receive buffer: epn home experts, then B slots."""
+        return self.epn + self.B
+
+    @property
+    def NvS(self) -> int:
+        """Receive rows per rank: S*K real rows plus the worst-case padding of every group."""
+        return align_up(self.S * self.K + (self.P - 1) * self.G, self.P)

@@ -1,0 +1,31 @@
+"""Run a function on R CPU processes joined in a gloo process group (tests, demo, CPU benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, workdir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)  # R processes share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """fn(rank, world_size, *args) on `world_size` processes; returns every rank's result, by rank.
+
+    `fn` must be importable (a module-level function); results travel through torch.save.
+    """
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.spawn(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]

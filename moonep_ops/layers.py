@@ -1,0 +1,79 @@
+"""nn.Modules: the SwiGLU experts of one rank and the drop-in MoE FFN block."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import autograd, ops
+from .group import EPGroup
+from .routing import route
+
+
+class MoEExperts(nn.Module):
+    """This rank's home experts, SwiGLU: y = (silu(x W_gate) * (x W_up)) W_down, times the route weight.
+
+    Weights: w_gate, w_up [epn, H, F]; w_down [epn, F, H]. Experts e = rank*epn + i for i in [0, epn).
+    """
+
+    def __init__(self, ep: EPGroup, dtype: torch.dtype | None = None):
+        super().__init__()
+        c = ep.cfg
+        self.ep = ep
+        dtype = dtype or ep.dtype
+        self.w_gate = nn.Parameter(torch.empty(c.epn, c.H, c.F, dtype=dtype, device=ep.device))
+        self.w_up = nn.Parameter(torch.empty(c.epn, c.H, c.F, dtype=dtype, device=ep.device))
+        self.w_down = nn.Parameter(torch.empty(c.epn, c.F, c.H, dtype=dtype, device=ep.device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        c = self.ep.cfg
+        for w, fan_in in ((self.w_gate, c.H), (self.w_up, c.H), (self.w_down, c.F)):
+            nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def forward(self, rows: torch.Tensor, row_w: torch.Tensor, cu_seqlens: torch.Tensor,
+                experts_to_copy: torch.Tensor) -> torch.Tensor:
+        """rows [NvS, H] grouped by cu_seqlens (home experts, then slots) -> weighted outputs [NvS, H]."""
+        slot_gate, slot_up, slot_down = autograd.slot_weights(self.ep, self.w_gate, self.w_up, self.w_down,
+                                                              experts_to_copy)
+        gate = ops.group_gemm(rows, self.w_gate, slot_gate, cu_seqlens)
+        up = ops.group_gemm(rows, self.w_up, slot_up, cu_seqlens)
+        hidden = (F.silu(gate.float()) * up.float()).to(rows.dtype)
+        out = ops.group_gemm(hidden, self.w_down, slot_down, cu_seqlens)
+        return (out.float() * row_w[:, None]).to(rows.dtype)
+
+
+class MoELayer(nn.Module):
+    """Drop-in MoE FFN block: router -> plan -> dispatch -> prefetch -> grouped GEMMs -> combine.
+
+    Input and output: [S, H] (or any [..., H] with S tokens) on this rank. Every rank computes exactly
+    S*K rows whatever the router does.
+    """
+
+    def __init__(self, ep: EPGroup, normalize_topk: bool = True, dtype: torch.dtype | None = None):
+        super().__init__()
+        c = ep.cfg
+        self.ep = ep
+        self.normalize_topk = normalize_topk
+        self.router = nn.Linear(c.H, c.E, bias=False, dtype=dtype or ep.dtype, device=ep.device)
+        self.experts = MoEExperts(ep, dtype)
+        self.last_counts: torch.Tensor | None = None  # [R, E] token counts of the last eager forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, ep = self.ep.cfg, self.ep
+        tokens = x.reshape(-1, c.H)
+        if tokens.shape[0] != c.S:
+            raise ValueError(f"MoELayer: x holds {tokens.shape[0]} tokens of size H={c.H}, EPConfig.S={c.S}")
+        tokens = tokens.to(ep.dtype).contiguous()
+        route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
+        dst_rank, dst_row, primary_row, experts_to_copy, cu_seqlens, counts = ops.plan(
+            ids, c.E, c.B, c.P, c.R, ep.group_name)
+        rows, row_w, row_primary = autograd.dispatch(ep, tokens, route_w, dst_rank, dst_row, primary_row)
+        out_rows = self.experts(rows, row_w, cu_seqlens, experts_to_copy)
+        out = autograd.combine(ep, out_rows, row_primary, dst_rank, dst_row, primary_row)
+        if not torch.compiler.is_compiling():
+            self.last_counts = counts
+        return out.view(x.shape).to(x.dtype)

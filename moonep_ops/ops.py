@@ -1,0 +1,241 @@
+"""The `moonep` torch.library ops: schemas, CPU reference implementations, fake kernels.
+
+CPU implementations are the reference every CUDA kernel must match: pure torch, cross-rank traffic
+through torch.distributed (gloo), free to sync the host. Fake kernels live in `meta/<op>.py`.
+Persistent buffers (receive rows, slot pools, reduce buffers) are arguments declared in
+`mutates_args`; on the GPU they are symmetric memory that peers write into. Outputs are always fresh
+tensors, never views of those buffers (see docs/design-notes.md, "Autograd and persistent buffers").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+import meta.combine
+import meta.dispatch
+import meta.gather_row_weights
+import meta.group_gemm
+import meta.plan
+import meta.prefetch_weights
+import meta.reduce_grad
+
+from . import planning
+from .comm import exchange, pull, resolve_group
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------- plan
+@custom_op("moonep::plan", mutates_args=(), device_types="cpu")
+def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, group_name: str
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Router top-k ids [S, K] -> (dst_rank, dst_row, primary_row [S, K], experts_to_copy [R, B],
+    cu_seqlens [epn+B] of this rank, counts [R, E] of all ranks), all int32."""
+    meta.plan.check_plan_args(topk_ids, E, B, P, R)
+    group = resolve_group("plan", group_name, R)
+    S, K = topk_ids.shape
+    bad = (topk_ids < 0) | (topk_ids >= E)
+    if bool(bad.any()):
+        s, k = (int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(f"moonep.plan: topk_ids[{s}, {k}] = {int(topk_ids[s, k])} is outside [0, E={E})")
+    local = torch.bincount(topk_ids.reshape(-1).long(), minlength=E).int()
+    gathered = [torch.empty_like(local) for _ in range(R)]
+    torch.distributed.all_gather(gathered, local, group=group)
+    counts = torch.stack(gathered)
+    gp = planning.plan_global(counts, S, K, B, P)
+    rank = torch.distributed.get_rank(group)
+    tp = planning.plan_tokens(topk_ids, counts, gp, rank)
+    return tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.cu_seqlens[rank].clone(), counts
+
+
+plan.register_fake(meta.plan.plan)
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+@custom_op("moonep::dispatch", mutates_args=("recv_rows", "recv_w", "recv_primary"), device_types="cpu")
+def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
+             recv_rows: Tensor, recv_w: Tensor, recv_primary: Tensor, group_name: str
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """Token rows [S, H] -> this rank's expert-grouped rows [NvS, H], row weights [NvS] and, per row,
+    the row that carried its token over the link (-1 for padding). Each token crosses to a rank once;
+    the receiver copies it to the token's other rows there. Writes the receive buffers; returns copies
+    of them as ordinary activations."""
+    meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary)
+    group = resolve_group("dispatch", group_name)
+    R = torch.distributed.get_world_size(group)
+    NvS = recv_rows.shape[0]
+    if bool((dst_rank < 0).any() | (dst_rank >= R).any() | (dst_row < 0).any() | (dst_row >= NvS).any()):
+        raise ValueError(f"moonep.dispatch: dst_rank/dst_row must lie in [0, R={R}) x [0, NvS={NvS})")
+    K = dst_rank.shape[1]
+    flat_rank = dst_rank.reshape(-1)
+    is_primary = (dst_row == primary_row).reshape(-1)
+    token = torch.arange(flat_rank.numel()) // K
+    rows_meta, weights, data = [], [], []
+    for d in range(R):
+        sel = flat_rank == d
+        rows_meta.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel]], 1))
+        weights.append(route_w.reshape(-1)[sel])
+        data.append(x[token[sel & is_primary]])
+    recv_rows.zero_()
+    recv_w.zero_()
+    recv_primary.fill_(-1)
+    for m, w, rows in zip(exchange(rows_meta, group), exchange(weights, group), exchange(data, group)):
+        row, prim = m[:, 0].long(), m[:, 1]
+        recv_w[row] = w
+        recv_primary[row] = prim
+        recv_rows[row[row == prim]] = rows
+    dup = torch.nonzero((recv_primary >= 0) & (recv_primary != torch.arange(NvS))).flatten()
+    recv_rows[dup] = recv_rows[recv_primary[dup].long()]
+    return recv_rows.clone(), recv_w.clone(), recv_primary.clone()
+
+
+dispatch.register_fake(meta.dispatch.dispatch)
+
+
+# ------------------------------------------------------------------------------------------- combine
+@custom_op("moonep::combine", mutates_args=("presum",), device_types="cpu")
+def combine(rows: Tensor, row_primary: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
+            presum: Tensor, group_name: str) -> Tensor:
+    """Expert output rows [NvS, H] -> token rows [S, H], summing each token's K rows. The receiver first
+    sums a token's rows on it into the row that carried it (fp32, stored in the row dtype in `presum`),
+    so one row per (token, rank) crosses back; the source adds those in fp32, in k order."""
+    meta.combine.check_combine_args(rows, row_primary, dst_rank, dst_row, primary_row, presum)
+    group = resolve_group("combine", group_name)
+    valid = torch.nonzero(row_primary >= 0).flatten()
+    acc = torch.zeros(rows.shape, dtype=torch.float32)
+    acc.index_add_(0, row_primary[valid].long(), rows[valid].float())
+    presum.copy_(acc)
+    S, K = dst_rank.shape
+    sel = torch.nonzero((dst_row == primary_row).reshape(-1)).flatten()
+    parts = torch.zeros(S * K, rows.shape[1], dtype=torch.float32)
+    parts[sel] = pull(presum, dst_rank.reshape(-1)[sel], primary_row.reshape(-1)[sel], group).float()
+    return parts.view(S, K, -1).sum(1).to(rows.dtype)
+
+
+combine.register_fake(meta.combine.combine)
+
+
+# -------------------------------------------------------------------------------- gather_row_weights
+@custom_op("moonep::gather_row_weights", mutates_args=(), device_types="cpu")
+def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, group_name: str) -> Tensor:
+    """Per-row values [NvS] (the route-weight gradient) -> [S, K], read back from the computing ranks."""
+    meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row)
+    group = resolve_group("gather_row_weights", group_name)
+    return pull(row_vals, dst_rank.reshape(-1), dst_row.reshape(-1), group).view(dst_rank.shape)
+
+
+gather_row_weights.register_fake(meta.gather_row_weights.gather_row_weights)
+
+
+# ---------------------------------------------------------------------------------------- group_gemm
+def _group_bounds(cu_seqlens: Tensor) -> list[tuple[int, int, int]]:
+    ends = cu_seqlens.tolist()
+    starts = [0] + ends[:-1]
+    if any(e < s for s, e in zip(starts, ends)):
+        raise ValueError(f"moonep.group_gemm: cu_seqlens must be non-decreasing, got {ends}")
+    return [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
+
+
+def _weight(w_home: Tensor, w_slot: Tensor, g: int) -> Tensor:
+    return w_home[g] if g < w_home.shape[0] else w_slot[g - w_home.shape[0]]
+
+
+def _check_rows_fit(op: str, n_rows: int, cu_seqlens: Tensor) -> None:
+    if cu_seqlens.numel() and int(cu_seqlens[-1]) > n_rows:
+        raise ValueError(f"moonep.{op}: cu_seqlens ends at {int(cu_seqlens[-1])} but there are only {n_rows} rows")
+
+
+@custom_op("moonep::group_gemm", mutates_args=(), device_types="cpu")
+def group_gemm(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """y[rows of group g] = x[rows of g] @ W_g, W_g = w_home[g] (g < epn) else w_slot[g - epn]; fp32
+    accumulation; rows past the last group are zero."""
+    meta.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens)
+    _check_rows_fit("group_gemm", x.shape[0], cu_seqlens)
+    y = x.new_zeros((x.shape[0], w_home.shape[2]))
+    for g, s, e in _group_bounds(cu_seqlens):
+        y[s:e] = (x[s:e].float() @ _weight(w_home, w_slot, g).float()).to(x.dtype)
+    return y
+
+
+group_gemm.register_fake(meta.group_gemm.group_gemm)
+
+
+@custom_op("moonep::group_gemm_dgrad", mutates_args=(), device_types="cpu")
+def group_gemm_dgrad(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """dx[rows of g] = dy[rows of g] @ W_g^T; rows past the last group are zero."""
+    meta.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens)
+    _check_rows_fit("group_gemm_dgrad", dy.shape[0], cu_seqlens)
+    dx = dy.new_zeros((dy.shape[0], w_home.shape[1]))
+    for g, s, e in _group_bounds(cu_seqlens):
+        dx[s:e] = (dy[s:e].float() @ _weight(w_home, w_slot, g).float().t()).to(dy.dtype)
+    return dx
+
+
+group_gemm_dgrad.register_fake(meta.group_gemm.group_gemm_dgrad)
+
+
+@custom_op("moonep::group_gemm_wgrad", mutates_args=("dw_home", "dw_slot"), device_types="cpu")
+def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor) -> None:
+    """dW_g += x[rows of g]^T @ dy[rows of g] in fp32: home groups into dw_home, slots into dw_slot."""
+    meta.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot)
+    _check_rows_fit("group_gemm_wgrad", x.shape[0], cu_seqlens)
+    for g, s, e in _group_bounds(cu_seqlens):
+        _weight(dw_home, dw_slot, g).add_(x[s:e].float().t() @ dy[s:e].float())
+
+
+group_gemm_wgrad.register_fake(meta.group_gemm.group_gemm_wgrad)
+
+
+# ---------------------------------------------------------------------------------- prefetch_weights
+@custom_op("moonep::prefetch_weights", mutates_args=("pool_gate", "pool_up", "pool_down"), device_types="cpu")
+def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_copy: Tensor,
+                     pool_gate: Tensor, pool_up: Tensor, pool_down: Tensor, group_name: str
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """Fill this rank's slot pools with the planned copies (gate, up, down) from their home ranks;
+    empty slots are zero. Returns copies of the pools as this layer's slot weights."""
+    meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down)
+    group = resolve_group("prefetch_weights", group_name, experts_to_copy.shape[0])
+    epn = w_gate.shape[0]
+    mine = experts_to_copy[torch.distributed.get_rank(group)].long()
+    used = torch.nonzero(mine >= 0).flatten()
+    for w, pool in ((w_gate, pool_gate), (w_up, pool_up), (w_down, pool_down)):
+        pool.zero_()
+        pool[used] = pull(w, mine[used] // epn, mine[used] % epn, group)
+    return pool_gate.clone(), pool_up.clone(), pool_down.clone()
+
+
+prefetch_weights.register_fake(meta.prefetch_weights.prefetch_weights)
+
+
+# --------------------------------------------------------------------------------------- reduce_grad
+@custom_op("moonep::reduce_grad", mutates_args=("reduce_gate", "reduce_up", "reduce_down"), device_types="cpu")
+def reduce_grad(slot_grad_gate: Tensor, slot_grad_up: Tensor, slot_grad_down: Tensor, experts_to_copy: Tensor,
+                reduce_gate: Tensor, reduce_up: Tensor, reduce_down: Tensor, epn: int, group_name: str
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Fold the copies' weight gradients home. Each rank adds its slot gradients into its fp32 reduce
+    buffers; each home rank then reads its experts' copy gradients from every rank, in rank then slot
+    order (bitwise deterministic), into fresh fp32 home gradients [epn, ...]; the consumed reduce
+    buffers are zeroed for the next micro-batch."""
+    slot_grads = (slot_grad_gate, slot_grad_up, slot_grad_down)
+    reduce_bufs = (reduce_gate, reduce_up, reduce_down)
+    meta.reduce_grad.check_reduce_args(slot_grads, experts_to_copy, reduce_bufs, epn)
+    group = resolve_group("reduce_grad", group_name, experts_to_copy.shape[0])
+    me = torch.distributed.get_rank(group)
+    copies = experts_to_copy.long()
+    ranks, slots = torch.nonzero((copies >= 0) & (copies // epn == me), as_tuple=True)  # row-major: rank, slot
+    outs = []
+    for g, buf in zip(slot_grads, reduce_bufs):
+        buf.add_(g.float())
+        got = pull(buf, ranks, slots, group)
+        home = torch.zeros((epn,) + tuple(buf.shape[1:]), dtype=torch.float32)
+        for i, e in enumerate(copies[ranks, slots].tolist()):
+            home[e - me * epn] += got[i]
+        outs.append(home)
+    # `pull` returned only after every peer's read of these buffers was served; now they can be zeroed
+    for buf in reduce_bufs:
+        buf.zero_()
+    return tuple(outs)
+
+
+reduce_grad.register_fake(meta.reduce_grad.reduce_grad)

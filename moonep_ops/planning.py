@@ -1,0 +1,185 @@
+"""The balanced EP plan, as pure integer code on the CPU.
+
+This module is the bit-exact reference of the GPU planner: every rank computes the same global plan
+from the same `[R, E]` count matrix, and then the destinations of its own tokens.
+
+Global plan (`plan_global`), rank-level greedy, deterministic:
+  1. `load[r]` = tokens routed to rank r's home experts; the target of every rank is T = S*K.
+  2. Repeat: the most loaded rank g (ties: lowest rank) fills the least loaded rank d (ties: lowest
+     rank) exactly to T from its home experts, until no rank is above T. A receiver is filled in a
+     single step, so each receiving rank takes experts of one home group only and never needs more
+     than epn copy slots. A donor may give so much that it falls below T; it is then filled later
+     from another group like any other receiver. Every step finishes at least one rank, so there
+     are at most R-1 steps.
+  3. Each donor cuts its outflows, in step order, from its home experts' tokens taken hottest first
+     (total desc, expert id asc): few experts cover a given number of rows, so few copies are made.
+     What is left stays home.
+Rows on rank d: home experts' groups first, then its slots (copied experts by ascending id); each
+group padded to a multiple of P. Tokens of expert e, ordered by (source rank, s*K + k), are cut
+into consecutive chunks over destination ranks in ascending rank order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class GlobalPlan(NamedTuple):
+    alloc: torch.Tensor            # int32 [E, R]: rows of expert e computed on rank d
+    experts_to_copy: torch.Tensor  # int32 [R, B]: copied experts hosted by each rank, ascending, -1 = empty
+    cu_seqlens: torch.Tensor       # int32 [R, epn+B]: padded group ends on each rank
+
+    @property
+    def n_copies(self) -> int:
+        return int((self.experts_to_copy >= 0).sum())
+
+
+class TokenPlan(NamedTuple):
+    dst_rank: torch.Tensor     # int32 [S, K]: rank that computes row (s, k)
+    dst_row: torch.Tensor      # int32 [S, K]: row of (s, k) in that rank's receive buffer
+    primary_row: torch.Tensor  # int32 [S, K]: the row on dst_rank that carries token s over the link
+                               # (its first k there); rows with dst_row != primary_row are local copies
+
+
+def maxvio(counts: torch.Tensor) -> float:
+    """max_e(T_e / mean_T) - 1 over the global per-expert token counts."""
+    tot = counts.sum(0).double() if counts.dim() == 2 else counts.double()
+    return float(tot.max() / tot.mean() - 1.0)
+
+
+def rank_imbalance(counts: torch.Tensor) -> float:
+    """max rank load / mean rank load, where a rank's load is its home experts' tokens."""
+    R = counts.shape[0]
+    load = counts.sum(0).view(R, -1).sum(1).double()
+    return float(load.max() / load.mean())
+
+
+def _check_counts(counts: torch.Tensor, S: int, K: int) -> None:
+    if counts.dim() != 2 or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"counts must be an int32/int64 [R, E] tensor, got {counts.dtype} {tuple(counts.shape)}")
+    R, E = counts.shape
+    if R < 1 or E % R != 0:
+        raise ValueError(f"counts: E={E} must be a positive multiple of R={R}")
+    if bool((counts < 0).any()):
+        raise ValueError("counts must be non-negative")
+    per_rank = counts.sum(1)
+    if bool((per_rank != S * K).any()):
+        raise ValueError(f"counts: every rank routes exactly S*K={S * K} rows, got row sums {per_rank.tolist()}")
+
+
+def rank_flows(load: torch.Tensor, T: int) -> list[tuple[int, int, int]]:
+    """Step 2 of the plan: the (donor, receiver, rows) transfers, in step order."""
+    cur = load.clone()
+    flows = []
+    while True:
+        g = int(torch.argmax(cur))  # first maximum: lowest rank on ties
+        if int(cur[g]) <= T:
+            return flows
+        d = int(torch.argmin(cur))
+        amt = T - int(cur[d])
+        flows.append((g, d, amt))
+        cur[g] -= amt
+        cur[d] += amt
+
+
+def hottest_first(tot_home: torch.Tensor) -> torch.Tensor:
+    """Order of a home group's experts for cutting outflows: total desc, local id asc."""
+    n = tot_home.numel()
+    key = tot_home.long() * n + (n - 1 - torch.arange(n))  # larger total first, then lower id
+    return torch.argsort(key, descending=True)
+
+
+def plan_global(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> GlobalPlan:
+    """counts int [R, E] (tokens of rank r routed to expert e) -> the global plan, identical on every rank."""
+    _check_counts(counts, S, K)
+    R, E = counts.shape
+    epn = E // R
+    T = S * K
+    tot = counts.long().sum(0)
+    load = tot.view(R, epn).sum(1)
+
+    alloc = torch.zeros(E, R, dtype=torch.long)
+    alloc[torch.arange(E), torch.arange(E) // epn] = tot
+    outflows: dict[int, list[tuple[int, int]]] = {}
+    for g, d, amt in rank_flows(load, T):
+        outflows.setdefault(g, []).append((d, amt))
+    for g, flows in outflows.items():
+        order = hottest_first(tot[g * epn:(g + 1) * epn]) + g * epn
+        pos = 0  # expert position in `order`; `left` rows of it not yet given away
+        left = int(tot[order[0]])
+        for d, amt in flows:
+            while amt > 0:
+                while left == 0:
+                    pos += 1
+                    left = int(tot[order[pos]])
+                e = int(order[pos])
+                take = min(amt, left)
+                alloc[e, d] += take
+                alloc[e, g] -= take
+                left -= take
+                amt -= take
+
+    home = torch.arange(E) // epn
+    foreign = (alloc > 0) & (home[:, None] != torch.arange(R)[None, :])  # [E, R]
+    need = foreign.sum(0)
+    if bool((need > B).any()):
+        d = int(torch.argmax(need))
+        raise ValueError(
+            f"B={B} copy slots per rank are not enough for this routing: rank {d} needs {int(need[d])} "
+            f"copied experts (B=epn={epn} always suffices)")
+    experts_to_copy = torch.full((R, B), -1, dtype=torch.long)
+    group_len = torch.zeros(R, epn + B, dtype=torch.long)
+    for d in range(R):
+        ids = torch.nonzero(foreign[:, d]).flatten()  # ascending expert id
+        experts_to_copy[d, :ids.numel()] = ids
+        group_len[d, :epn] = alloc[d * epn:(d + 1) * epn, d]
+        group_len[d, epn:epn + ids.numel()] = alloc[ids, d]
+    padded = (group_len + P - 1) // P * P
+    cu_seqlens = padded.cumsum(1)
+    return GlobalPlan(alloc.int(), experts_to_copy.int(), cu_seqlens.int())
+
+
+def group_of_expert(plan: GlobalPlan, E: int) -> torch.Tensor:
+    """int64 [R, E]: group index of expert e in rank d's buffer, -1 where d computes none of e."""
+    R = plan.cu_seqlens.shape[0]
+    epn = E // R
+    out = torch.full((R, E), -1, dtype=torch.long)
+    for d in range(R):
+        out[d, d * epn:(d + 1) * epn] = torch.arange(epn)
+        slots = plan.experts_to_copy[d].long()
+        used = slots >= 0
+        out[d, slots[used]] = epn + torch.nonzero(used).flatten()
+    return out
+
+
+def plan_tokens(topk_ids: torch.Tensor, counts: torch.Tensor, plan: GlobalPlan, rank: int) -> TokenPlan:
+    """Destinations (rank, row) of rank `rank`'s routed rows, and which of them cross the link."""
+    S, K = topk_ids.shape
+    R, E = counts.shape
+    flat = topk_ids.reshape(-1).long()
+    # position of each (s, k) among this rank's rows of the same expert, in s*K+k order
+    sorted_ids, perm = torch.sort(flat, stable=True)
+    seg_start = torch.searchsorted(sorted_ids, torch.arange(E))
+    local = torch.empty_like(flat)
+    local[perm] = torch.arange(flat.numel()) - seg_start[sorted_ids]
+    # position in the expert's global sequence, ordered by source rank first
+    before = counts.long()[:rank].sum(0)
+    idx = before[flat] + local
+    # the chunk of the expert's sequence that each destination rank computes
+    alloc = plan.alloc.long()
+    chunk_end = alloc.cumsum(1)                       # [E, R]
+    dst = torch.searchsorted(chunk_end[flat], idx[:, None], right=True).squeeze(1)
+    chunk_start = chunk_end[flat, dst] - alloc[flat, dst]
+    group = group_of_expert(plan, E)[dst, flat]
+    cu = plan.cu_seqlens.long()
+    group_start = torch.cat([torch.zeros(R, 1, dtype=torch.long), cu[:, :-1]], 1)[dst, group]
+    row = group_start + idx - chunk_start
+    dst_rank = dst.view(S, K)
+    dst_row = row.view(S, K)
+    # first k of each (token, destination rank) carries the row; later ones copy it on the receiver
+    same = dst_rank[:, :, None] == dst_rank[:, None, :]           # [S, K(k), K(k')]
+    first = torch.argmax(same.int(), dim=2)                       # lowest k' with the same rank
+    primary_row = torch.gather(dst_row, 1, first)
+    return TokenPlan(dst_rank.int(), dst_row.int(), primary_row.int())
