@@ -1,0 +1,54 @@
+"""Synthetic skewed routings for benchmarks and tests.
+
+Expert popularity is lognormal (one draw per expert, shared by all ranks through the seed); every rank
+samples each token's K experts without replacement in proportion to popularity (Gumbel top-k). A
+bisection on the lognormal sigma hits a target maxvio = max_e(T_e / mean_T) - 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_topk(R: int, S: int, E: int, K: int, sigma: float, seed: int = 0) -> list[torch.Tensor]:
+    """Top-k expert ids [S, K] (int64) of each of the R ranks."""
+    g = torch.Generator().manual_seed(seed)
+    log_pop = torch.randn(E, generator=g, dtype=torch.float64) * sigma
+    out = []
+    for _ in range(R):
+        u = torch.rand(S, E, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        gumbel = -torch.log(-torch.log(u))
+        out.append(torch.topk(log_pop + gumbel, K, dim=1).indices)
+    return out
+
+
+def counts_of(ids: list[torch.Tensor], E: int) -> torch.Tensor:
+    """int32 [R, E] token counts of each rank's ids."""
+    return torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids]).int()
+
+
+def realized_maxvio(ids: list[torch.Tensor], E: int) -> float:
+    tot = counts_of(ids, E).sum(0).double()
+    return float(tot.max() / tot.mean() - 1)
+
+
+def routing_for_maxvio(R: int, S: int, E: int, K: int, target: float, seed: int = 0, iters: int = 40
+                       ) -> tuple[list[torch.Tensor], float, float]:
+    """(ids per rank, sigma, realized maxvio) with realized maxvio close to `target`.
+
+    With K distinct experts per token an expert gets at most one row per token, so maxvio <= E/K - 1.
+    """
+    if target > E / K - 1:
+        raise ValueError(f"target maxvio {target} is above E/K - 1 = {E / K - 1:.2f}, the most K distinct "
+                         f"experts per token allow")
+    lo, hi = 0.0, 1.0
+    while realized_maxvio(sample_topk(R, S, E, K, hi, seed), E) < target and hi < 64:
+        lo, hi = hi, hi * 2
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if realized_maxvio(sample_topk(R, S, E, K, mid, seed), E) < target:
+            lo = mid
+        else:
+            hi = mid
+    ids = sample_topk(R, S, E, K, hi, seed)
+    return ids, hi, realized_maxvio(ids, E)

@@ -1,0 +1,116 @@
+"""Per-rank bodies of the multi-process tests (module level, so torch.multiprocessing can spawn them)."""
+
+import torch
+
+from moonep_ops import EPConfig, EPGroup, MoELayer
+
+
+def global_weights(cfg: EPConfig, skew: str, seed: int = 1):
+    """Router and all experts' weights, identical on every rank; inputs of every rank."""
+    g = torch.Generator().manual_seed(seed)
+    H, E, F = cfg.H, cfg.E, cfg.F
+    router = torch.randn(E, H, generator=g) * 0.3
+    x_all = torch.randn(cfg.R * cfg.S, H, generator=g)
+    if skew == "extreme":  # feature 0 is large and positive for every token, and favours the last experts
+        x_all[:, 0] = x_all[:, 0].abs() + 4
+        router[:, 0] = torch.linspace(-2, 2, E)
+    w_gate = torch.randn(E, H, F, generator=g) / H ** 0.5
+    w_up = torch.randn(E, H, F, generator=g) / H ** 0.5
+    w_down = torch.randn(E, F, H, generator=g) / F ** 0.5
+    grad_out = torch.randn(cfg.R * cfg.S, H, generator=g)
+    return x_all, router, w_gate, w_up, w_down, grad_out
+
+
+def build_layer(cfg: EPConfig, rank: int, skew: str, dtype=torch.float32):
+    ep = EPGroup(cfg, dtype=dtype)
+    layer = MoELayer(ep)
+    x_all, router, w_gate, w_up, w_down, grad_out = global_weights(cfg, skew)
+    mine = slice(rank * cfg.epn, (rank + 1) * cfg.epn)
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        layer.experts.w_gate.copy_(w_gate[mine])
+        layer.experts.w_up.copy_(w_up[mine])
+        layer.experts.w_down.copy_(w_down[mine])
+    tokens = slice(rank * cfg.S, (rank + 1) * cfg.S)
+    return layer, x_all[tokens].clone(), grad_out[tokens].clone()
+
+
+def forward_backward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...]):
+    """For each skew: this rank's output and every gradient, and the plan it used."""
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    out = {}
+    for skew in skews:
+        layer, x, grad_out = build_layer(cfg, rank, skew)
+        x.requires_grad_()
+        y = layer(x)
+        y.backward(grad_out)
+        out[skew] = dict(y=y.detach(), x=x.grad, router=layer.router.weight.grad, gate=layer.experts.w_gate.grad,
+                         up=layer.experts.w_up.grad, down=layer.experts.w_down.grad, counts=layer.last_counts)
+    return out
+
+
+def _moonep_calls(graph) -> list[str]:
+    """moonep ops called by an FX graph, in order (functionalised calls shown as such)."""
+    calls = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = str(n.target)
+        if "auto_functionalized" in name:
+            calls.append(f"auto_functionalized({n.args[0]})")
+        elif name.startswith("moonep."):
+            calls.append(name)
+    return calls
+
+
+def compile_and_export(rank: int, R: int, cfg_kwargs: dict, steps: int):
+    """torch.compile(fullgraph=True) of forward+loss with backward through AOTAutograd, against eager,
+    over steps with different routings; torch.export of the forward."""
+    from torch._dynamo.utils import counters
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    layer, _, _ = build_layer(cfg, rank, "uniform")
+    xs = [torch.randn(cfg.S, cfg.H, generator=torch.Generator().manual_seed(100 * rank + i)) * (1 + 3 * i)
+          for i in range(steps)]
+
+    def loss_fn(x):
+        y = layer(x)
+        return y, (y * y).sum()
+
+    def step(fn, x):
+        layer.zero_grad()
+        x = x.clone().requires_grad_()
+        y, loss = fn(x)
+        loss.backward()
+        return [y.detach(), x.grad, layer.router.weight.grad, layer.experts.w_gate.grad, layer.experts.w_down.grad]
+
+    out = {}
+    explain = torch._dynamo.explain(loss_fn)(xs[0])
+    out["graph_breaks"] = explain.graph_break_count
+    out["graphs"] = explain.graph_count
+    torch._dynamo.reset()
+    eager = [step(loss_fn, x) for x in xs]
+    out["counts"] = []
+    for x in xs:
+        layer(x)
+        out["counts"].append(layer.last_counts.clone())
+
+    counters.clear()
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    got = [step(compiled, x) for x in xs]
+    out["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max()) for ge, gc in zip(eager, got)
+                              for a, b in zip(ge, gc))
+    out["frames"] = counters["stats"]["unique_graphs"]
+    out["recompiles"] = sum(counters["recompiles"].values())
+
+    # the graphs Inductor runs (forward, then backward), after its post-grad passes
+    torch._dynamo.reset()
+    graphs = []
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda g: graphs.append(_moonep_calls(g))):
+        step(torch.compile(loss_fn, fullgraph=True), xs[0])
+    out["graph_ops"] = dict(zip(("forward", "backward"), graphs))
+
+    exported = torch.export.export(layer, (xs[0],))
+    with torch.no_grad():
+        out["export_diff"] = float((exported.module()(xs[1]) - layer(xs[1])).abs().max())
+    return out

@@ -1,0 +1,166 @@
+"""Single-rank checks of every moonep op: opcheck, values against plain torch, and bad inputs."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import moonep_ops  # noqa: F401  (registers the ops)
+from moonep_ops.config import EPConfig
+
+ops = torch.ops.moonep
+CFG = EPConfig(S=6, H=16, K=3, E=4, F=8, R=1, P=16)
+
+
+def plan_of(ids, group):
+    return ops.plan(ids, CFG.E, CFG.B, CFG.P, CFG.R, group)
+
+
+def ids_fixture():
+    return torch.tensor([[0, 1, 2], [3, 0, 1], [2, 2, 0], [1, 3, 0], [0, 0, 0], [3, 2, 1]])
+
+
+def buffers(dtype=torch.float32):
+    c = CFG
+    return dict(recv_rows=torch.zeros(c.NvS, c.H, dtype=dtype), recv_w=torch.zeros(c.NvS),
+                recv_primary=torch.zeros(c.NvS, dtype=torch.int32), presum=torch.zeros(c.NvS, c.H, dtype=dtype))
+
+
+def op_cases(group):
+    """(op, args) for every op, with consistent real inputs at R=1."""
+    c = CFG
+    ids = ids_fixture()
+    dst_rank, dst_row, primary_row, etc, cu, counts = plan_of(ids, group)
+    x = torch.randn(c.S, c.H)
+    route_w = torch.rand(c.S, c.K)
+    b = buffers()
+    rows, row_w, row_primary = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, b["recv_rows"],
+                                            b["recv_w"], b["recv_primary"], group)
+    w_home, w_slot = torch.randn(c.epn, c.H, c.F), torch.randn(c.B, c.H, c.F)
+    wd_home = torch.randn(c.epn, c.F, c.H)
+    hidden = torch.randn(c.NvS, c.F)
+    pools = [torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.F, c.H)]
+    return {
+        "plan": (ops.plan.default, (ids, c.E, c.B, c.P, c.R, group)),
+        "dispatch": (ops.dispatch.default, (x, route_w, dst_rank, dst_row, primary_row, b["recv_rows"], b["recv_w"],
+                                            b["recv_primary"], group)),
+        "combine": (ops.combine.default, (rows, row_primary, dst_rank, dst_row, primary_row, b["presum"], group)),
+        "gather_row_weights": (ops.gather_row_weights.default, (row_w, dst_rank, dst_row, group)),
+        "group_gemm": (ops.group_gemm.default, (rows, w_home, w_slot, cu)),
+        "group_gemm_dgrad": (ops.group_gemm_dgrad.default, (hidden, w_home, w_slot, cu)),
+        "group_gemm_wgrad": (ops.group_gemm_wgrad.default, (rows, hidden, cu, torch.zeros(c.epn, c.H, c.F),
+                                                            torch.zeros(c.B, c.H, c.F))),
+        "prefetch_weights": (ops.prefetch_weights.default, (w_home, w_home.clone(), wd_home, etc, *pools, group)),
+        "reduce_grad": (ops.reduce_grad.default, (torch.randn(c.B, c.H, c.F), torch.randn(c.B, c.H, c.F),
+                                                  torch.randn(c.B, c.F, c.H), etc, torch.zeros(c.B, c.H, c.F),
+                                                  torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.F, c.H), c.epn, group)),
+    }
+
+
+OPS = ["plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad", "group_gemm_wgrad",
+       "prefetch_weights", "reduce_grad"]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck(gloo1, name):
+    op, args = op_cases(gloo1)[name]
+    opcheck(op, args)
+
+
+def test_dispatch_combine_values(gloo1):
+    """Rows land at their planned rows, duplicates are copied locally, combine sums a token's K rows."""
+    c = CFG
+    ids = ids_fixture()
+    dst_rank, dst_row, primary_row, _, cu, _ = plan_of(ids, gloo1)
+    x = torch.arange(c.S, dtype=torch.float32)[:, None].repeat(1, c.H) + 1  # row s holds s+1
+    route_w = torch.arange(c.S * c.K, dtype=torch.float32).view(c.S, c.K) / 100
+    b = buffers()
+    rows, row_w, row_primary = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, b["recv_rows"], b["recv_w"],
+                                            b["recv_primary"], gloo1)
+    assert torch.equal(rows, b["recv_rows"]) and rows.data_ptr() != b["recv_rows"].data_ptr()
+    for s in range(c.S):
+        for k in range(c.K):
+            r = int(dst_row[s, k])
+            assert torch.equal(rows[r], x[s]) and row_w[r] == route_w[s, k] and row_primary[r] == primary_row[s, k]
+    padding = row_primary < 0
+    assert int((~padding).sum()) == c.S * c.K and not rows[padding].any() and not row_w[padding].any()
+    # on one rank all K rows of a token share a destination: exactly one carries it
+    assert int((dst_row == primary_row).sum()) == c.S
+    scale = torch.arange(c.NvS, dtype=torch.float32)[:, None]
+    out = ops.combine(rows * scale, row_primary, dst_rank, dst_row, primary_row, b["presum"], gloo1)
+    want = torch.stack([sum(x[s] * int(dst_row[s, k]) for k in range(c.K)) for s in range(c.S)])
+    assert torch.equal(out, want)
+    assert torch.equal(ops.gather_row_weights(row_w, dst_rank, dst_row, gloo1), route_w)
+
+
+def test_group_gemm_values():
+    epn, B, Kd, Nd, P = 2, 2, 16, 8, 16
+    cu = torch.tensor([16, 16, 48, 64], dtype=torch.int32)  # group 1 empty, group 2 two tiles, rows 64.. padding
+    x = torch.randn(80, Kd)
+    w_home, w_slot = torch.randn(epn, Kd, Nd), torch.randn(B, Kd, Nd)
+    y = ops.group_gemm(x, w_home, w_slot, cu)
+    torch.testing.assert_close(y[:16], x[:16] @ w_home[0])
+    torch.testing.assert_close(y[16:48], x[16:48] @ w_slot[0])
+    torch.testing.assert_close(y[48:64], x[48:64] @ w_slot[1])
+    assert not y[64:].any()
+    dy = torch.randn(80, Nd)
+    dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu)
+    torch.testing.assert_close(dx[16:48], dy[16:48] @ w_slot[0].t())
+    assert not dx[64:].any()
+    dw_home, dw_slot = torch.ones(epn, Kd, Nd), torch.ones(B, Kd, Nd)
+    ops.group_gemm_wgrad(x, dy, cu, dw_home, dw_slot)  # accumulates onto existing content
+    torch.testing.assert_close(dw_home[0], 1 + x[:16].t() @ dy[:16])
+    torch.testing.assert_close(dw_home[1], torch.ones(Kd, Nd))
+    torch.testing.assert_close(dw_slot[1], 1 + x[48:64].t() @ dy[48:64])
+
+
+# ------------------------------------------------------------------------------------- bad inputs
+def bad_variants(t):
+    """(what, replacement) for a tensor argument: wrong dtype, wrong shape, non-contiguous, wrong device."""
+    wrong_dtype = t.to(torch.float64) if t.dtype != torch.float64 else t.to(torch.float32)
+    yield "dtype", wrong_dtype
+    yield "shape", t.unsqueeze(-1)
+    if t.dim() >= 2 and t.shape[0] > 1 and t.shape[1] > 1:
+        yield "contiguous", t.transpose(0, 1).contiguous().transpose(0, 1)
+    yield "device", t.to("meta")
+
+
+def all_bad_cases(group):
+    for name, (op, args) in op_cases(group).items():
+        schema = op._schema
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.numel() > 0:
+                for what, bad in bad_variants(a):
+                    if what == "device" and i == 0:
+                        continue  # the first tensor sets the device the others are checked against
+                    yield name, schema.arguments[i].name, what, op, args[:i] + (bad,) + args[i + 1:]
+
+
+def test_bad_inputs_name_the_argument(gloo1):
+    checked = 0
+    for name, arg, what, op, args in all_bad_cases(gloo1):
+        with pytest.raises((ValueError, TypeError)) as info:
+            op(*args)
+        assert f"moonep.{name}: {arg}" in str(info.value), (name, arg, what, str(info.value))
+        checked += 1
+    assert checked > 80
+
+
+def test_expert_id_out_of_range(gloo1):
+    ids = ids_fixture()
+    ids[2, 1] = CFG.E
+    with pytest.raises(ValueError, match=r"moonep.plan: topk_ids\[2, 1\] = 4 is outside \[0, E=4\)"):
+        plan_of(ids, gloo1)
+    ids[2, 1] = -1
+    with pytest.raises(ValueError, match=r"topk_ids\[2, 1\] = -1 is outside"):
+        plan_of(ids, gloo1)
+
+
+def test_int32_and_int64_ids_agree(gloo1):
+    a = plan_of(ids_fixture(), gloo1)
+    b = plan_of(ids_fixture().int(), gloo1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_plan_rejects_wrong_R(gloo1):
+    with pytest.raises(ValueError, match=r"moonep.plan: R=2 but process group"):
+        ops.plan(torch.zeros(4, 1, dtype=torch.long), 4, 2, 16, 2, gloo1)

@@ -1,0 +1,214 @@
+"""The planning core: invariants on many routings, an independent oracle, and a golden plan."""
+
+import itertools
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+from benchmarks.routing_gen import counts_of, sample_topk
+from moonep_ops.config import EPConfig
+from moonep_ops.planning import maxvio, plan_global, plan_tokens
+
+
+# ----------------------------------------------------------------------------- independent oracles
+def oracle_greedy(counts, S, K):
+    """DESIGN.md's reference policy written as plainly as possible: lists of ints, no torch."""
+    R, E = counts.shape
+    epn, T = E // R, S * K
+    tot = [int(v) for v in counts.sum(0)]
+    load = [sum(tot[r * epn:(r + 1) * epn]) for r in range(R)]
+    alloc = [[0] * R for _ in range(E)]
+    for e in range(E):
+        alloc[e][e // epn] = tot[e]
+    while max(load) > T:
+        g = load.index(max(load))
+        d = load.index(min(load))
+        amt = T - load[d]
+        load[g] -= amt
+        load[d] += amt
+        hot = sorted(range(g * epn, (g + 1) * epn), key=lambda e: (-tot[e], e))
+        for e in hot:  # take from the hottest expert that still has rows at home
+            take = min(amt, alloc[e][g])
+            alloc[e][g] -= take
+            alloc[e][d] += take
+            amt -= take
+            if amt == 0:
+                break
+    return alloc
+
+
+def oracle_rows(ids_per_rank, alloc, experts_to_copy, cu_seqlens, E):
+    """(rank, row) of every (r, s, k) by walking each expert's global token sequence."""
+    R = len(ids_per_rank)
+    epn = E // R
+    seqs = {e: [] for e in range(E)}  # expert -> its rows ordered by (source rank, s*K + k)
+    for r in range(R):
+        for s, k in itertools.product(*map(range, ids_per_rank[r].shape)):
+            seqs[int(ids_per_rank[r][s, k])].append((r, s, k))
+    out = {}
+    for e, seq in seqs.items():
+        i = 0
+        for d in range(R):
+            if e // epn == d:
+                g = e - d * epn
+            elif alloc[e][d]:
+                g = epn + [int(v) for v in experts_to_copy[d]].index(e)
+            start = 0 if g == 0 else int(cu_seqlens[d, g - 1])
+            for j in range(alloc[e][d]):
+                out[seq[i]] = (d, start + j)
+                i += 1
+        assert i == len(seq)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- routings
+def routings():
+    """>= 200 (name, R, S, K, E, ids per rank)."""
+    g = torch.Generator().manual_seed(1234)
+    cases = []
+    for R, E, S, K in [(1, 8, 16, 2), (2, 8, 16, 2), (2, 96, 64, 8), (4, 16, 32, 4), (8, 64, 32, 8), (8, 384, 64, 8)]:
+        for sigma in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0):
+            for seed in range(5):
+                cases.append((f"lognormal{sigma}", R, S, K, E, sample_topk(R, S, E, K, sigma, seed * 31 + R)))
+    for R, E, S, K in [(2, 8, 16, 1), (4, 16, 8, 1), (8, 8, 4, 1), (8, 64, 16, 1)]:
+        cases.append(("all-to-expert-0", R, S, K, E, [torch.zeros(S, K, dtype=torch.long)] * R))
+        cases.append(("all-to-last-expert", R, S, K, E, [torch.full((S, K), E - 1)] * R))
+    for R, E, S, K in [(2, 8, 16, 2), (4, 16, 8, 4), (8, 64, 16, 8), (2, 512, 16, 8)]:
+        epn = E // R
+        for home in (0, R - 1):
+            ids = [torch.randint(home * epn, (home + 1) * epn, (S, K), generator=g) for _ in range(R)]
+            cases.append((f"all-to-rank-{home}", R, S, K, E, ids))
+    for R, E, S, K in [(2, 8, 16, 4), (4, 16, 8, 8), (8, 32, 16, 4)]:
+        for seed in range(3):  # duplicate experts inside a token's top-k (ids drawn with replacement)
+            cases.append(("duplicates", R, S, K, E, [torch.randint(0, min(E, 3), (S, K), generator=g) for _ in range(R)]))
+    for R, E in [(1, 1), (2, 2), (4, 4), (8, 8), (8, 16)]:
+        cases.append(("S=1", R, 1, 1, E, [torch.randint(0, E, (1, 1), generator=g) for _ in range(R)]))
+        cases.append(("E=R", R, 8, 1, E, sample_topk(R, 8, E, 1, 3.0, R)))
+    for R, E in [(2, 512), (4, 1024)]:  # large epn
+        cases.append(("large-epn", R, 32, 8, E, sample_topk(R, 32, E, 8, 2.0, R)))
+    return cases
+
+
+CASES = routings()
+
+
+def test_enough_routings():
+    assert len(CASES) >= 200
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("P", [16])
+def test_plan_invariants(case, P):
+    name, R, S, K, E, ids = CASES[case]
+    cfg = EPConfig(S=S, H=8, K=K, E=E, F=8, R=R, P=P)
+    epn, B, T = cfg.epn, cfg.B, S * K
+    counts = counts_of(ids, E)
+    gp = plan_global(counts, S, K, B, P)
+    alloc = gp.alloc.long()
+    # conservation and exact balance
+    assert torch.equal(alloc.sum(1), counts.long().sum(0))
+    assert torch.equal(alloc.sum(0), torch.full((R,), T))
+    # the reference policy, from an independent implementation
+    assert alloc.tolist() == oracle_greedy(counts, S, K)
+    # slots: ascending copied experts, -1 after; remote rows only for slot experts; <= B per rank
+    home = torch.arange(E) // epn
+    for d in range(R):
+        slots = [int(v) for v in gp.experts_to_copy[d]]
+        used = [v for v in slots if v >= 0]
+        assert slots == used + [-1] * (B - len(used)) and used == sorted(used)
+        foreign = [e for e in range(E) if alloc[e, d] > 0 and home[e] != d]
+        assert foreign == used
+    # groups: home experts then slots, padded to P, within NvS
+    cu = gp.cu_seqlens.long()
+    lens = torch.diff(torch.cat([torch.zeros(R, 1, dtype=torch.long), cu], 1), dim=1)
+    assert bool((lens >= 0).all()) and bool((cu % P == 0).all()) and bool((cu[:, -1] <= cfg.NvS).all())
+    for d in range(R):
+        want = [alloc[d * epn + i, d] for i in range(epn)] + [alloc[e, d] if e >= 0 else 0 for e in gp.experts_to_copy[d]]
+        assert lens[d].tolist() == [(int(n) + P - 1) // P * P for n in want]
+    # token destinations: oracle walk, every rank exactly T distinct rows inside its groups
+    tps = [plan_tokens(ids[r], counts, gp, r) for r in range(R)]
+    want_rows = oracle_rows(ids, alloc.tolist(), gp.experts_to_copy, gp.cu_seqlens, E)
+    for r, tp in enumerate(tps):
+        got = {(r, s, k): (int(tp.dst_rank[s, k]), int(tp.dst_row[s, k])) for s in range(S) for k in range(K)}
+        assert got == {key: v for key, v in want_rows.items() if key[0] == r}
+        for s in range(S):  # the first k of each destination rank carries the token
+            for k in range(K):
+                first = next(j for j in range(K) if tp.dst_rank[s, j] == tp.dst_rank[s, k])
+                assert tp.primary_row[s, k] == tp.dst_row[s, first]
+    for d in range(R):
+        rows = torch.cat([tp.dst_row[tp.dst_rank == d] for tp in tps])
+        assert rows.numel() == T and rows.unique().numel() == T
+    # deterministic
+    again = plan_global(counts.clone(), S, K, B, P)
+    assert all(torch.equal(a, b) for a, b in zip(gp, again))
+
+
+def test_receivers_take_one_home_group():
+    """Why B = epn always suffices: each rank's copies come from a single home group."""
+    for name, R, S, K, E, ids in CASES:
+        gp = plan_global(counts_of(ids, E), S, K, E // R, 16)
+        for d in range(R):
+            used = gp.experts_to_copy[d][gp.experts_to_copy[d] >= 0]
+            assert (used // (E // R)).unique().numel() <= 1, name
+
+
+def test_too_few_slots_is_an_error():
+    # rank 0's experts 0-3 hold 3 rows each: rank 1 must take 4 rows, 3 of one expert and 1 of another
+    ids = [torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])[:, None], torch.tensor([2, 3, 3, 3, 4, 5, 6, 7])[:, None]]
+    with pytest.raises(ValueError, match=r"B=1 copy slots per rank are not enough .* rank 1 needs 2"):
+        plan_global(counts_of(ids, 8), 8, 1, 1, 16)
+    assert plan_global(counts_of(ids, 8), 8, 1, 2, 16).n_copies == 2
+
+
+def test_counts_must_match_S_times_K():
+    with pytest.raises(ValueError, match=r"every rank routes exactly S\*K=16 rows"):
+        plan_global(torch.tensor([[8, 0], [4, 4]], dtype=torch.int32), 8, 2, 1, 16)
+
+
+def format_plan(ids, E, S, K, P):
+    R = len(ids)
+    counts = counts_of(ids, E)
+    gp = plan_global(counts, S, K, E // R, P)
+    lines = [f"R={R} E={E} S={S} K={K} P={P} maxvio={maxvio(counts):.2f} copies={gp.n_copies}",
+             "expert: " + " ".join(f"{e:>3}" for e in range(E)),
+             *(f"cnt r{r}: " + " ".join(f"{int(v):>3}" for v in counts[r]) for r in range(R)),
+             *(f"alloc{d}: " + " ".join(f"{int(v):>3}" for v in gp.alloc[:, d]) for d in range(R)),
+             *(f"rank {d}: slots={gp.experts_to_copy[d].tolist()} cu_seqlens={gp.cu_seqlens[d].tolist()}"
+               for d in range(R))]
+    for r in range(R):
+        tp = plan_tokens(ids[r], counts, gp, r)
+        lines.append(f"tokens of rank {r} (expert->rank:row, * = local copy):")
+        for s in range(S):
+            cells = [f"{int(ids[r][s, k])}->{int(tp.dst_rank[s, k])}:{int(tp.dst_row[s, k])}"
+                     + ("*" if tp.dst_row[s, k] != tp.primary_row[s, k] else "") for k in range(K)]
+            lines.append(f"  s{s}: " + " ".join(f"{c:<10}" for c in cells).rstrip())
+    return "\n".join(lines)
+
+
+def test_golden_plan():
+    ids = [torch.tensor([[0, 1], [0, 2], [1, 0], [0, 3], [2, 0], [0, 1]]),
+           torch.tensor([[0, 5], [1, 0], [0, 4], [6, 0], [0, 1], [7, 2]])]
+    assert_expected_inline(format_plan(ids, E=8, S=6, K=2, P=16), """\
+R=2 E=8 S=6 K=2 P=16 maxvio=2.67 copies=1
+expert:   0   1   2   3   4   5   6   7
+cnt r0:   6   3   2   1   0   0   0   0
+cnt r1:   5   2   1   0   1   1   1   1
+alloc0:   3   5   3   1   0   0   0   0
+alloc1:   8   0   0   0   1   1   1   1
+rank 0: slots=[-1, -1, -1, -1] cu_seqlens=[16, 32, 48, 64, 64, 64, 64, 64]
+rank 1: slots=[0, -1, -1, -1] cu_seqlens=[16, 32, 48, 64, 80, 80, 80, 80]
+tokens of rank 0 (expert->rank:row, * = local copy):
+  s0: 0->0:0     1->0:16*
+  s1: 0->0:1     2->0:32*
+  s2: 1->0:17    0->0:2*
+  s3: 0->1:64    3->0:48
+  s4: 2->0:33    0->1:65
+  s5: 0->1:66    1->0:18
+tokens of rank 1 (expert->rank:row, * = local copy):
+  s0: 0->1:67    5->1:16*
+  s1: 1->0:19    0->1:68
+  s2: 0->1:69    4->1:0*
+  s3: 6->1:32    0->1:70*
+  s4: 0->1:71    1->0:20
+  s5: 7->1:48    2->0:34""")
