@@ -5,6 +5,12 @@ import torch
 from .checks import ROW_DTYPES, check_tensor
 
 
+def check_pad(op: str, P: int) -> None:
+    if P < 16 or P & (P - 1):
+        raise ValueError(f"moonep.{op}: P must be a power of two >= 16 (every group length is a multiple "
+                         f"of P), got P={P}")
+
+
 def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device) -> tuple[int, int]:
     check_tensor(op, "w_home", w_home, (dtype,), (None, None, None), device)
     epn, Kd, Nd = w_home.shape
@@ -13,34 +19,37 @@ def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device) -> tuple[i
     return Kd, Nd
 
 
-def check_group_gemm_args(x, w_home, w_slot, cu_seqlens) -> int:
+def check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P) -> int:
     check_tensor("group_gemm", "x", x, ROW_DTYPES, (None, None))
+    check_pad("group_gemm", P)
     Kd, Nd = check_weights("group_gemm", w_home, w_slot, cu_seqlens, x.dtype, x.device)
     if x.shape[1] != Kd:
         raise ValueError(f"moonep.group_gemm: x has {x.shape[1]} columns but w_home rows are {Kd} long")
     return Nd
 
 
-def group_gemm(x, w_home, w_slot, cu_seqlens):
-    Nd = check_group_gemm_args(x, w_home, w_slot, cu_seqlens)
+def group_gemm(x, w_home, w_slot, cu_seqlens, P: int):
+    Nd = check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
     return x.new_empty((x.shape[0], Nd))
 
 
-def check_dgrad_args(dy, w_home, w_slot, cu_seqlens) -> int:
+def check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P) -> int:
     check_tensor("group_gemm_dgrad", "dy", dy, ROW_DTYPES, (None, None))
+    check_pad("group_gemm_dgrad", P)
     Kd, Nd = check_weights("group_gemm_dgrad", w_home, w_slot, cu_seqlens, dy.dtype, dy.device)
     if dy.shape[1] != Nd:
         raise ValueError(f"moonep.group_gemm_dgrad: dy has {dy.shape[1]} columns but the weights have {Nd}")
     return Kd
 
 
-def group_gemm_dgrad(dy, w_home, w_slot, cu_seqlens):
-    Kd = check_dgrad_args(dy, w_home, w_slot, cu_seqlens)
+def group_gemm_dgrad(dy, w_home, w_slot, cu_seqlens, P: int):
+    Kd = check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
     return dy.new_empty((dy.shape[0], Kd))
 
 
-def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot) -> None:
+def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P) -> None:
     check_tensor("group_gemm_wgrad", "x", x, ROW_DTYPES, (None, None))
+    check_pad("group_gemm_wgrad", P)
     N, Kd = x.shape
     check_tensor("group_gemm_wgrad", "dy", dy, (x.dtype,), (N, None), x.device)
     Nd = dy.shape[1]
@@ -50,5 +59,5 @@ def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot) -> None:
     check_tensor("group_gemm_wgrad", "cu_seqlens", cu_seqlens, (torch.int32,), (G,), x.device)
 
 
-def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot) -> None:
-    check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot)
+def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, P: int) -> None:
+    check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)

@@ -20,8 +20,9 @@ Tensor = torch.Tensor
 
 # ---------------------------------------------------------------------------------------- group_gemm
 def _gemm_setup(ctx, inputs, output):
-    x, w_home, w_slot, cu_seqlens = inputs
+    x, w_home, w_slot, cu_seqlens, P = inputs
     ctx.save_for_backward(x, w_home, w_slot, cu_seqlens)
+    ctx.P = P
 
 
 def _gemm_backward(ctx, dy):
@@ -29,13 +30,13 @@ def _gemm_backward(ctx, dy):
     dy = dy.contiguous()
     dx = dw_home = dw_slot = None
     if ctx.needs_input_grad[0]:
-        dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu_seqlens)
+        dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu_seqlens, ctx.P)
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         dw_home = w_home.new_zeros(w_home.shape, dtype=torch.float32)
         dw_slot = w_slot.new_zeros(w_slot.shape, dtype=torch.float32)
-        ops.group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot)
+        ops.group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, ctx.P)
         dw_home, dw_slot = dw_home.to(w_home.dtype), dw_slot.to(w_slot.dtype)
-    return dx, dw_home, dw_slot, None
+    return dx, dw_home, dw_slot, None, None
 
 
 ops.group_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)

@@ -66,3 +66,13 @@ class EPGroup:
         for name in ("recv_rows", "recv_w", "recv_primary", "presum", "pool_gate", "pool_up", "pool_down",
                      "reduce_gate", "reduce_up", "reduce_down"):
             setattr(self, name, None)
+
+
+MOONEP_OPS = ("plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad",
+              "group_gemm_wgrad", "prefetch_weights", "reduce_grad")
+
+
+def cuda_kernels_available() -> bool:
+    """True once every moonep op has a CUDA implementation registered (the GPU path of the demo)."""
+    from . import ops  # noqa: F401  (defines the ops)
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"moonep::{op}", "CUDA") for op in MOONEP_OPS)

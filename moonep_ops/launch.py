@@ -1,4 +1,7 @@
-"""Run a function on R CPU processes joined in a gloo process group (tests, demo, CPU benchmarks)."""
+"""Run a function on R local processes joined in one process group (tests, demo).
+
+gloo on the CPU; NCCL with one GPU per rank.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +15,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, workdir: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, workdir: str, backend: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)  # R processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` processes; returns every rank's result, by rank.
 
     `fn` must be importable (a module-level function); results travel through torch.save.
     """
     with tempfile.TemporaryDirectory() as workdir:
-        mp.spawn(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, workdir, backend, fn, args), nprocs=world_size, join=True)
         return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]

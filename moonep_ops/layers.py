@@ -39,10 +39,11 @@ class MoEExperts(nn.Module):
         """rows [NvS, H] grouped by cu_seqlens (home experts, then slots) -> weighted outputs [NvS, H]."""
         slot_gate, slot_up, slot_down = autograd.slot_weights(self.ep, self.w_gate, self.w_up, self.w_down,
                                                               experts_to_copy)
-        gate = ops.group_gemm(rows, self.w_gate, slot_gate, cu_seqlens)
-        up = ops.group_gemm(rows, self.w_up, slot_up, cu_seqlens)
+        P = self.ep.cfg.P
+        gate = ops.group_gemm(rows, self.w_gate, slot_gate, cu_seqlens, P)
+        up = ops.group_gemm(rows, self.w_up, slot_up, cu_seqlens, P)
         hidden = (F.silu(gate.float()) * up.float()).to(rows.dtype)
-        out = ops.group_gemm(hidden, self.w_down, slot_down, cu_seqlens)
+        out = ops.group_gemm(hidden, self.w_down, slot_down, cu_seqlens, P)
         return (out.float() * row_w[:, None]).to(rows.dtype)
 
 

@@ -129,11 +129,14 @@ gather_row_weights.register_fake(meta.gather_row_weights.gather_row_weights)
 
 
 # ---------------------------------------------------------------------------------------- group_gemm
-def _group_bounds(cu_seqlens: Tensor) -> list[tuple[int, int, int]]:
+def _group_bounds(op: str, cu_seqlens: Tensor, n_rows: int, P: int) -> list[tuple[int, int, int]]:
+    """(group, first row, end row) of every non-empty group, after checking cu_seqlens."""
     ends = cu_seqlens.tolist()
     starts = [0] + ends[:-1]
-    if any(e < s for s, e in zip(starts, ends)):
-        raise ValueError(f"moonep.group_gemm: cu_seqlens must be non-decreasing, got {ends}")
+    if any(e < s for s, e in zip(starts, ends)) or any(e % P for e in ends):
+        raise ValueError(f"moonep.{op}: cu_seqlens must be non-decreasing multiples of P={P}, got {ends}")
+    if ends and ends[-1] > n_rows:
+        raise ValueError(f"moonep.{op}: cu_seqlens ends at {ends[-1]} but there are only {n_rows} rows")
     return [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
 
 
@@ -141,19 +144,13 @@ def _weight(w_home: Tensor, w_slot: Tensor, g: int) -> Tensor:
     return w_home[g] if g < w_home.shape[0] else w_slot[g - w_home.shape[0]]
 
 
-def _check_rows_fit(op: str, n_rows: int, cu_seqlens: Tensor) -> None:
-    if cu_seqlens.numel() and int(cu_seqlens[-1]) > n_rows:
-        raise ValueError(f"moonep.{op}: cu_seqlens ends at {int(cu_seqlens[-1])} but there are only {n_rows} rows")
-
-
 @custom_op("moonep::group_gemm", mutates_args=(), device_types="cpu")
-def group_gemm(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor) -> Tensor:
+def group_gemm(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
     """y[rows of group g] = x[rows of g] @ W_g, W_g = w_home[g] (g < epn) else w_slot[g - epn]; fp32
-    accumulation; rows past the last group are zero."""
-    meta.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens)
-    _check_rows_fit("group_gemm", x.shape[0], cu_seqlens)
+    accumulation; every group length is a multiple of P; rows past the last group are zero."""
+    meta.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
     y = x.new_zeros((x.shape[0], w_home.shape[2]))
-    for g, s, e in _group_bounds(cu_seqlens):
+    for g, s, e in _group_bounds("group_gemm", cu_seqlens, x.shape[0], P):
         y[s:e] = (x[s:e].float() @ _weight(w_home, w_slot, g).float()).to(x.dtype)
     return y
 
@@ -161,13 +158,20 @@ def group_gemm(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor) ->
 group_gemm.register_fake(meta.group_gemm.group_gemm)
 
 
+@group_gemm.register_kernel("cuda")
+def _group_gemm_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
+    meta.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
+    from csrc_cute.group_gemm import group_gemm_fwd  # CuTe DSL loads on first CUDA use only
+
+    return group_gemm_fwd(x, w_home, w_slot, cu_seqlens, pad=P)
+
+
 @custom_op("moonep::group_gemm_dgrad", mutates_args=(), device_types="cpu")
-def group_gemm_dgrad(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor) -> Tensor:
+def group_gemm_dgrad(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
     """dx[rows of g] = dy[rows of g] @ W_g^T; rows past the last group are zero."""
-    meta.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens)
-    _check_rows_fit("group_gemm_dgrad", dy.shape[0], cu_seqlens)
+    meta.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
     dx = dy.new_zeros((dy.shape[0], w_home.shape[1]))
-    for g, s, e in _group_bounds(cu_seqlens):
+    for g, s, e in _group_bounds("group_gemm_dgrad", cu_seqlens, dy.shape[0], P):
         dx[s:e] = (dy[s:e].float() @ _weight(w_home, w_slot, g).float().t()).to(dy.dtype)
     return dx
 
@@ -176,11 +180,10 @@ group_gemm_dgrad.register_fake(meta.group_gemm.group_gemm_dgrad)
 
 
 @custom_op("moonep::group_gemm_wgrad", mutates_args=("dw_home", "dw_slot"), device_types="cpu")
-def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor) -> None:
+def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor, P: int) -> None:
     """dW_g += x[rows of g]^T @ dy[rows of g] in fp32: home groups into dw_home, slots into dw_slot."""
-    meta.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot)
-    _check_rows_fit("group_gemm_wgrad", x.shape[0], cu_seqlens)
-    for g, s, e in _group_bounds(cu_seqlens):
+    meta.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
+    for g, s, e in _group_bounds("group_gemm_wgrad", cu_seqlens, x.shape[0], P):
         _weight(dw_home, dw_slot, g).add_(x[s:e].float().t() @ dy[s:e].float())
 
 

@@ -6,14 +6,14 @@ import torch
 from expecttest import assert_expected_inline
 
 import ep_workers
-from moonep_ops.launch import run_gloo
+from moonep_ops.launch import run_ranks
 
 SHAPE = dict(S=16, H=16, K=2, F=8, P=16)
 
 
 @pytest.fixture(scope="module")
 def compiled_r2():
-    return run_gloo(ep_workers.compile_and_export, 2, dict(SHAPE, E=8), 5)
+    return run_ranks(ep_workers.compile_and_export, 2, dict(SHAPE, E=8), 5)
 
 
 def test_fullgraph_no_breaks_no_recompiles(compiled_r2):

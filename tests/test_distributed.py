@@ -5,7 +5,7 @@ import torch
 
 import ep_workers
 from moonep_ops import EPConfig, dense_moe
-from moonep_ops.launch import run_gloo
+from moonep_ops.launch import run_ranks
 from moonep_ops.planning import maxvio, rank_imbalance
 
 SHAPE = dict(S=12, H=16, K=3, F=8, P=16)
@@ -23,7 +23,7 @@ def dense_reference(cfg, skew):
 def test_moe_layer_matches_dense(R):
     cfg_kwargs = dict(SHAPE, E=4 * R)
     cfg = EPConfig(R=R, **cfg_kwargs)
-    res = run_gloo(ep_workers.forward_backward, R, cfg_kwargs, ("uniform", "extreme"))
+    res = run_ranks(ep_workers.forward_backward, R, cfg_kwargs, ("uniform", "extreme"))
     for skew in ("uniform", "extreme"):
         y_ref, (gx, grouter, ggate, gup, gdown) = dense_reference(cfg, skew)
         per = [r[skew] for r in res]
@@ -42,8 +42,8 @@ def test_moe_layer_matches_dense(R):
 
 def test_two_runs_bitwise_identical():
     cfg_kwargs = dict(SHAPE, E=8)
-    a = run_gloo(ep_workers.forward_backward, 2, cfg_kwargs, ("extreme",))
-    b = run_gloo(ep_workers.forward_backward, 2, cfg_kwargs, ("extreme",))
+    a = run_ranks(ep_workers.forward_backward, 2, cfg_kwargs, ("extreme",))
+    b = run_ranks(ep_workers.forward_backward, 2, cfg_kwargs, ("extreme",))
     for ra, rb in zip(a, b):
         for key, t in ra["extreme"].items():
             assert torch.equal(t, rb["extreme"][key]), key

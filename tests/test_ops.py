@@ -45,10 +45,10 @@ def op_cases(group):
                                             b["recv_primary"], group)),
         "combine": (ops.combine.default, (rows, row_primary, dst_rank, dst_row, primary_row, b["presum"], group)),
         "gather_row_weights": (ops.gather_row_weights.default, (row_w, dst_rank, dst_row, group)),
-        "group_gemm": (ops.group_gemm.default, (rows, w_home, w_slot, cu)),
-        "group_gemm_dgrad": (ops.group_gemm_dgrad.default, (hidden, w_home, w_slot, cu)),
+        "group_gemm": (ops.group_gemm.default, (rows, w_home, w_slot, cu, c.P)),
+        "group_gemm_dgrad": (ops.group_gemm_dgrad.default, (hidden, w_home, w_slot, cu, c.P)),
         "group_gemm_wgrad": (ops.group_gemm_wgrad.default, (rows, hidden, cu, torch.zeros(c.epn, c.H, c.F),
-                                                            torch.zeros(c.B, c.H, c.F))),
+                                                            torch.zeros(c.B, c.H, c.F), c.P)),
         "prefetch_weights": (ops.prefetch_weights.default, (w_home, w_home.clone(), wd_home, etc, *pools, group)),
         "reduce_grad": (ops.reduce_grad.default, (torch.randn(c.B, c.H, c.F), torch.randn(c.B, c.H, c.F),
                                                   torch.randn(c.B, c.F, c.H), etc, torch.zeros(c.B, c.H, c.F),
@@ -97,17 +97,17 @@ def test_group_gemm_values():
     cu = torch.tensor([16, 16, 48, 64], dtype=torch.int32)  # group 1 empty, group 2 two tiles, rows 64.. padding
     x = torch.randn(80, Kd)
     w_home, w_slot = torch.randn(epn, Kd, Nd), torch.randn(B, Kd, Nd)
-    y = ops.group_gemm(x, w_home, w_slot, cu)
+    y = ops.group_gemm(x, w_home, w_slot, cu, P)
     torch.testing.assert_close(y[:16], x[:16] @ w_home[0])
     torch.testing.assert_close(y[16:48], x[16:48] @ w_slot[0])
     torch.testing.assert_close(y[48:64], x[48:64] @ w_slot[1])
     assert not y[64:].any()
     dy = torch.randn(80, Nd)
-    dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu)
+    dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu, P)
     torch.testing.assert_close(dx[16:48], dy[16:48] @ w_slot[0].t())
     assert not dx[64:].any()
     dw_home, dw_slot = torch.ones(epn, Kd, Nd), torch.ones(B, Kd, Nd)
-    ops.group_gemm_wgrad(x, dy, cu, dw_home, dw_slot)  # accumulates onto existing content
+    ops.group_gemm_wgrad(x, dy, cu, dw_home, dw_slot, P)  # accumulates onto existing content
     torch.testing.assert_close(dw_home[0], 1 + x[:16].t() @ dy[:16])
     torch.testing.assert_close(dw_home[1], torch.ones(Kd, Nd))
     torch.testing.assert_close(dw_slot[1], 1 + x[48:64].t() @ dy[48:64])
@@ -153,6 +153,18 @@ def test_expert_id_out_of_range(gloo1):
     ids[2, 1] = -1
     with pytest.raises(ValueError, match=r"topk_ids\[2, 1\] = -1 is outside"):
         plan_of(ids, gloo1)
+
+
+def test_group_gemm_rejects_bad_groups():
+    x, w = torch.randn(64, 8), torch.randn(2, 8, 8)
+    with pytest.raises(ValueError, match=r"moonep.group_gemm: cu_seqlens must be non-decreasing multiples of P=16"):
+        ops.group_gemm(x, w, w, torch.tensor([16, 8, 32, 32], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match=r"multiples of P=16, got \[16, 24"):
+        ops.group_gemm(x, w, w, torch.tensor([16, 24, 32, 32], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match=r"cu_seqlens ends at 80 but there are only 64 rows"):
+        ops.group_gemm(x, w, w, torch.tensor([16, 32, 48, 80], dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match=r"moonep.group_gemm: P must be a power of two >= 16"):
+        ops.group_gemm(x, w, w, torch.tensor([16, 32, 48, 64], dtype=torch.int32), 24)
 
 
 def test_int32_and_int64_ids_agree(gloo1):

@@ -1,0 +1,19 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates .venv if it is missing.
+# The venv sees the system's packages, so a machine that already has torch (the GPU machine's CUDA
+# build) keeps it; a machine without torch gets the CPU wheel pinned below, never a CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+CPU_TORCH ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q $(CPU_TORCH)
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: demo test
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m moonep_ops.demo
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
