@@ -10,13 +10,23 @@ from __future__ import annotations
 import torch
 
 
-def sample_topk(R: int, S: int, E: int, K: int, sigma: float, seed: int = 0) -> list[torch.Tensor]:
-    """Top-k expert ids [S, K] (int64) of each of the R ranks."""
+def sample_topk(R: int, S: int, E: int, K: int, sigma: float, seed: int = 0, device: str = "cpu",
+                replacement: bool = False) -> list[torch.Tensor]:
+    """Top-k expert ids [S, K] (int64, on `device`) of each of the R ranks.
+
+    Without replacement (what a router's top-k gives): Gumbel top-k. With replacement (a token may
+    name an expert twice; K may exceed E): K independent draws.
+    """
     g = torch.Generator().manual_seed(seed)
-    log_pop = torch.randn(E, generator=g, dtype=torch.float64) * sigma
+    log_pop = (torch.randn(E, generator=g, dtype=torch.float64) * sigma).to(device)
+    gd = torch.Generator(device=device).manual_seed(seed + 1)
     out = []
     for _ in range(R):
-        u = torch.rand(S, E, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        if replacement:
+            probs = torch.softmax(log_pop, 0).expand(S, E).contiguous()  # multinomial misreads expanded rows
+            out.append(torch.multinomial(probs, K, replacement=True, generator=gd))
+            continue
+        u = torch.rand(S, E, generator=gd, dtype=torch.float64, device=device).clamp_(1e-12, 1 - 1e-12)
         gumbel = -torch.log(-torch.log(u))
         out.append(torch.topk(log_pop + gumbel, K, dim=1).indices)
     return out

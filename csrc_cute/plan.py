@@ -1,0 +1,960 @@
+"""The balanced EP planner as CuTe DSL CUDA kernels (simulation form: all R count rows on one GPU).
+
+Bit-exact GPU counterpart of `moonep_ops/planning.py` (`plan_global`, `plan_tokens`). Nothing here
+synchronises with the host: problems found on the device (bad expert ids, too few copy slots,
+inconsistent counts) set bits of an int32 status word instead of raising.
+
+Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once per static shape):
+  count        topk_ids [Rb, S*K] -> counts [Rb, E]      smem histogram per CTA, warp-aggregated
+                                                          (match.any) atomics, then global atomics
+                                                          (integer sums: deterministic).
+  plan_global  counts [R, E] -> workspace [tot[E], pre[E], rfrom, rstart, ramt, otot [R each]]
+               one CTA: totals and row sums in one pass, per-rank loads, the greedy rank loop in
+               warp 0 (loads in registers, redux.sync max/min + ballot: ties to the lowest rank, at
+               most R-1 steps), and pre[e] = rows ranked before e in its donor's hottest-first order
+               (found by counting, so the "sort" is exact and deterministic).
+  plan_expand  workspace -> alloc [E, R], experts_to_copy [R, B], cu_seqlens [R, epn+B]
+               CTA d: rows of home group d (the cuts are interval overlaps of [pre, pre+tot) with
+               [rstart, rstart+ramt)); warp 0: rank d's slots (ballot + popc, ascending expert id)
+               and padded cu_seqlens (warp scans chained by a carry).
+  tok_hist     this rank's ids, cut into warp chunks of whole tokens -> hist [NCH, E]
+               (per-warp smem histogram, match.any leaders add, no atomics).
+  tok_scan     exclusive scan of hist over chunks per expert, plus sum(counts[:rank, e]) -> base
+               [NCH, E] (in place); cend [E, R] = row-wise cumsum of alloc.
+  tok_assign   per warp chunk: position of each (s, k) in its expert's global sequence = base +
+               stable in-chunk rank (match.any + running smem counters, rounds in s*K+k order);
+               then destination rank (binary search over cend),
+               group (home, or binary search in experts_to_copy), row, and the primary row (first
+               k of the token on the same destination rank: match.any + shuffle). The searches are
+               branch-free and interleaved over a warp's rounds so that their loads overlap.
+
+Host wrappers: `count_experts`, `plan_global_cuda`, `plan_tokens_cuda`, `plan_simulated`.
+"""
+
+# (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
+
+import threading
+from typing import NamedTuple
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Constexpr, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# ---- status word bits (int32, OR-ed on the device) ----
+STATUS_BAD_EXPERT_ID = 1      # a topk id outside [0, E): not counted, its row gets -1
+STATUS_SLOT_OVERFLOW = 2      # a rank needs more than B copied experts (CPU reference raises)
+STATUS_BAD_COUNTS = 4         # counts negative or a row sum != S*K (CPU reference raises)
+STATUS_COUNTS_MISMATCH = 8    # plan_tokens: topk_ids histogram != counts[rank]
+STATUS_BAD_PLAN = 16          # plan_tokens: a row's position lies past its expert's alloc
+
+_NT_GLOBAL = 1024   # threads of the single plan_global CTA
+_NT_EXPAND = 256    # threads per plan_expand CTA (one CTA per rank)
+_NT_COUNT = 256     # threads per count CTA
+_ITEMS_COUNT = 16   # ids per thread per count CTA
+_NW_SCAN = 8        # warps per tok_scan CTA (32 experts per CTA)
+_SMEM_LIMIT = 48 * 1024
+_I32_MIN = -(2 ** 31)
+_I32_MAX = 2 ** 31 - 1
+
+
+# ------------------------------------------------------------------------------------------------
+# device helpers (plain Python on DSL values; no dynamic `if`, so they need no AST rewriting)
+# ------------------------------------------------------------------------------------------------
+@dsl_user_op
+def _match_any(val, *, loc=None, ip=None) -> Int32:
+    """match.any.sync.b32 over the full warp: mask of lanes holding the same value."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(val).ir_value(loc=loc, ip=ip)],
+        "match.any.sync.b32 $0, $1, -1;", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _lanemask_lt(*, loc=None, ip=None) -> Int32:
+    return Int32(cute.arch.nvvm.read_ptx_sreg_lanemask_lt(T.i32(), loc=loc, ip=ip))
+
+
+def _ctz(m):
+    """Index of the lowest set bit of a non-zero 32-bit mask."""
+    return cute.arch.popc((m & (Int32(0) - m)) - Int32(1))
+
+
+def _warp_incl_scan(x, lane):
+    for i in range(5):
+        y = cute.arch.shuffle_sync_up(x, 1 << i, mask_and_clamp=0)
+        x = cutlass.select_(lane >= (1 << i), x + y, x)
+    return x
+
+
+def _warp_sum(x):
+    return cute.arch.warp_redux_sync(Int32(x), "add")
+
+
+def _warp_argbest(v, i, want_max: bool):
+    """Butterfly arg-max/arg-min; ties go to the lowest index. Every lane gets the result."""
+    for k in range(5):
+        ov = cute.arch.shuffle_sync_bfly(v, 1 << k)
+        oi = cute.arch.shuffle_sync_bfly(i, 1 << k)
+        if want_max:
+            better = (ov > v) | ((ov == v) & (oi < i))
+        else:
+            better = (ov < v) | ((ov == v) & (oi < i))
+        v = cutlass.select_(better, ov, v)
+        i = cutlass.select_(better, oi, i)
+    return v, i
+
+
+def _overlap(a0, a1, b0, b1):
+    """Length of [a0, a1) ∩ [b0, b1) (0 if empty)."""
+    lo = cutlass.max(a0, b0)
+    hi = cutlass.min(a1, b1)
+    return cutlass.max(hi - lo, Int32(0))
+
+
+def _ptr(t, i):
+    return (t.iterator + i).llvm_ptr
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. count_experts
+# ------------------------------------------------------------------------------------------------
+@cute.kernel
+def _count_kernel(ids: cute.Tensor, counts: cute.Tensor, status: cute.Tensor,
+                  N: Constexpr[int], E: Constexpr[int], NT: Constexpr[int], IPT: Constexpr[int]):
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, by, _ = cute.arch.block_idx()
+    smem = cutlass.utils.SmemAllocator()
+    h = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    for e in cutlass.range(tidx, E, NT):
+        h[e] = 0
+    cute.arch.sync_threads()
+    lt = _lanemask_lt()
+    start = bx * (NT * IPT)
+    base = by * N
+    keys = []
+    bad = Int32(0)
+    for j in cutlass.range_constexpr(IPT):
+        i = start + j * NT + tidx
+        ok = i < N
+        v = ids[base + cutlass.select_(ok, i, Int32(0))]
+        good = ok & (v >= 0) & (v < E)
+        bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
+        keys.append(cutlass.select_(good, Int32(v), Int32(-1)))
+    for j in cutlass.range_constexpr(IPT):
+        key = keys[j]
+        m = _match_any(key)
+        if key >= 0:
+            if cute.arch.popc(m & lt) == 0:
+                cute.arch.atomic_add(_ptr(h, key), cute.arch.popc(m))
+    if bad != 0:
+        cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
+    cute.arch.sync_threads()
+    for e in cutlass.range(tidx, E, NT):
+        x = h[e]
+        if x != 0:
+            cute.arch.atomic_add(_ptr(counts, by * E + e), x)
+
+
+@cute.jit
+def _count_launch(ids: cute.Tensor, counts: cute.Tensor, status: cute.Tensor, stream,
+                  RB: Constexpr[int], N: Constexpr[int], E: Constexpr[int]):
+    per_cta = _NT_COUNT * _ITEMS_COUNT
+    _count_kernel(ids, counts, status, N, E, _NT_COUNT, _ITEMS_COUNT).launch(
+        grid=((N + per_cta - 1) // per_cta, RB, 1), block=(_NT_COUNT, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. plan_global (one CTA)
+# ------------------------------------------------------------------------------------------------
+@cute.kernel
+def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tensor,
+                        R: Constexpr[int], E: Constexpr[int], TT: Constexpr[int], NT: Constexpr[int]):
+    """One CTA: totals, loads, greedy flows, hottest-first offsets -> workspace
+    ws = [tot[E], pre[E], rfrom[R], rstart[R], ramt[R], otot[R]]."""
+    epn = E // R
+    NW = NT // 32
+    tidx, _, _ = cute.arch.thread_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    smem = cutlass.utils.SmemAllocator()
+    tot = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+    cur = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    rows = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    rfrom = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    rstart = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    ramt = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    otot = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    for r in cutlass.range(tidx, R, NT):
+        rows[r] = 0
+        rfrom[r] = -1
+        rstart[r] = 0
+        ramt[r] = 0
+        otot[r] = 0
+    cute.arch.sync_threads()
+
+    # one pass over counts: totals per expert (thread per expert) and row sums (warp sums added
+    # into shared memory); negative counts are flagged
+    UR = min(R, 16)
+    for e0 in cutlass.range(0, E, NT):
+        e = e0 + tidx
+        ok = e < E
+        ec = cutlass.min(e, Int32(E - 1))
+        s = Int32(0)
+        neg = Int32(0)
+        for r0 in cutlass.range(0, R, UR):
+            vals = []
+            for u in cutlass.range_constexpr(UR):
+                vals.append(counts[cutlass.min(r0 + u, Int32(R - 1)) * E + ec])
+            for u in cutlass.range_constexpr(UR):
+                c = cutlass.select_(ok & (r0 + u < R), vals[u], Int32(0))
+                s = s + c
+                neg = neg | cutlass.select_(c < 0, Int32(1), Int32(0))
+                rsum = _warp_sum(c)
+                if lane == 0:
+                    if r0 + u < R:
+                        cute.arch.atomic_add(_ptr(rows, r0 + u), rsum)
+        if ok:
+            tot[e] = s
+            ws[e] = s
+        if neg != 0:
+            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_COUNTS))
+    cute.arch.sync_threads()
+    # every rank routes exactly S*K rows
+    for r in cutlass.range(tidx, R, NT):
+        if rows[r] != TT:
+            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_COUNTS))
+    # home-group loads
+    for g in cutlass.range(warp, R, NW):
+        s = Int32(0)
+        for i in cutlass.range(lane, epn, 32):
+            s = s + tot[g * epn + i]
+        s = _warp_sum(s)
+        if lane == 0:
+            cur[g] = s
+    cute.arch.sync_threads()
+
+    # rank-level greedy (warp 0), at most R-1 steps: the most loaded rank g fills the least loaded
+    # rank d to TT exactly (ties: lowest rank). Lane l keeps the loads of ranks l, l+32, ... in
+    # registers; max/min by redux.sync, the lowest rank holding it by ballot.
+    if warp == 0:
+        NV = (R + 31) // 32
+        curs = []
+        otots = []
+        valids = []
+        for j in cutlass.range_constexpr(NV):
+            rr = j * 32 + lane
+            valids.append(rr < R)
+            curs.append(cur[cutlass.min(rr, Int32(R - 1))])
+            otots.append(Int32(0))
+        done = Int32(0)
+        for _step in cutlass.range_constexpr(R - 1):
+            mx = Int32(_I32_MIN)
+            mn = Int32(_I32_MAX)
+            for j in cutlass.range_constexpr(NV):
+                mx = cutlass.max(mx, cutlass.select_(valids[j], curs[j], Int32(_I32_MIN)))
+                mn = cutlass.min(mn, cutlass.select_(valids[j], curs[j], Int32(_I32_MAX)))
+            mx = cute.arch.warp_redux_sync(mx, "max")
+            mn = cute.arch.warp_redux_sync(mn, "min")
+            g = Int32(R)
+            d = Int32(R)
+            for j in reversed(range(NV)):
+                bm = cute.arch.vote_ballot_sync(valids[j] & (curs[j] == mx))
+                g = cutlass.select_(bm != 0, j * 32 + _ctz(bm), g)
+                bn = cute.arch.vote_ballot_sync(valids[j] & (curs[j] == mn))
+                d = cutlass.select_(bn != 0, j * 32 + _ctz(bn), d)
+            active = (done == 0) & (mx > TT) & (g < R) & (d < R) & (g != d)
+            done = cutlass.select_(active, done, Int32(1))
+            amt = cutlass.select_(active, TT - mn, Int32(0))
+            for j in cutlass.range_constexpr(NV):
+                rr = j * 32 + lane
+                isg = active & (rr == g)
+                if isg:
+                    rfrom[d] = g
+                    rstart[d] = otots[j]
+                    ramt[d] = amt
+                otots[j] = otots[j] + cutlass.select_(isg, amt, Int32(0))
+                curs[j] = (curs[j] - cutlass.select_(isg, amt, Int32(0))
+                           + cutlass.select_(active & (rr == d), amt, Int32(0)))
+        for j in cutlass.range_constexpr(NV):
+            if valids[j]:
+                otot[j * 32 + lane] = otots[j]
+    cute.arch.sync_threads()
+
+    # hottest-first position of each donor expert: rows of its group ranked before it
+    # (total desc, expert id asc), found by counting
+    for e in cutlass.range(tidx, E, NT):
+        g = e // epn
+        p = Int32(0)
+        if otot[g] > 0:
+            te = tot[e]
+            for j in cutlass.range(epn):
+                f = g * epn + j
+                tf = tot[f]
+                before = (tf > te) | ((tf == te) & (f < e))
+                p = p + cutlass.select_(before, tf, Int32(0))
+        ws[E + e] = p
+    for r in cutlass.range(tidx, R, NT):
+        ws[2 * E + r] = rfrom[r]
+        ws[2 * E + R + r] = rstart[r]
+        ws[2 * E + 2 * R + r] = ramt[r]
+        ws[2 * E + 3 * R + r] = otot[r]
+
+
+@cute.kernel
+def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, cu: cute.Tensor,
+                        status: cute.Tensor, R: Constexpr[int], E: Constexpr[int], B: Constexpr[int],
+                        P: Constexpr[int], NT: Constexpr[int]):
+    """CTA d: rows of home group d in alloc [E, R]; warp 0: rank d's slots and cu_seqlens.
+    Donor outflows are consecutive cuts [rstart, rstart+ramt) of the donor's hottest-first row
+    sequence; expert e holds [pre[e], pre[e]+tot[e]) of it."""
+    epn = E // R
+    G = epn + B
+    tidx, _, _ = cute.arch.thread_idx()
+    d, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    lt = _lanemask_lt()
+    smem = cutlass.utils.SmemAllocator()
+    rinfo = smem.allocate_tensor(Int32, cute.make_layout(4 * R), byte_alignment=16)
+    gt = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
+    gp = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
+    for i in cutlass.range(tidx, 4 * R, NT):
+        rinfo[i] = ws[2 * E + i]
+    for i in cutlass.range(tidx, epn, NT):
+        gt[i] = ws[d * epn + i]
+        gp[i] = ws[E + d * epn + i]
+    cute.arch.sync_threads()
+    od = rinfo[3 * R + d]
+    for i in cutlass.range(tidx, epn * R, NT, unroll=4):
+        ie = i // R
+        dd = i - ie * R
+        te = gt[ie]
+        a0 = gp[ie]
+        v = Int32(0)
+        if dd == d:
+            v = te - _overlap(a0, a0 + te, Int32(0), od)
+        else:
+            if rinfo[dd] == d:
+                s0 = rinfo[R + dd]
+                v = _overlap(a0, a0 + te, s0, s0 + rinfo[2 * R + dd])
+        alloc[d * epn * R + i] = v
+
+    if warp == 0:
+        carry = Int32(0)
+        for i0 in cutlass.range(0, epn, 32):
+            i = i0 + lane
+            ic = cutlass.min(i, Int32(epn - 1))
+            te = gt[ic]
+            a0 = gp[ic]
+            ln = cutlass.select_(i < epn, te - _overlap(a0, a0 + te, Int32(0), od), Int32(0))
+            pd = (ln + (P - 1)) // P * P
+            inc = _warp_incl_scan(pd, lane)
+            if i < epn:
+                cu[d * G + i] = carry + inc
+            carry = carry + cute.arch.shuffle_sync(inc, 31)
+        g = rinfo[d]
+        nslot = Int32(0)
+        if g >= 0:
+            s0 = rinfo[R + d]
+            s1 = s0 + rinfo[2 * R + d]
+            for i0 in cutlass.range(0, epn, 32):
+                i = i0 + lane
+                e = g * epn + cutlass.min(i, Int32(epn - 1))
+                te = ws[e]
+                a0 = ws[E + e]
+                ov = cutlass.select_(i < epn, _overlap(a0, a0 + te, s0, s1), Int32(0))
+                foreign = ov > 0
+                bal = cute.arch.vote_ballot_sync(foreign)
+                slot = nslot + cute.arch.popc(bal & lt)
+                keep = foreign & (slot < B)
+                pd = cutlass.select_(keep, (ov + (P - 1)) // P * P, Int32(0))
+                inc = _warp_incl_scan(pd, lane)
+                if keep:
+                    e2c[d * B + slot] = e
+                    cu[d * G + epn + slot] = carry + inc
+                carry = carry + cute.arch.shuffle_sync(inc, 31)
+                nslot = nslot + cute.arch.popc(bal)
+        if nslot > B:
+            if lane == 0:
+                cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_SLOT_OVERFLOW))
+        used = cutlass.min(nslot, Int32(B))
+        for j in cutlass.range(used + lane, B, 32):
+            e2c[d * B + j] = -1
+            cu[d * G + epn + j] = carry
+
+
+@cute.jit
+def _plan_global_launch(counts: cute.Tensor, ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor,
+                        cu: cute.Tensor, status: cute.Tensor, stream, R: Constexpr[int],
+                        E: Constexpr[int], B: Constexpr[int], P: Constexpr[int], TT: Constexpr[int]):
+    _plan_global_kernel(counts, ws, status, R, E, TT, _NT_GLOBAL).launch(
+        grid=(1, 1, 1), block=(_NT_GLOBAL, 1, 1), stream=stream)
+    _plan_expand_kernel(ws, alloc, e2c, cu, status, R, E, B, P, _NT_EXPAND).launch(
+        grid=(R, 1, 1), block=(_NT_EXPAND, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. plan_tokens: chunk histograms, scan over chunks, assignment
+# ------------------------------------------------------------------------------------------------
+def _tok_geometry(S: int, K: int, E: int):
+    """Warp chunks of whole tokens: rounds of TR = 32//K tokens (TR*K lanes busy), RPW rounds."""
+    TR = 32 // K
+    RPW = 8 if E < 1024 else 16
+    TPC = RPW * TR
+    NCH = (S + TPC - 1) // TPC
+    WPC = max(1, min(2, _SMEM_LIMIT // (4 * E)))
+    return TR, RPW, TPC, NCH, WPC
+
+
+@cute.kernel
+def _tok_hist_kernel(ids: cute.Tensor, hist: cute.Tensor, status: cute.Tensor,
+                     S: Constexpr[int], K: Constexpr[int], E: Constexpr[int],
+                     TR: Constexpr[int], RPW: Constexpr[int], NCH: Constexpr[int],
+                     WPC: Constexpr[int]):
+    TPC = RPW * TR
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    lt = _lanemask_lt()
+    smem = cutlass.utils.SmemAllocator()
+    hs = smem.allocate_tensor(Int32, cute.make_layout(WPC * E), byte_alignment=16)
+    hb = warp * E
+    c = bx * WPC + warp
+    if c < NCH:
+        for e in cutlass.range(lane, E, 32):
+            hs[hb + e] = 0
+        cute.arch.sync_warp()
+        tk = lane // K
+        kk = lane - tk * K
+        lane_ok = lane < TR * K
+        keys = []
+        bad = Int32(0)
+        for r in cutlass.range_constexpr(RPW):
+            t = c * TPC + r * TR + tk
+            ok = lane_ok & (t < S)
+            v = ids[cutlass.select_(ok, t * K + kk, Int32(0))]
+            good = ok & (v >= 0) & (v < E)
+            bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
+            keys.append(cutlass.select_(good, Int32(v), Int32(-1)))
+        for r in cutlass.range_constexpr(RPW):
+            key = keys[r]
+            m = _match_any(key)
+            if key >= 0:
+                if cute.arch.popc(m & lt) == 0:
+                    hs[hb + key] = hs[hb + key] + cute.arch.popc(m)
+            cute.arch.sync_warp()
+        if bad != 0:
+            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
+        for e in cutlass.range(lane, E, 32):
+            hist[c * E + e] = hs[hb + e]
+
+
+@cute.kernel
+def _tok_scan_kernel(hist: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor, cend: cute.Tensor,
+                     status: cute.Tensor, rank: Int32, R: Constexpr[int], E: Constexpr[int],
+                     NCH: Constexpr[int], NW: Constexpr[int]):
+    CPW = (NCH + NW - 1) // NW
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    smem = cutlass.utils.SmemAllocator()
+    part = smem.allocate_tensor(Int32, cute.make_layout(NW * 32), byte_alignment=16)
+    e0 = bx * 32
+    e = e0 + lane
+    c0 = warp * CPW
+    c1 = cutlass.min(c0 + CPW, Int32(NCH))
+    ec = cutlass.min(e, Int32(E - 1))
+    s = Int32(0)
+    for cb in cutlass.range(c0, c1, 8):
+        xs = []
+        for u in cutlass.range_constexpr(8):
+            xs.append(hist[cutlass.min(cb + u, c1 - 1) * E + ec])
+        for u in cutlass.range_constexpr(8):
+            s = s + cutlass.select_(cb + u < c1, xs[u], Int32(0))
+    s = cutlass.select_(e < E, s, Int32(0))
+    part[warp * 32 + lane] = s
+    cute.arch.sync_threads()
+    if warp == 0:
+        if e < E:
+            before = Int32(0)
+            for rb in cutlass.range(0, rank, 8):
+                xs = []
+                for u in cutlass.range_constexpr(8):
+                    xs.append(counts[cutlass.min(rb + u, Int32(R - 1)) * E + e])
+                for u in cutlass.range_constexpr(8):
+                    before = before + cutlass.select_(rb + u < rank, xs[u], Int32(0))
+            run = before
+            for w in cutlass.range_constexpr(NW):
+                x = part[w * 32 + lane]
+                part[w * 32 + lane] = run
+                run = run + x
+            if run - before != counts[rank * E + e]:
+                cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_COUNTS_MISMATCH))
+    cute.arch.sync_threads()
+    if e < E:
+        run = part[warp * 32 + lane]
+        for cb in cutlass.range(c0, c1, 8):
+            xs = []
+            for u in cutlass.range_constexpr(8):
+                xs.append(hist[cutlass.min(cb + u, c1 - 1) * E + e])
+            for u in cutlass.range_constexpr(8):
+                if cb + u < c1:
+                    hist[(cb + u) * E + e] = run
+                run = run + cutlass.select_(cb + u < c1, xs[u], Int32(0))
+    # cend[e, :] = cumsum(alloc[e, :]) for this CTA's 32 experts, one warp per expert
+    for j in cutlass.range(warp, 32, NW):
+        ee = e0 + j
+        if ee < E:
+            carry = Int32(0)
+            for d0 in cutlass.range(0, R, 32):
+                d = d0 + lane
+                a = Int32(0)
+                if d < R:
+                    a = alloc[ee * R + d]
+                inc = _warp_incl_scan(a, lane)
+                if d < R:
+                    cend[ee * R + d] = carry + inc
+                carry = carry + cute.arch.shuffle_sync(inc, 31)
+
+
+@cute.kernel
+def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, alloc: cute.Tensor,
+                       e2c: cute.Tensor, cu: cute.Tensor, dst_rank: cute.Tensor,
+                       dst_row: cute.Tensor, primary: cute.Tensor, status: cute.Tensor,
+                       S: Constexpr[int], K: Constexpr[int], E: Constexpr[int], R: Constexpr[int],
+                       B: Constexpr[int], TR: Constexpr[int], RPW: Constexpr[int],
+                       NCH: Constexpr[int], WPC: Constexpr[int], LOGR: Constexpr[int],
+                       LOGB: Constexpr[int]):
+    epn = E // R
+    G = epn + B
+    TPC = RPW * TR
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    lt = _lanemask_lt()
+    smem = cutlass.utils.SmemAllocator()
+    cnt = smem.allocate_tensor(Int32, cute.make_layout(WPC * E), byte_alignment=16)
+    hb = warp * E
+    c = bx * WPC + warp
+    if c < NCH:
+        UB = min(16, (E + 31) // 32)
+        for e0 in cutlass.range(lane, E, 32 * UB):
+            vals = []
+            for u in cutlass.range_constexpr(UB):
+                vals.append(base[c * E + cutlass.min(e0 + 32 * u, Int32(E - 1))])
+            for u in cutlass.range_constexpr(UB):
+                if e0 + 32 * u < E:
+                    cnt[hb + e0 + 32 * u] = vals[u]
+        cute.arch.sync_warp()
+        tk = lane // K
+        kk = lane - tk * K
+        lane_ok = lane < TR * K
+        keys = []
+        oks = []
+        flats = []
+        bad = Int32(0)
+        for r in cutlass.range_constexpr(RPW):
+            t = c * TPC + r * TR + tk
+            ok = lane_ok & (t < S)
+            flat = cutlass.select_(ok, t * K + kk, Int32(0))
+            v = ids[flat]
+            good = ok & (v >= 0) & (v < E)
+            bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
+            keys.append(cutlass.select_(good, Int32(v), Int32(-1)))
+            oks.append(ok)
+            flats.append(flat)
+        if bad != 0:
+            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
+        # stable position of each (s, k) in its expert's global sequence, rounds in s*K+k order
+        idxs = []
+        for r in cutlass.range_constexpr(RPW):
+            key = keys[r]
+            m = _match_any(key)
+            below = cute.arch.popc(m & lt)
+            pos = Int32(0)
+            if key >= 0:
+                pos = cnt[hb + key] + below
+            cute.arch.sync_warp()
+            if key >= 0:
+                if below == 0:
+                    cnt[hb + key] = cnt[hb + key] + cute.arch.popc(m)
+            cute.arch.sync_warp()
+            idxs.append(pos)
+        # destination rank d = smallest d with cend[e, d] > idx (searchsorted, right), by a
+        # branch-free binary search; the rounds' searches are interleaved so that their loads overlap
+        kcs = []
+        los = []
+        his = []
+        for r in cutlass.range_constexpr(RPW):
+            kcs.append(cutlass.max(keys[r], Int32(0)))
+            los.append(Int32(0))
+            his.append(Int32(R))
+        for _it in cutlass.range_constexpr(LOGR):
+            for r in cutlass.range_constexpr(RPW):
+                mid = (los[r] + his[r]) // 2
+                v = cend[kcs[r] * R + cutlass.min(mid, Int32(R - 1))]
+                act = los[r] < his[r]
+                left = v > idxs[r]
+                his[r] = cutlass.select_(act & left, mid, his[r])
+                los[r] = cutlass.select_(act & (left == False), mid + 1, los[r])  # noqa: E712
+        # slot of a copied expert: lower bound of e in experts_to_copy[d, :] (ascending, -1 = end)
+        dcs = []
+        slos = []
+        shis = []
+        for r in cutlass.range_constexpr(RPW):
+            dcs.append(cutlass.min(los[r], Int32(R - 1)))
+            slos.append(Int32(0))
+            shis.append(Int32(B))
+        for _it in cutlass.range_constexpr(LOGB):
+            for r in cutlass.range_constexpr(RPW):
+                mid = (slos[r] + shis[r]) // 2
+                x = e2c[dcs[r] * B + cutlass.min(mid, Int32(B - 1))]
+                act = slos[r] < shis[r]
+                right = (x >= 0) & (x < kcs[r])
+                slos[r] = cutlass.select_(act & right, mid + 1, slos[r])
+                shis[r] = cutlass.select_(act & (right == False), mid, shis[r])  # noqa: E712
+        dsts = []
+        grps = []
+        css = []
+        flags = Int32(0)
+        for r in cutlass.range_constexpr(RPW):
+            kc = kcs[r]
+            d = los[r]
+            dc = dcs[r]
+            hh = kc // epn
+            sl = cutlass.min(slos[r], Int32(B - 1))
+            found = (slos[r] < B) & (e2c[dc * B + sl] == kc)
+            cs = cend[kc * R + dc] - alloc[kc * R + dc]
+            has = (keys[r] >= 0) & (d < R)
+            grp = cutlass.select_(d == hh, kc - hh * epn, cutlass.select_(found, epn + sl, Int32(-1)))
+            grp = cutlass.select_(has, grp, Int32(-1))
+            flags = flags | cutlass.select_((keys[r] >= 0) & (d >= R), Int32(STATUS_BAD_PLAN), Int32(0))
+            flags = flags | cutlass.select_(has & (grp < 0), Int32(STATUS_SLOT_OVERFLOW), Int32(0))
+            dsts.append(d)
+            grps.append(grp)
+            css.append(cs)
+        if flags != 0:
+            cute.arch.atomic_or(_ptr(status, 0), flags)
+        # group starts for all rounds (independent loads), rows
+        rows = []
+        for r in cutlass.range_constexpr(RPW):
+            grp = grps[r]
+            gv = cu[cutlass.select_(grp > 0, dsts[r] * G + grp - 1, Int32(0))]
+            gstart = cutlass.select_(grp > 0, gv, Int32(0))
+            rows.append(cutlass.select_(grp >= 0, gstart + idxs[r] - css[r], Int32(-1)))
+            dsts[r] = cutlass.select_(grp >= 0, dsts[r], Int32(-1))
+        # primary row: the first k of the token on the same destination rank
+        for r in cutlass.range_constexpr(RPW):
+            d = dsts[r]
+            row = rows[r]
+            key2 = cutlass.select_(d >= 0, tk * R + d, Int32(-1) - lane)
+            m2 = _match_any(key2)
+            prow = cute.arch.shuffle_sync(row, _ctz(m2))
+            if oks[r]:
+                f = flats[r]
+                dst_rank[f] = d
+                dst_row[f] = row
+                primary[f] = cutlass.select_(d >= 0, prow, Int32(-1))
+
+
+@cute.jit
+def _tok_launch(ids: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor,
+                cu: cute.Tensor, hist: cute.Tensor, cend: cute.Tensor, dst_rank: cute.Tensor,
+                dst_row: cute.Tensor, primary: cute.Tensor, status: cute.Tensor, rank: Int32, stream,
+                S: Constexpr[int], K: Constexpr[int], E: Constexpr[int], R: Constexpr[int],
+                B: Constexpr[int]):
+    TR, RPW, TPC, NCH, WPC = _tok_geometry(S, K, E)
+    nblk = (NCH + WPC - 1) // WPC
+    _tok_hist_kernel(ids, hist, status, S, K, E, TR, RPW, NCH, WPC).launch(
+        grid=(nblk, 1, 1), block=(32 * WPC, 1, 1), stream=stream)
+    _tok_scan_kernel(hist, counts, alloc, cend, status, rank, R, E, NCH, _NW_SCAN).launch(
+        grid=((E + 31) // 32, 1, 1), block=(32 * _NW_SCAN, 1, 1), stream=stream)
+    _tok_assign_kernel(ids, hist, cend, alloc, e2c, cu, dst_rank, dst_row, primary, status,
+                       S, K, E, R, B, TR, RPW, NCH, WPC, R.bit_length(), B.bit_length()).launch(
+        grid=(nblk, 1, 1), block=(32 * WPC, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# compile cache (keyed by everything static) and fake arguments
+# ------------------------------------------------------------------------------------------------
+_CACHE: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+_ARCH_KEY = "sm_90a"
+
+
+def _fake(dtype, n):
+    return cute.runtime.make_fake_compact_tensor(dtype, (n,), assumed_align=4)
+
+
+def _fake_stream():
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def _cute_dtype(dt: torch.dtype):
+    return cutlass.Int64 if dt == torch.int64 else cutlass.Int32
+
+
+def _compile_count(RB: int, N: int, E: int, id_dtype: torch.dtype):
+    key = ("count", RB, N, E, id_dtype, _ARCH_KEY)
+    with _LOCK:
+        fn = _CACHE.get(key)
+        if fn is None:
+            fn = cute.compile(_count_launch, _fake(_cute_dtype(id_dtype), RB * N), _fake(Int32, RB * E),
+                              _fake(Int32, 1), _fake_stream(), RB, N, E, options="--enable-tvm-ffi")
+            _CACHE[key] = fn
+    return fn
+
+
+def _compile_global(R: int, E: int, B: int, P: int, TT: int):
+    key = ("global", R, E, B, P, TT, _ARCH_KEY)
+    with _LOCK:
+        fn = _CACHE.get(key)
+        if fn is None:
+            epn = E // R
+            fn = cute.compile(_plan_global_launch, _fake(Int32, R * E), _fake(Int32, 2 * E + 4 * R),
+                              _fake(Int32, E * R), _fake(Int32, R * B), _fake(Int32, R * (epn + B)),
+                              _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
+                              options="--enable-tvm-ffi")
+            _CACHE[key] = fn
+    return fn
+
+
+def _compile_tokens(S: int, K: int, E: int, R: int, B: int, id_dtype: torch.dtype):
+    key = ("tokens", S, K, E, R, B, id_dtype, _ARCH_KEY)
+    with _LOCK:
+        fn = _CACHE.get(key)
+        if fn is None:
+            epn = E // R
+            NCH = _tok_geometry(S, K, E)[3]
+            N = S * K
+            fn = cute.compile(_tok_launch, _fake(_cute_dtype(id_dtype), N), _fake(Int32, R * E),
+                              _fake(Int32, E * R), _fake(Int32, R * B), _fake(Int32, R * (epn + B)),
+                              _fake(Int32, NCH * E), _fake(Int32, E * R), _fake(Int32, N),
+                              _fake(Int32, N), _fake(Int32, N), _fake(Int32, 1), Int32(0),
+                              _fake_stream(), S, K, E, R, B, options="--enable-tvm-ffi")
+            _CACHE[key] = fn
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------
+# host-side validation
+# ------------------------------------------------------------------------------------------------
+def _need_int(name: str, v, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int, got {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+def _need_tensor(name: str, t, dtypes, ndim, device=None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (same device as the other inputs), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def _status_tensor(status, device) -> torch.Tensor:
+    if status is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    _need_tensor("status", status, (torch.int32,), 1, device)
+    if status.numel() != 1:
+        raise ValueError(f"status must hold exactly 1 int32 element, got {status.numel()}")
+    return status
+
+
+def _check_plan_shapes(R, E, B, S, K, P=1):
+    if E % R != 0:
+        raise ValueError(f"E={E} must be a positive multiple of R={R}")
+    if K > 32:
+        raise ValueError(f"K must be <= 32 (one token's ids fit a warp), got K={K}")
+    if R * S * K >= 2 ** 31 - 1 or S * K + P * (E // R + B) >= 2 ** 31 - 1:
+        raise ValueError(f"R*S*K={R * S * K} must fit int32")
+    if E * 4 + 6 * R * 4 > _SMEM_LIMIT:
+        raise ValueError(f"E={E}, R={R}: plan_global keeps E+6*R int32 in 48 KiB of shared memory")
+
+
+# ------------------------------------------------------------------------------------------------
+# public API
+# ------------------------------------------------------------------------------------------------
+class GPUGlobalPlan(NamedTuple):
+    alloc: torch.Tensor            # int32 [E, R]
+    experts_to_copy: torch.Tensor  # int32 [R, B]
+    cu_seqlens: torch.Tensor       # int32 [R, epn+B]
+
+
+class GPUTokenPlan(NamedTuple):
+    dst_rank: torch.Tensor     # int32 [S, K]
+    dst_row: torch.Tensor      # int32 [S, K]
+    primary_row: torch.Tensor  # int32 [S, K]
+
+
+def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = None):
+    """topk_ids int32/int64 [S, K] (or [R, S, K] for all ranks) -> (counts int32 [E] (or [R, E]), status).
+
+    Ids outside [0, E) are not counted and set STATUS_BAD_EXPERT_ID in `status` (int32 [1], OR-ed)."""
+    E = _need_int("E", E)
+    _need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), (2, 3))
+    if topk_ids.numel() == 0:
+        raise ValueError("topk_ids must not be empty")
+    status = _status_tensor(status, topk_ids.device)
+    batched = topk_ids.dim() == 3
+    RB = topk_ids.shape[0] if batched else 1
+    N = topk_ids.shape[-1] * topk_ids.shape[-2]
+    if E * 4 > _SMEM_LIMIT:
+        raise ValueError(f"E={E}: the count kernel keeps E int32 in 48 KiB of shared memory")
+    counts = torch.zeros((RB, E) if batched else (E,), dtype=torch.int32, device=topk_ids.device)
+    fn = _compile_count(RB, N, E, topk_ids.dtype)
+    fn(topk_ids.view(-1), counts.view(-1), status)
+    return counts, status
+
+
+def plan_global_cuda(counts: torch.Tensor, S: int, K: int, B: int, P: int,
+                     status: torch.Tensor | None = None):
+    """counts int32 [R, E] on the GPU -> (GPUGlobalPlan, status); equal to planning.plan_global."""
+    S, K, B, P = (_need_int(n, v) for n, v in (("S", S), ("K", K), ("B", B), ("P", P)))
+    _need_tensor("counts", counts, (torch.int32,), 2)
+    R, E = counts.shape
+    if R < 1 or E < 1:
+        raise ValueError(f"counts must be [R, E] with R, E >= 1, got {tuple(counts.shape)}")
+    _check_plan_shapes(R, E, B, S, K, P)
+    status = _status_tensor(status, counts.device)
+    epn = E // R
+    dev = counts.device
+    alloc = torch.empty(E, R, dtype=torch.int32, device=dev)
+    e2c = torch.empty(R, B, dtype=torch.int32, device=dev)
+    cu = torch.empty(R, epn + B, dtype=torch.int32, device=dev)
+    fn = _compile_global(R, E, B, P, S * K)
+    ws = torch.empty(2 * E + 4 * R, dtype=torch.int32, device=dev)
+    fn(counts.view(-1), ws, alloc.view(-1), e2c.view(-1), cu.view(-1), status)
+    return GPUGlobalPlan(alloc, e2c, cu), status
+
+
+def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.Tensor,
+                     experts_to_copy: torch.Tensor, cu_seqlens: torch.Tensor, rank: int,
+                     status: torch.Tensor | None = None):
+    """Destinations of rank `rank`'s routed rows -> (GPUTokenPlan, status); equal to planning.plan_tokens."""
+    _need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2)
+    dev = topk_ids.device
+    _need_tensor("counts", counts, (torch.int32,), 2, dev)
+    R, E = counts.shape
+    S, K = topk_ids.shape
+    if S < 1 or K < 1:
+        raise ValueError(f"topk_ids must be [S, K] with S, K >= 1, got {tuple(topk_ids.shape)}")
+    _need_tensor("alloc", alloc, (torch.int32,), 2, dev)
+    _need_tensor("experts_to_copy", experts_to_copy, (torch.int32,), 2, dev)
+    _need_tensor("cu_seqlens", cu_seqlens, (torch.int32,), 2, dev)
+    if E % R != 0:
+        raise ValueError(f"counts: E={E} must be a positive multiple of R={R}")
+    if tuple(alloc.shape) != (E, R):
+        raise ValueError(f"alloc must be [E, R] = [{E}, {R}], got {tuple(alloc.shape)}")
+    if experts_to_copy.shape[0] != R or experts_to_copy.shape[1] < 1:
+        raise ValueError(f"experts_to_copy must be [R, B] = [{R}, B>=1], got {tuple(experts_to_copy.shape)}")
+    B = experts_to_copy.shape[1]
+    epn = E // R
+    if tuple(cu_seqlens.shape) != (R, epn + B):
+        raise ValueError(f"cu_seqlens must be [R, epn+B] = [{R}, {epn + B}], got {tuple(cu_seqlens.shape)}")
+    rank = _need_int("rank", rank, 0)
+    if rank >= R:
+        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    _check_plan_shapes(R, E, B, S, K)
+    if 4 * E > _SMEM_LIMIT:
+        raise ValueError(f"E={E}: plan_tokens keeps E int32 per warp in 48 KiB of shared memory")
+    status = _status_tensor(status, dev)
+    NCH = _tok_geometry(S, K, E)[3]
+    hist = torch.empty(NCH * E, dtype=torch.int32, device=dev)
+    cend = torch.empty(E * R, dtype=torch.int32, device=dev)
+    dst_rank = torch.empty(S, K, dtype=torch.int32, device=dev)
+    dst_row = torch.empty(S, K, dtype=torch.int32, device=dev)
+    primary = torch.empty(S, K, dtype=torch.int32, device=dev)
+    fn = _compile_tokens(S, K, E, R, B, topk_ids.dtype)
+    fn(topk_ids.view(-1), counts.view(-1), alloc.view(-1), experts_to_copy.view(-1),
+       cu_seqlens.view(-1), hist, cend, dst_rank.view(-1), dst_row.view(-1), primary.view(-1),
+       status, rank)
+    return GPUTokenPlan(dst_rank, dst_row, primary), status
+
+
+def plan_simulated(topk_ids_per_rank: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                   *, E: int | None = None, S: int | None = None, K: int | None = None, B: int,
+                   P: int = 128, rank: int | None = None, status: torch.Tensor | None = None):
+    """All R ranks on one GPU: count (from topk_ids_per_rank [R, S, K]) or take counts [R, E], plan
+    globally, and, given `rank`, place that rank's tokens (needs topk_ids_per_rank).
+
+    Returns (counts, GPUGlobalPlan, GPUTokenPlan or None, status)."""
+    if (topk_ids_per_rank is None) == (counts is None):
+        raise ValueError("pass exactly one of topk_ids_per_rank [R, S, K] and counts [R, E]")
+    if topk_ids_per_rank is not None:
+        _need_tensor("topk_ids_per_rank", topk_ids_per_rank, (torch.int32, torch.int64), 3)
+        R, S_, K_ = topk_ids_per_rank.shape
+        if S is not None and S != S_ or K is not None and K != K_:
+            raise ValueError(f"S, K must match topk_ids_per_rank's shape {tuple(topk_ids_per_rank.shape)}")
+        S, K = S_, K_
+        if E is None:
+            raise ValueError("E must be given with topk_ids_per_rank")
+        E = _need_int("E", E)
+        if E % R != 0:
+            raise ValueError(f"E={E} must be a positive multiple of R={R} (topk_ids_per_rank.shape[0])")
+        status = _status_tensor(status, topk_ids_per_rank.device)
+        counts, status = count_experts(topk_ids_per_rank, E, status)
+    else:
+        _need_tensor("counts", counts, (torch.int32,), 2)
+        if S is None or K is None:
+            raise ValueError("S and K must be given with counts")
+        if E is not None and E != counts.shape[1]:
+            raise ValueError(f"E={E} does not match counts.shape[1]={counts.shape[1]}")
+        status = _status_tensor(status, counts.device)
+    plan, status = plan_global_cuda(counts, S, K, B, P, status)
+    tok = None
+    if rank is not None:
+        if topk_ids_per_rank is None:
+            raise ValueError("rank needs topk_ids_per_rank (token placement needs the ids)")
+        tok, status = plan_tokens_cuda(topk_ids_per_rank[rank], counts, plan.alloc,
+                                       plan.experts_to_copy, plan.cu_seqlens, rank, status)
+    return counts, plan, tok, status
+
+
+# ------------------------------------------------------------------------------------------------
+# CI: compile every planner kernel for sm_90a without a GPU (run in a child by compile_check)
+# ------------------------------------------------------------------------------------------------
+DEFAULT_CHECK_CONFIGS = [
+    # (R, S, K, E, B, P, id dtype)
+    dict(R=8, S=8192, K=8, E=384, B=48, P=128, ids="int32"),
+    dict(R=64, S=8192, K=8, E=2048, B=32, P=128, ids="int64"),
+    dict(R=2, S=7, K=6, E=12, B=3, P=16, ids="int64"),
+]
+
+
+def compile_all_for_check(configs: list[dict] | None = None) -> None:
+    """Compile count, plan_global and plan_tokens for each config; on a machine without a CUDA driver
+    each compile stops at loading (caught: exactly DSLRuntimeError from CudaDriverDependencyError)."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    for cfg in configs or DEFAULT_CHECK_CONFIGS:
+        R, S, K, E, B, P = (cfg[k] for k in ("R", "S", "K", "E", "B", "P"))
+        dt = torch.int64 if cfg.get("ids", "int32") == "int64" else torch.int32
+        for build in (lambda: _compile_count(R, S * K, E, dt),
+                      lambda: _compile_global(R, E, B, P, S * K),
+                      lambda: _compile_tokens(S, K, E, R, B, dt)):
+            with expect_no_driver() as st:
+                build()
+            # (on a CPU machine only the first load in a process raises; later ones do not)
+            print(f"compiled R={R} S={S} K={K} E={E} B={B} P={P} ids={dt}: "
+                  f"{'load failed: no CUDA driver (expected on CPU)' if st['driver_missing'] else 'no load error'}",
+                  flush=True)
