@@ -32,14 +32,17 @@ def cuda_time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> floa
 
 def run_info() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("MOONEP_COMMIT", "")  # device runs get a tree copy without git history
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            pass
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
                 gpus=torch.cuda.device_count(), torch=torch.__version__,
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                commit=commit or os.environ.get("MOONEP_COMMIT", "unknown"),
+                commit=commit if len(commit) == 40 else "unknown",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 

@@ -1,0 +1,58 @@
+"""PNG plots of the committed benchmark JSONs (needs matplotlib): python benchmarks/plot_results.py"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def bars(ax, labels, series: dict[str, list[float]], ylabel: str):
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], vals, width, label=name)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+
+
+def caption(d: dict) -> str:
+    return f"{d['gpu']}, torch {d['torch']}, commit {d['commit'][:10]}, {d['date']}"
+
+
+def plot_gemm(path: str) -> None:
+    d = json.load(open(path))
+    rows = d["results"]
+    labels = [f"{r['case'].split(':')[0]} {r['proj']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    bars(ax, labels, {"moonep group_gemm (CuTe DSL)": [r["ours_tflops"] for r in rows],
+                      "torch._grouped_mm": [r["grouped_mm_tflops"] for r in rows],
+                      "dense torch.mm": [r["dense_tflops"] for r in rows]}, "TFLOP/s")
+    ax.set_title("Grouped GEMM forward, H=7168 F=2048\n" + caption(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+
+
+def plot_planner(path: str) -> None:
+    d = json.load(open(path))
+    rows = d["results"]
+    stages = list(dict.fromkeys(r["stage"] for r in rows))
+    configs = list(dict.fromkeys((r["R"], r["E"], round(r["maxvio"], 1)) for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    series = {f"R={R} E={E} maxvio {mv}": [next(r["isolated_us"] for r in rows if (r["R"], r["E"], round(
+        r["maxvio"], 1)) == (R, E, mv) and r["stage"] == s) for s in stages] for R, E, mv in configs}
+    bars(ax, stages, series, "us (CUDA graph replay, median)")
+    ax.set_title("Planner kernels, S=8192 K=8, simulated ranks on one GPU\n" + caption(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+
+
+if __name__ == "__main__":
+    plot_gemm(os.path.join(RESULTS, "bench_gemm.json"))
+    plot_planner(os.path.join(RESULTS, "bench_planner.json"))
