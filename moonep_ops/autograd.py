@@ -58,6 +58,11 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_rows, g_row_w, _):
         dst_rank, dst_row, primary_row, row_primary = ctx.saved_tensors
+        # both ops are collective: every rank runs them, with zeros for an output it did not use
+        if g_rows is None:
+            g_rows = ctx.presum.new_zeros(ctx.presum.shape)
+        if g_row_w is None:
+            g_row_w = row_primary.new_zeros(row_primary.shape, dtype=torch.float32)
         gx = ops.combine(g_rows.contiguous(), row_primary, dst_rank, dst_row, primary_row, ctx.presum,
                          ctx.group_name)
         g_route_w = ops.gather_row_weights(g_row_w.contiguous(), dst_rank, dst_row, ctx.group_name)
@@ -109,11 +114,13 @@ class _SlotWeights(torch.autograd.Function):
         return slots
 
     @staticmethod
-    def backward(ctx, g_gate, g_up, g_down):
+    def backward(ctx, *slot_grads):
         (experts_to_copy,) = ctx.saved_tensors
         epn, dtype, group_name = ctx.meta
-        home = ops.reduce_grad(g_gate.contiguous(), g_up.contiguous(), g_down.contiguous(), experts_to_copy,
-                               *ctx.reduce, epn, group_name)
+        # collective: every rank folds all three projections, zeros for a slot weight it did not use
+        g_gate, g_up, g_down = (buf.new_zeros(buf.shape) if g is None else g.contiguous()
+                                for g, buf in zip(slot_grads, ctx.reduce))
+        home = ops.reduce_grad(g_gate, g_up, g_down, experts_to_copy, *ctx.reduce, epn, group_name)
         return (*(h.to(dtype) for h in home), None, None, None, None, None, None, None, None)
 
 

@@ -114,3 +114,23 @@ def compile_and_export(rank: int, R: int, cfg_kwargs: dict, steps: int):
     with torch.no_grad():
         out["export_diff"] = float((exported.module()(xs[1]) - layer(xs[1])).abs().max())
     return out
+
+
+def partial_use(rank: int, R: int, cfg_kwargs: dict):
+    """Backward through dispatch when only the rows are used (not the row weights), and through the
+    weight path when only the gate slots are used: the collective backward ops still run on every rank."""
+    from moonep_ops import autograd as ag
+    from moonep_ops import ops
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    layer, x, _ = build_layer(cfg, rank, "extreme")
+    ep = layer.ep
+    x.requires_grad_()
+    ids = torch.topk(layer.router(x), cfg.K).indices
+    dst_rank, dst_row, primary_row, experts_to_copy, cu, _ = ops.plan(ids, cfg.E, cfg.B, cfg.P, cfg.R, ep.group_name)
+    route_w = torch.full(ids.shape, 0.5, requires_grad=True)
+    rows, _, _ = ag.dispatch(ep, x, route_w, dst_rank, dst_row, primary_row)
+    slot_gate, _, _ = ag.slot_weights(ep, layer.experts.w_gate, layer.experts.w_up, layer.experts.w_down,
+                                      experts_to_copy)
+    (ops.group_gemm(rows, layer.experts.w_gate, slot_gate, cu, cfg.P).sum()).backward()
+    return dict(x=x.grad, gate=layer.experts.w_gate.grad, up=layer.experts.w_up.grad, route_w=route_w.grad)

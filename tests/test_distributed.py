@@ -47,3 +47,19 @@ def test_two_runs_bitwise_identical():
     for ra, rb in zip(a, b):
         for key, t in ra["extreme"].items():
             assert torch.equal(t, rb["extreme"][key]), key
+
+
+def test_backward_with_unused_outputs():
+    """d/dx sum(x_row @ W_e) over a token's K rows = sum_k W_e.sum(1), whatever rank computes it."""
+    cfg_kwargs = dict(SHAPE, E=8)
+    cfg = EPConfig(R=2, **cfg_kwargs)
+    res = run_ranks(ep_workers.partial_use, 2, cfg_kwargs)
+    x_all, router, w_gate, _, _, _ = ep_workers.global_weights(cfg, "extreme")
+    ids = torch.topk(x_all @ router.t(), cfg.K).indices
+    want_gx = w_gate.sum(2)[ids].sum(1)  # [tokens, H]
+    torch.testing.assert_close(torch.cat([r["x"] for r in res]), want_gx, rtol=1e-5, atol=1e-5)
+    want_gate = (x_all.t()[None] @ torch.nn.functional.one_hot(ids, cfg.E).sum(1).float().t()[:, :, None])
+    want_gate = want_gate.squeeze(-1).expand(cfg.F, -1, -1).permute(1, 2, 0)  # [E, H, F]: sum of the expert's rows
+    torch.testing.assert_close(torch.cat([r["gate"] for r in res]), want_gate, rtol=1e-5, atol=1e-4)
+    assert all(r["up"] is None or not r["up"].any() for r in res)
+    assert all(r["route_w"] is None or not r["route_w"].any() for r in res)
