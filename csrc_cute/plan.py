@@ -44,12 +44,13 @@ from cutlass import Boolean, Constexpr, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-# ---- status word bits (int32, OR-ed on the device) ----
-STATUS_BAD_EXPERT_ID = 1      # a topk id outside [0, E): not counted, its row gets -1
-STATUS_SLOT_OVERFLOW = 2      # a rank needs more than B copied experts (CPU reference raises)
-STATUS_BAD_COUNTS = 4         # counts negative or a row sum != S*K (CPU reference raises)
-STATUS_COUNTS_MISMATCH = 8    # plan_tokens: topk_ids histogram != counts[rank]
-STATUS_BAD_PLAN = 16          # plan_tokens: a row's position lies past its expert's alloc
+from .status import (  # the status bits the kernels set
+    STATUS_BAD_COUNTS,
+    STATUS_BAD_EXPERT_ID,
+    STATUS_BAD_PLAN,
+    STATUS_COUNTS_MISMATCH,
+    STATUS_SLOT_OVERFLOW,
+)
 
 _NT_GLOBAL = 1024   # threads of the single plan_global CTA
 _NT_EXPAND = 256    # threads per plan_expand CTA (one CTA per rank)

@@ -12,5 +12,6 @@ from .dense import dense_moe
 from .group import EPGroup
 from .layers import MoEExperts, MoELayer
 from .routing import route
+from .status import MoEStatusError, check_status
 
-__all__ = ["EPConfig", "EPGroup", "MoEExperts", "MoELayer", "dense_moe", "route", "ops", "planning", "autograd"]
+__all__ = ["EPConfig", "EPGroup", "MoEExperts", "MoELayer", "dense_moe", "route", "check_status", "MoEStatusError", "ops", "planning", "autograd"]
