@@ -134,3 +134,17 @@ def partial_use(rank: int, R: int, cfg_kwargs: dict):
                                       experts_to_copy)
     (ops.group_gemm(rows, layer.experts.w_gate, slot_gate, cu, cfg.P).sum()).backward()
     return dict(x=x.grad, gate=layer.experts.w_gate.grad, up=layer.experts.w_up.grad, route_w=route_w.grad)
+
+
+def baseline_forward_backward(rank: int, R: int, cfg_kwargs: dict, skew: str):
+    """The benchmarks' baseline EP path (NCCL/gloo all_to_all + _grouped_mm) on this rank."""
+    from benchmarks.baseline_ep import baseline_moe
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    x_all, router, w_gate, w_up, w_down, grad_out = global_weights(cfg, skew)
+    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
+    leaves = [t.clone().requires_grad_() for t in (x_all[tokens], router, w_gate[mine], w_up[mine], w_down[mine])]
+    y = baseline_moe(*leaves, K=cfg.K, E=cfg.E)
+    y.backward(grad_out[tokens])
+    return dict(y=y.detach(), x=leaves[0].grad, router=leaves[1].grad, gate=leaves[2].grad, up=leaves[3].grad,
+                down=leaves[4].grad)

@@ -63,3 +63,27 @@ def test_backward_with_unused_outputs():
     torch.testing.assert_close(torch.cat([r["gate"] for r in res]), want_gate, rtol=1e-5, atol=1e-4)
     assert all(r["up"] is None or not r["up"].any() for r in res)
     assert all(r["route_w"] is None or not r["route_w"].any() for r in res)
+
+
+def _cpu_grouped_mm_works() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm_works(), reason="this torch has no CPU torch._grouped_mm")
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_baseline_ep_path_matches_dense(R):
+    """The benchmarks' baseline (all_to_all with host split sizes + _grouped_mm) is itself correct."""
+    cfg_kwargs = dict(SHAPE, E=4 * R)
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    res = run_ranks(ep_workers.baseline_forward_backward, R, cfg_kwargs, "extreme")
+    y_ref, (gx, grouter, ggate, gup, gdown) = dense_reference(cfg, "extreme")
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([r["y"] for r in res]), y_ref, **tol)
+    torch.testing.assert_close(torch.cat([r["x"] for r in res]), gx, **tol)
+    torch.testing.assert_close(sum(r["router"] for r in res), grouter, **tol)
+    for name, want in (("gate", ggate), ("up", gup), ("down", gdown)):
+        torch.testing.assert_close(torch.cat([r[name] for r in res]), want, **tol)
