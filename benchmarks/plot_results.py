@@ -29,12 +29,12 @@ def caption(d: dict) -> str:
 def plot_gemm(path: str) -> None:
     d = json.load(open(path))
     rows = d["results"]
-    labels = [f"{r['case'].split(':')[0]} {r['proj']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['case'].split(':')[0]} {r['proj']} {r.get('op', 'fwd')}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(9, len(rows) * 0.6), 4))
     bars(ax, labels, {"moonep group_gemm (CuTe DSL)": [r["ours_tflops"] for r in rows],
                       "torch._grouped_mm": [r["grouped_mm_tflops"] for r in rows],
                       "dense torch.mm": [r["dense_tflops"] for r in rows]}, "TFLOP/s")
-    ax.set_title("Grouped GEMM forward, H=7168 F=2048\n" + caption(d), fontsize=9)
+    ax.set_title("Grouped GEMM fwd / dgrad / wgrad, H=7168 F=2048\n" + caption(d), fontsize=9)
     fig.tight_layout()
     fig.savefig(path.replace(".json", ".png"), dpi=120)
 

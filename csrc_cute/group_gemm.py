@@ -1,30 +1,44 @@
-"""Grouped GEMM forward for Hopper (sm_90a) in the CuTe DSL: ``y = group_gemm(x, w_home, w_slot, cu_seqlens)``.
+"""Grouped GEMM for Hopper (sm_90a) in the CuTe DSL: forward, dgrad and (varlen-K) wgrad.
 
-Semantics (the CPU reference is ``moonep::group_gemm``'s CPU implementation in ``moonep_ops/ops.py``)::
+Semantics (the CPU references are ``moonep::group_gemm``, ``group_gemm_dgrad`` and ``group_gemm_wgrad``
+in ``moonep_ops/ops.py``)::
 
-    x [N, Kd] bf16, w_home [epn, Kd, Nd] bf16, w_slot [B, Kd, Nd] bf16, cu_seqlens [epn + B] int32
-    group g = rows [cu[g-1], cu[g]) (cu[-1] = 0), weight W_g = w_home[g] if g < epn else w_slot[g - epn]
-    y[s:e] = (x[s:e].float() @ W_g.float()).bfloat16();  rows at or past cu[G-1] are zero.
+    x [N, Kd] bf16, dy [N, Nd] bf16, w_home [epn, Kd, Nd] bf16, w_slot [B, Kd, Nd] bf16,
+    cu_seqlens [G = epn + B] int32; group g = rows [cu[g-1], cu[g]) (cu[-1] = 0),
+    W_g = w_home[g] if g < epn else w_slot[g - epn]
+    forward  y[s:e]  = (x[s:e] @ W_g)    bf16, fp32 accumulation; rows at or past cu[G-1] are zero
+    dgrad    dx[s:e] = (dy[s:e] @ W_g^T) bf16, likewise
+    wgrad    dW_g   += x[s:e]^T @ dy[s:e] fp32, in place (dw_home / dw_slot); empty groups untouched
 
-Kernel design. Every group length is a multiple of the padding ``P``, so with ``tile_M`` dividing ``P``
-each M tile of the output lies in exactly one group: the kernel is a dense persistent GEMM over
-``[N, Kd] x [Kd, Nd]`` in which each M tile picks its B operand on the device. The tile's group is the
-number of group ends ``cu[g] <= m0`` (``m0`` = first row of the tile), counted by one warp with a ballot
-over ``cu_seqlens`` 32 entries at a time; each warp that needs it computes it itself (no host sync, no
-shared-memory hand-off). A tile whose group index reaches ``G`` lies past the last group: no loads, no
-MMA, its accumulators stay zero and the epilogue writes zeros. The grid depends only on ``N`` and ``Nd``
-(``min(#tiles, #SMs)`` persistent CTAs, tiles in M-major raster).
+Forward and dgrad: one kernel class (``GroupGemmSm90``) with a static flag for the majorness of B. Every
+group length is a multiple of the padding ``P``, so with ``tile_M`` dividing ``P`` each M tile of the
+output lies in exactly one group: the kernel is a dense persistent GEMM over ``[N, red] x [red, out]`` in
+which each M tile picks its B operand on the device. The tile's group is the number of group ends
+``cu[g] <= m0`` (``m0`` = first row of the tile), counted by one warp with a ballot over ``cu_seqlens`` 32
+entries at a time; each warp that needs it computes it itself (no host sync, no shared-memory hand-off).
+A tile whose group index reaches ``G`` lies past the last group: no loads, no MMA, its accumulators stay
+zero and the epilogue writes zeros. The grid depends only on ``N`` and the output width
+(``min(#tiles, #SMs)`` persistent CTAs, tiles in M-major raster). The forward reads B = ``W_g`` viewed
+``(Nd, Kd)``, N-major; dgrad reads B = ``W_g`` viewed ``(Kd, Nd)``, K-major (reduction over ``Nd``).
 
-Per CTA: warp group 0 is the producer (one warp issues TMA loads of the A tile and the B tile -- from the
-``w_home`` or ``w_slot`` tensor map -- into a multi-stage shared-memory ring guarded by mbarriers), warp
-groups 1.. are consumers (``wgmma`` bf16 x bf16 -> fp32 with A and B from shared memory, B N-major since
-``W_g`` is ``[Kd, Nd]`` with ``Nd`` contiguous), then an epilogue of register -> shared (stmatrix) ->
-global (TMA store) in sub-tiles. Register budgets are rebalanced with ``setmaxnreg``.
+Wgrad (``GroupGemmWgradSm90``): per group g a GEMM with M = Kd, N = Nd and K = the group's rows;
+A = ``x^T`` (M-major in memory) and B = ``dy^T`` (N-major), each read through one tensor map over all
+rows: group g's k tiles are rows ``[cu[g-1], cu[g]) / 64`` (64 | P). Work items (group, m tile, n tile),
+group-major, are strided over ``min(G * #m tiles * #n tiles, #SMs)`` persistent CTAs; each item's K extent
+is read from ``cu_seqlens`` on the device and empty groups' items are skipped. Every output tile belongs
+to one work item, so the fp32 epilogue adds the accumulators straight into ``dw`` in global memory
+(read-add-write, no atomics), predicated on partial tiles.
 
-Host side: ``group_gemm_fwd`` validates, compiles once per static key into ``_COMPILED`` (fake tensors,
-symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment stream) and launches on torch's
-current stream. ``compile_group_gemm_for_sm90`` compiles on a CPU-only machine for CI (see
-``compile_check``).
+Shared by all three (``_GroupedGemmSm90Base``): warp group 0 is the producer (one warp issues TMA loads
+of the A and B tiles into a multi-stage shared-memory ring guarded by mbarriers), warp groups 1.. are
+consumers (``wgmma`` bf16 x bf16 -> fp32, A and B from shared memory); register budgets are rebalanced
+with ``setmaxnreg``. The forward/dgrad epilogue goes register -> shared (stmatrix) -> global (TMA store)
+in sub-tiles.
+
+Host side: ``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_wgrad`` validate, compile once per
+static key into ``_COMPILED`` (fake tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``,
+environment stream) and launch on torch's current stream. ``compile_group_gemm_for_sm90`` compiles any
+of them on a CPU-only machine for CI (see ``compile_check``).
 """
 
 from __future__ import annotations
@@ -37,9 +51,14 @@ import torch
 
 __all__ = [
     "group_gemm_fwd",
+    "group_gemm_dgrad",
+    "group_gemm_wgrad",
     "GroupGemmConfig",
     "select_config",
+    "select_wgrad_config",
     "compile_group_gemm",
+    "compile_group_gemm_dgrad",
+    "compile_group_gemm_wgrad",
     "compile_group_gemm_for_sm90",
 ]
 
@@ -82,7 +101,7 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 # ---------------------------------------------------------------------------------------------------
 
 
-def _build_kernel_class():
+def _build_kernel_classes():
     import cuda.bindings.driver as cuda
 
     import cutlass
@@ -93,39 +112,36 @@ def _build_kernel_class():
     from cutlass.cute.nvgpu import cpasync, warpgroup
     from cutlass.utils import LayoutEnum
 
-    class GroupGemmSm90:
-        """Persistent, warp-specialised grouped GEMM (see the module docstring)."""
+    class _GroupedGemmSm90Base:
+        """What the three kernels share: warp roles and register budgets, the TMA -> mbarrier ring
+        feeding ``wgmma`` (A and B from shared memory, fp32 accumulators), the producer's and the
+        consumers' k-tile loops, and the row -> group lookup. Subclasses choose the operand majorness,
+        the tile scheduler and the epilogue."""
 
-        def __init__(self, config: GroupGemmConfig):
+        threads_per_wg = 128
+        tile_k = 64
+        buffer_align = 1024
+
+        def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int):
             self.tile_m, self.tile_n = config.tile_m, config.tile_n
             self.num_sms = config.num_sms
-            self.tile_k = 64
             self.ab_dtype = cutlass.BFloat16
-            self.c_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
             # Each consumer warp group owns 64 rows of the tile.
             self.num_mma_wg = self.tile_m // 64
             self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
-            self.threads_per_wg = 128
             self.num_threads = (1 + self.num_mma_wg) * self.threads_per_wg
             self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
             self.load_regs = 40
             self.mma_regs = 232 if self.num_mma_wg == 2 else 240
-            self.epi_store_warp = 4  # first warp of the first consumer warp group
-            self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
-            self.a_layout = LayoutEnum.ROW_MAJOR  # x [N, Kd]: K-major
-            self.b_layout = LayoutEnum.COL_MAJOR  # W_g viewed (Nd, Kd): N-major
-            self.c_layout = LayoutEnum.ROW_MAJOR  # y [N, Nd]: N-major
-            # Sub-tile of the epilogue: all consumer warp groups' rows x 32 columns.
-            self.epi_tile = (self.tile_m, 32)
-            self.epi_stage = 4
+            self.a_layout = a_layout
+            self.b_layout = b_layout
+            smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
             a_bytes = self.tile_m * self.tile_k * 2
             b_bytes = self.tile_n * self.tile_k * 2
-            epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
-            self.ab_stage = min(8, (self.smem_capacity - 2048 - epi_bytes) // (a_bytes + b_bytes))
-            self.buffer_align = 1024
+            self.ab_stage = min(8, (smem_capacity - 2048 - reserved_smem) // (a_bytes + b_bytes))
 
-        def _setup(self):
+        def _setup_mainloop(self):
             self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
@@ -142,6 +158,132 @@ def _build_kernel_class():
             self.b_smem_staged = sm90_utils.make_smem_layout_b(
                 self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
             )
+
+        @cute.jit
+        def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged):
+            a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(
+                self.ab_dtype, b_smem
+            )
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar_ptr,
+                num_stages=self.ab_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_wg * 4
+                ),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+
+        @cute.jit
+        def load_k_tiles(
+            self,
+            mainloop,
+            prod_state,
+            tma_a: cute.CopyAtom,
+            tAgA: cute.Tensor,  # (TMA, RestK) of this tile's A
+            tAsA: cute.Tensor,  # (TMA, stage)
+            tma_b: cute.CopyAtom,
+            tBgB: cute.Tensor,  # (TMA, RestK) of this tile's B
+            tBsB: cute.Tensor,
+            k_start: cutlass.Int32,
+            k_count: cutlass.Int32,
+        ):
+            """Producer: TMA k tiles [k_start, k_start + k_count) of A and B into the ring."""
+            for k in cutlass.range(k_count, unroll=1):
+                mainloop.producer_acquire(prod_state)
+                bar = mainloop.producer_get_barrier(prod_state)
+                cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                mainloop.producer_commit(prod_state)
+                prod_state.advance()
+            return prod_state
+
+        @cute.jit
+        def mma_k_tiles(
+            self,
+            mainloop,
+            read_state,
+            release_state,
+            tiled_mma: cute.TiledMma,
+            acc: cute.Tensor,
+            tCrA: cute.Tensor,
+            tCrB: cute.Tensor,
+            k_count: cutlass.Int32,
+        ):
+            """Consumers: acc = sum over k_count ring stages of A_k B_k (one wgmma batch in flight).
+            The caller sets the tiled MMA's ACCUMULATE field once, before its tile loop."""
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            acc.fill(0.0)
+            warpgroup.fence()
+            n_pro = 1 if k_count > 0 else 0
+            for k in cutlass.range(n_pro, unroll=1):
+                mainloop.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    coord = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                warpgroup.commit_group()
+                read_state.advance()
+            for k in cutlass.range(n_pro, k_count, unroll=1):
+                mainloop.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    coord = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+                read_state.advance()
+            warpgroup.wait_group(0)
+            for k in cutlass.range(n_pro, unroll=1):
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+            return read_state, release_state
+
+        @cute.jit
+        def tile_group(self, cu_seqlens: cute.Tensor, row0: cutlass.Int32) -> cutlass.Int32:
+            """Index of the group holding row ``row0`` (== G when past the last group). One warp."""
+            lane = cute.arch.lane_idx()
+            num_groups = cute.size(cu_seqlens, mode=[0])
+            g = cutlass.Int32(0)
+            for base in cutlass.range(0, num_groups, 32, unroll=1):
+                idx = base + lane
+                hit = cutlass.Boolean(False)
+                if idx < num_groups:
+                    hit = cu_seqlens[idx] <= row0
+                g = g + cute.arch.popc(cute.arch.vote_ballot_sync(hit))
+            return g
+
+    class GroupGemmSm90(_GroupedGemmSm90Base):
+        """Row-grouped GEMM ``C[rows of g] = A[rows of g] @ op(W_g)`` (see the module docstring).
+
+        ``b_k_major=False``: forward, ``op(W) = W`` (``[Kd, Nd]``, B N-major).
+        ``b_k_major=True``: dgrad, ``op(W) = W^T`` (the reduction runs over ``Nd``, B K-major).
+        """
+
+        def __init__(self, config: GroupGemmConfig, b_k_major: bool = False):
+            self.b_k_major = bool(b_k_major)
+            # B operand view (N, K, E) of the weights [E, Kd, Nd]: forward (Nd, Kd, E), dgrad (Kd, Nd, E).
+            self.b_modes = [1, 2, 0] if self.b_k_major else [2, 1, 0]
+            self.c_dtype = cutlass.BFloat16
+            # Sub-tile of the epilogue: all consumer warp groups' rows x 32 columns.
+            self.epi_tile = (config.tile_m, 32)
+            self.epi_stage = 4
+            epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
+            self._init_common(
+                config,
+                LayoutEnum.ROW_MAJOR,  # A [N, red]: K-major
+                LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR,
+                epi_bytes,
+            )
+            self.c_layout = LayoutEnum.ROW_MAJOR  # C [N, out]: N-major
+            self.epi_store_warp = 4  # first warp of the first consumer warp group
+
+        def _setup(self):
+            self._setup_mainloop()
             self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
                 self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
             )
@@ -149,17 +291,17 @@ def _build_kernel_class():
         @cute.jit
         def __call__(
             self,
-            x: cute.Tensor,  # (N, Kd), Kd contiguous
+            x: cute.Tensor,  # (N, red), red contiguous
             w_home: cute.Tensor,  # (epn, Kd, Nd), Nd contiguous
             w_slot: cute.Tensor,  # (B, Kd, Nd), Nd contiguous
             cu_seqlens: cute.Tensor,  # (G,) int32
-            y: cute.Tensor,  # (N, Nd), Nd contiguous
+            y: cute.Tensor,  # (N, out), out contiguous
             stream: cuda.CUstream,
         ):
             self._setup()
-            # B operand views (Nd, Kd, E): N-major, as wgmma sees B.
-            b_home = cute.make_tensor(w_home.iterator, cute.select(w_home.layout, mode=[2, 1, 0]))
-            b_slot = cute.make_tensor(w_slot.iterator, cute.select(w_slot.layout, mode=[2, 1, 0]))
+            # B operand views (N, K, E) as wgmma sees B.
+            b_home = cute.make_tensor(w_home.iterator, cute.select(w_home.layout, mode=self.b_modes))
+            b_slot = cute.make_tensor(w_slot.iterator, cute.select(w_slot.layout, mode=self.b_modes))
 
             a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
             b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
@@ -223,20 +365,6 @@ def _build_kernel_class():
                 stream=stream,
             )
 
-        @cute.jit
-        def tile_group(self, cu_seqlens: cute.Tensor, row0: cutlass.Int32) -> cutlass.Int32:
-            """Index of the group holding row ``row0`` (== G when past the last group). One warp."""
-            lane = cute.arch.lane_idx()
-            num_groups = cute.size(cu_seqlens, mode=[0])
-            g = cutlass.Int32(0)
-            for base in cutlass.range(0, num_groups, 32, unroll=1):
-                idx = base + lane
-                hit = cutlass.Boolean(False)
-                if idx < num_groups:
-                    hit = cu_seqlens[idx] <= row0
-                g = g + cute.arch.popc(cute.arch.vote_ballot_sync(hit))
-            return g
-
         @cute.kernel
         def kernel(
             self,
@@ -273,23 +401,7 @@ def _build_kernel_class():
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-
-            a_smem = cute.slice_(a_smem_staged, (None, None, 0))
-            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(
-                self.ab_dtype, b_smem
-            )
-            mainloop = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(),
-                num_stages=self.ab_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_wg * 4
-                ),
-                tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True,
-            )
+            mainloop = self.make_mainloop_pipeline(storage.mbar.data_ptr(), a_smem_staged, b_smem_staged)
             pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -326,32 +438,20 @@ def _build_kernel_class():
                         m_idx = tile // num_n_tiles
                         n_idx = tile % num_n_tiles
                         g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
-                        k_count = k_tiles if g < num_groups else 0
-                        for k in cutlass.range(k_count, unroll=1):
-                            mainloop.producer_acquire(prod_state)
-                            bar = mainloop.producer_get_barrier(prod_state)
-                            cute.copy(
-                                tma_a,
-                                tAgA[(None, m_idx, k)],
-                                tAsA[(None, prod_state.index)],
-                                tma_bar_ptr=bar,
+                        if g < num_home:
+                            prod_state = self.load_k_tiles(
+                                mainloop, prod_state,
+                                tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                tma_bh, tBgBh[(None, n_idx, None, g)], tBsBh,
+                                0, k_tiles,
                             )
-                            if g < num_home:
-                                cute.copy(
-                                    tma_bh,
-                                    tBgBh[(None, n_idx, k, g)],
-                                    tBsBh[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                )
-                            else:
-                                cute.copy(
-                                    tma_bs,
-                                    tBgBs[(None, n_idx, k, g - num_home)],
-                                    tBsBs[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                )
-                            mainloop.producer_commit(prod_state)
-                            prod_state.advance()
+                        elif g < num_groups:
+                            prod_state = self.load_k_tiles(
+                                mainloop, prod_state,
+                                tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                tma_bs, tBgBs[(None, n_idx, None, g - num_home)], tBsBs,
+                                0, k_tiles,
+                            )
                     mainloop.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups ----------------
@@ -363,9 +463,9 @@ def _build_kernel_class():
                 tCsB = thr_mma.partition_B(sB)
                 tCrA = tiled_mma.make_fragment_A(tCsA)
                 tCrB = tiled_mma.make_fragment_B(tCsB)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # acc is zero-filled per tile
                 tCgC = thr_mma.partition_C(gC)
                 acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
-                num_k_blocks = cute.size(tCrA, mode=[2])
 
                 read_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.ab_stage
@@ -404,33 +504,11 @@ def _build_kernel_class():
                     m_idx = tile // num_n_tiles
                     n_idx = tile % num_n_tiles
                     g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                    # A tile past the last group: no MMA, its accumulators stay zero.
                     k_count = k_tiles if g < num_groups else 0
-                    n_pro = 1 if k_count > 0 else 0
-
-                    acc.fill(0.0)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.fence()
-                    for k in cutlass.range(n_pro, unroll=1):
-                        mainloop.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            coord = (None, None, kb, read_state.index)
-                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                        warpgroup.commit_group()
-                        read_state.advance()
-                    for k in cutlass.range(n_pro, k_count, unroll=1):
-                        mainloop.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            coord = (None, None, kb, read_state.index)
-                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        mainloop.consumer_release(release_state)
-                        release_state.advance()
-                        read_state.advance()
-                    warpgroup.wait_group(0)
-                    for k in cutlass.range(n_pro, unroll=1):
-                        mainloop.consumer_release(release_state)
-                        release_state.advance()
+                    read_state, release_state = self.mma_k_tiles(
+                        mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                    )
 
                     # ---- epilogue ----
                     gC_tile = gC[(None, None, m_idx, n_idx)]
@@ -462,17 +540,270 @@ def _build_kernel_class():
                 if warp_idx == self.epi_store_warp:
                     store_pipe.producer_tail()
 
-    return GroupGemmSm90
+    class GroupGemmWgradSm90(_GroupedGemmSm90Base):
+        """Varlen-K grouped weight gradient ``dW_g += x_g^T @ dy_g`` (fp32, in place).
+
+        GEMM view per group g: M = Kd, N = Nd, K = the group's rows. A = x viewed (Kd, N) is M-major,
+        B = dy viewed (Nd, N) is N-major; both are read with one tensor map each, the k tiles of group g
+        being rows [cu[g-1], cu[g]) / tile_k (every group length is a multiple of P, and tile_k | P).
+        Work items are (group, m tile, n tile), group-major, strided over persistent CTAs; each item's K
+        extent comes from ``cu_seqlens`` on the device, and empty groups' items are skipped (their dW
+        is not touched). Each output tile belongs to exactly one item, so the epilogue is a plain
+        read-add-write of fp32 from the accumulators to global memory (predicated on partial tiles).
+        """
+
+        def __init__(self, config: GroupGemmConfig):
+            self._init_common(
+                config,
+                LayoutEnum.COL_MAJOR,  # A = x^T (Kd, rows): M-major
+                LayoutEnum.COL_MAJOR,  # B = dy^T (Nd, rows): N-major
+                0,
+            )
+
+        @cute.jit
+        def __call__(
+            self,
+            x: cute.Tensor,  # (N, Kd), Kd contiguous
+            dy: cute.Tensor,  # (N, Nd), Nd contiguous
+            cu_seqlens: cute.Tensor,  # (G,) int32
+            dw_home: cute.Tensor,  # (epn, Kd, Nd) fp32, Nd contiguous
+            dw_slot: cute.Tensor,  # (B, Kd, Nd) fp32, Nd contiguous
+            stream: cuda.CUstream,
+        ):
+            self._setup_mainloop()
+            a_view = cute.make_tensor(x.iterator, cute.select(x.layout, mode=[1, 0]))  # (Kd, N)
+            b_view = cute.make_tensor(dy.iterator, cute.select(dy.layout, mode=[1, 0]))  # (Nd, N)
+            # (Kd, Nd, E) views of the gradients
+            d_home = cute.make_tensor(dw_home.iterator, cute.select(dw_home.layout, mode=[1, 2, 0]))
+            d_slot = cute.make_tensor(dw_slot.iterator, cute.select(dw_slot.layout, mode=[1, 2, 0]))
+
+            a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
+            b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
+            tma_a, mA = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), a_view, a_smem, (self.tile_m, self.tile_k)
+            )
+            tma_b, mB = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), b_view, b_smem, (self.tile_n, self.tile_k)
+            )
+
+            num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m)
+            num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n)
+            num_tiles = cute.size(cu_seqlens, mode=[0]) * (num_m_tiles * num_n_tiles)
+            grid_x = cutlass.min(num_tiles, self.num_sms)
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
+                    self.buffer_align,
+                ]
+                sB: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
+                    self.buffer_align,
+                ]
+
+            self.shared_storage = SharedStorage
+
+            self.kernel(
+                tma_a,
+                mA,
+                tma_b,
+                mB,
+                cu_seqlens,
+                d_home,
+                d_slot,
+                self.tiled_mma,
+                self.a_smem_staged,
+                self.b_smem_staged,
+                num_n_tiles,
+                num_m_tiles * num_n_tiles,
+                num_tiles,
+            ).launch(
+                grid=[grid_x, 1, 1],
+                block=[self.num_threads, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.jit
+        def work_item(
+            self,
+            cu_seqlens: cute.Tensor,
+            tile: cutlass.Int32,
+            num_n_tiles: cutlass.Int32,
+            tiles_per_group: cutlass.Int32,
+        ):
+            """Work item ``tile`` -> (group, m tile, n tile, first k tile, number of k tiles)."""
+            g = tile // tiles_per_group
+            rest = tile - g * tiles_per_group
+            m_idx = rest // num_n_tiles
+            n_idx = rest - m_idx * num_n_tiles
+            row_start = cutlass.Int32(0)
+            if g > 0:
+                row_start = cu_seqlens[g - 1]
+            row_end = cu_seqlens[g]
+            k_start = row_start // self.tile_k
+            k_count = (row_end - row_start) // self.tile_k
+            return g, m_idx, n_idx, k_start, k_count
+
+        @cute.jit
+        def epilogue_partition(self, tiled_mma: cute.TiledMma, mma_tidx, tile: cute.Tensor) -> cute.Tensor:
+            """Consumer thread ``mma_tidx``'s (0 .. #consumer threads) share of an output tile, in the
+            order of its accumulator registers. It must be sliced by the thread index: the warp-group
+            slice that partitions the shared-memory operands of wgmma would give every thread of a warp
+            group the first thread's coordinates (checked on the CPU by the tests)."""
+            return tiled_mma.get_slice(mma_tidx).partition_C(tile)
+
+        @cute.jit
+        def add_into(self, acc: cute.Tensor, tCgD: cute.Tensor, tCcD: cute.Tensor, dims, full):
+            """dW tile (this thread's part) += acc; predicated on the bounds unless ``full``."""
+            if full:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    tCgD[i] = tCgD[i] + acc[i]
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    if cute.elem_less(tCcD[i], dims):
+                        tCgD[i] = tCgD[i] + acc[i]
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_a: cute.CopyAtom,
+            mA: cute.Tensor,
+            tma_b: cute.CopyAtom,
+            mB: cute.Tensor,
+            cu_seqlens: cute.Tensor,
+            mDh: cute.Tensor,
+            mDs: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+            num_n_tiles: cutlass.Int32,
+            tiles_per_group: cutlass.Int32,
+            num_tiles: cutlass.Int32,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_a)
+                cpasync.prefetch_descriptor(tma_b)
+
+            num_home = cute.size(mDh, mode=[2])
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            mainloop = self.make_mainloop_pipeline(storage.mbar.data_ptr(), a_smem_staged, b_smem_staged)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+            # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK)
+            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+            gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None))
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            if wg_idx == 0:
+                # ---------------- producer warp group ----------------
+                cute.arch.setmaxregister_decrease(self.load_regs)
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.ab_stage
+                    )
+                    for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                        g, m_idx, n_idx, k_start, k_count = self.work_item(
+                            cu_seqlens, tile, num_n_tiles, tiles_per_group
+                        )
+                        prod_state = self.load_k_tiles(
+                            mainloop, prod_state,
+                            tma_a, tAgA[(None, m_idx, None)], tAsA,
+                            tma_b, tBgB[(None, n_idx, None)], tBsB,
+                            k_start, k_count,
+                        )
+                    mainloop.producer_tail(prod_state)
+            else:
+                # ---------------- consumer warp groups ----------------
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+                tCsA = thr_mma.partition_A(sA)
+                tCsB = thr_mma.partition_B(sB)
+                tCrA = tiled_mma.make_fragment_A(tCsA)
+                tCrB = tiled_mma.make_fragment_B(tCsB)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # acc is zero-filled per tile
+                mma_tidx = tidx - self.threads_per_wg
+
+                dims = (cute.size(mDh, mode=[0]), cute.size(mDh, mode=[1]))  # (Kd, Nd), static
+                # (bM, bN, RestM, RestN, E) tiles of the gradients and of their coordinates
+                gDh = cute.local_tile(mDh, (self.tile_m, self.tile_n), (None, None, None))
+                gDs = cute.local_tile(mDs, (self.tile_m, self.tile_n), (None, None, None))
+                cD = cute.local_tile(
+                    cute.make_identity_tensor(dims), (self.tile_m, self.tile_n), (None, None)
+                )
+                acc = cute.make_rmem_tensor(
+                    self.epilogue_partition(tiled_mma, mma_tidx, gDh[(None, None, 0, 0, 0)]).shape, self.acc_dtype
+                )
+
+                read_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.ab_stage
+                )
+                release_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.ab_stage
+                )
+                for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                    g, m_idx, n_idx, k_start, k_count = self.work_item(
+                        cu_seqlens, tile, num_n_tiles, tiles_per_group
+                    )
+                    if k_count > 0:
+                        read_state, release_state = self.mma_k_tiles(
+                            mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                        )
+                        tCcD = self.epilogue_partition(tiled_mma, mma_tidx, cD[(None, None, m_idx, n_idx)])
+                        full = ((m_idx + 1) * self.tile_m <= dims[0]) & (
+                            (n_idx + 1) * self.tile_n <= dims[1]
+                        )
+                        if g < num_home:
+                            self.add_into(
+                                acc, self.epilogue_partition(tiled_mma, mma_tidx, gDh[(None, None, m_idx, n_idx, g)]),
+                                tCcD, dims, full,
+                            )
+                        else:
+                            self.add_into(
+                                acc,
+                                self.epilogue_partition(
+                                    tiled_mma, mma_tidx, gDs[(None, None, m_idx, n_idx, g - num_home)]
+                                ),
+                                tCcD, dims, full,
+                            )
+
+    return GroupGemmSm90, GroupGemmWgradSm90
 
 
-_KERNEL_CLASS = None
+_KERNEL_CLASSES = None
+
+
+def _kernel_classes():
+    global _KERNEL_CLASSES
+    if _KERNEL_CLASSES is None:
+        _KERNEL_CLASSES = _build_kernel_classes()
+    return _KERNEL_CLASSES
 
 
 def _kernel_class():
-    global _KERNEL_CLASS
-    if _KERNEL_CLASS is None:
-        _KERNEL_CLASS = _build_kernel_class()
-    return _KERNEL_CLASS
+    """The row-grouped kernel class (forward and dgrad)."""
+    return _kernel_classes()[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -483,30 +814,33 @@ _COMPILED: dict[tuple, Any] = {}
 _COMPILE_LOCK = threading.Lock()
 
 
-def compile_group_gemm(kd: int, nd: int, config: GroupGemmConfig):
-    """Compile (or fetch from the cache) the kernel for static (Kd, Nd, tile config, arch).
-
-    Dynamic: N (rows), epn, B, G. The result takes torch tensors (x, w_home, w_slot, cu_seqlens, y)
-    and runs on torch's current stream (tvm-ffi environment stream).
-    """
-    import cutlass
-    import cutlass.cute as cute
-
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    key = ("group_gemm_fwd", "bf16", "bf16", "f32", int(kd), int(nd), tuple(config), arch)
+def _compile_cached(key: tuple, build):
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
     with _COMPILE_LOCK:
         fn = _COMPILED.get(key)
-        if fn is not None:
-            return fn
+        if fn is None:
+            fn = _COMPILED[key] = build()
+        return fn
+
+
+def _compile_rows_kernel(name: str, red: int, out: int, kd: int, nd: int, b_k_major: bool,
+                         config: GroupGemmConfig):
+    """Row-grouped kernel ``C [N, out] = A [N, red] @ op(W_g)`` with ``W`` ``[E, kd, nd]``."""
+    import cutlass
+    import cutlass.cute as cute
+
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    key = (name, "bf16", "bf16", "f32", int(kd), int(nd), tuple(config), arch)
+
+    def build():
         n = cute.sym_int()
         epn = cute.sym_int()
         nb = cute.sym_int()
         ng = cute.sym_int()
         rt = cute.runtime
-        x_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, kd), stride_order=(1, 0), assumed_align=16)
+        a_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, red), stride_order=(1, 0), assumed_align=16)
         wh_f = rt.make_fake_compact_tensor(
             cutlass.BFloat16, (epn, kd, nd), stride_order=(2, 1, 0), assumed_align=16
         )
@@ -514,72 +848,141 @@ def compile_group_gemm(kd: int, nd: int, config: GroupGemmConfig):
             cutlass.BFloat16, (nb, kd, nd), stride_order=(2, 1, 0), assumed_align=16
         )
         cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
-        y_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, nd), stride_order=(1, 0), assumed_align=16)
+        c_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, out), stride_order=(1, 0), assumed_align=16)
         stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-        kernel = _kernel_class()(config)
-        fn = cute.compile(kernel, x_f, wh_f, ws_f, cu_f, y_f, stream, options="--enable-tvm-ffi")
-        _COMPILED[key] = fn
-        return fn
+        kernel = _kernel_classes()[0](config, b_k_major=b_k_major)
+        return cute.compile(kernel, a_f, wh_f, ws_f, cu_f, c_f, stream, options="--enable-tvm-ffi")
+
+    return _compile_cached(key, build)
+
+
+def compile_group_gemm(kd: int, nd: int, config: GroupGemmConfig):
+    """Compile (or fetch from the cache) the forward kernel for static (Kd, Nd, tile config, arch).
+
+    Dynamic: N (rows), epn, B, G. The result takes torch tensors (x, w_home, w_slot, cu_seqlens, y)
+    and runs on torch's current stream (tvm-ffi environment stream).
+    """
+    return _compile_rows_kernel("group_gemm_fwd", kd, nd, kd, nd, False, config)
+
+
+def compile_group_gemm_dgrad(kd: int, nd: int, config: GroupGemmConfig):
+    """The dgrad kernel (same class, B K-major): takes (dy [N, Nd], w_home, w_slot, cu_seqlens,
+    dx [N, Kd]). ``config.tile_n`` tiles the output columns, Kd."""
+    return _compile_rows_kernel("group_gemm_dgrad", nd, kd, kd, nd, True, config)
+
+
+def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
+    """The varlen-K wgrad kernel: takes (x [N, Kd], dy [N, Nd], cu_seqlens, dw_home fp32, dw_slot fp32)
+    and adds ``x_g^T dy_g`` into ``dw_g``. ``config.tile_m`` tiles Kd, ``config.tile_n`` tiles Nd."""
+    import cutlass
+    import cutlass.cute as cute
+
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    key = ("group_gemm_wgrad", "bf16", "bf16", "f32", int(kd), int(nd), tuple(config), arch)
+
+    def build():
+        n = cute.sym_int()
+        epn = cute.sym_int()
+        nb = cute.sym_int()
+        ng = cute.sym_int()
+        rt = cute.runtime
+        x_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, kd), stride_order=(1, 0), assumed_align=16)
+        dy_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, nd), stride_order=(1, 0), assumed_align=16)
+        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
+        dh_f = rt.make_fake_compact_tensor(
+            cutlass.Float32, (epn, kd, nd), stride_order=(2, 1, 0), assumed_align=16
+        )
+        ds_f = rt.make_fake_compact_tensor(
+            cutlass.Float32, (nb, kd, nd), stride_order=(2, 1, 0), assumed_align=16
+        )
+        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
+        kernel = _kernel_classes()[1](config)
+        return cute.compile(kernel, x_f, dy_f, cu_f, dh_f, ds_f, stream, options="--enable-tvm-ffi")
+
+    return _compile_cached(key, build)
+
+
+def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd; its k tile (64 rows) must divide P."""
+    if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
+        raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
+    if pad < 64:
+        raise ValueError(
+            f"P (pad) = {pad} is smaller than the wgrad kernel's k tile (64 rows): every k tile must lie "
+            f"inside one group, so group lengths must be multiples of 64"
+        )
+    tile_m = 128 if kd > 64 else 64
+    tile_n = 256 if nd >= 256 else 128
+    return GroupGemmConfig(tile_m, tile_n, num_sms)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Host wrapper
+# Host wrappers
 # ---------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x, w_home, w_slot, cu_seqlens, pad):
-    for name, t in (("x", x), ("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)):
+def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1):
+    """Checks of the row-grouped kernels; ``red_dim`` is the weight dim that x's columns match
+    (1 = Kd: forward, 2 = Nd: dgrad, with x = dy)."""
+    for name, t in ((x_name, x), ("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("x", x), ("w_home", w_home), ("w_slot", w_slot)):
+    for name, t in ((x_name, x), ("w_home", w_home), ("w_slot", w_slot)):
         if t.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+    red_name = "Kd" if red_dim == 1 else "Nd"
     if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [N, Kd], got shape {tuple(x.shape)}")
+        raise ValueError(f"{x_name} must be 2-D [N, {red_name}], got shape {tuple(x.shape)}")
     if w_home.dim() != 3:
         raise ValueError(f"w_home must be 3-D [epn, Kd, Nd], got shape {tuple(w_home.shape)}")
     if w_slot.dim() != 3:
         raise ValueError(f"w_slot must be 3-D [B, Kd, Nd], got shape {tuple(w_slot.shape)}")
-    n, kd = x.shape
-    epn, kd_h, nd = w_home.shape
+    n, red = x.shape
+    epn, kd, nd = w_home.shape
     nb, kd_s, nd_s = w_slot.shape
     if epn < 1:
         raise ValueError(f"w_home must hold at least one expert (epn >= 1), got epn={epn}")
-    if kd_h != kd:
-        raise ValueError(f"w_home.shape[1] (Kd={kd_h}) must equal x.shape[1] (Kd={kd})")
+    if w_home.shape[red_dim] != red:
+        raise ValueError(
+            f"w_home.shape[{red_dim}] ({red_name}={w_home.shape[red_dim]}) must equal "
+            f"{x_name}.shape[1] ({red_name}={red})"
+        )
     if (kd_s, nd_s) != (kd, nd):
         raise ValueError(
             f"w_slot must be [B, Kd={kd}, Nd={nd}] like w_home, got shape {tuple(w_slot.shape)}"
         )
     if kd < 8 or kd % 8:
-        raise ValueError(f"Kd (x.shape[1]) must be a positive multiple of 8, got {kd}")
+        raise ValueError(f"Kd (w_home.shape[1]) must be a positive multiple of 8, got {kd}")
     if nd < 8 or nd % 8:
         raise ValueError(f"Nd (w_home.shape[2]) must be a positive multiple of 8, got {nd}")
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != epn + nb:
-        raise ValueError(
-            f"cu_seqlens must be 1-D of length epn + B = {epn} + {nb} = {epn + nb}, "
-            f"got shape {tuple(cu_seqlens.shape)}"
-        )
-    if not cu_seqlens.is_contiguous():
-        raise ValueError("cu_seqlens must be contiguous")
+    _check_cu(cu_seqlens, epn + nb)
     dev = x.device
     for name, t in (("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)):
         if t.device != dev:
-            raise ValueError(f"{name} must be on the same device as x ({dev}), got {t.device}")
+            raise ValueError(f"{name} must be on the same device as {x_name} ({dev}), got {t.device}")
     if dev.type != "cuda":
-        raise ValueError(f"x must be a CUDA tensor for the CuTe kernel, got device {dev}")
-    for name, t in (("x", x), ("w_home", w_home), ("w_slot", w_slot)):
+        raise ValueError(f"{x_name} must be a CUDA tensor for the CuTe kernel, got device {dev}")
+    for name, t in ((x_name, x), ("w_home", w_home), ("w_slot", w_slot)):
         if t.numel() and t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
     return n, kd, nd, epn, nb
 
 
+def _check_cu(cu_seqlens, num_groups):
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != num_groups:
+        raise ValueError(
+            f"cu_seqlens must be 1-D of length epn + B = {num_groups}, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if not cu_seqlens.is_contiguous():
+        raise ValueError("cu_seqlens must be contiguous")
+
+
 _DEVICE_INFO: dict[int, tuple[tuple[int, int], int]] = {}
-# (Kd, Nd, P, device index) -> compiled kernel: skips the config/key work on the hot path.
+# (op, Kd, Nd, P, device index) -> compiled kernel: skips the config/key work on the hot path.
 _LAUNCH_CACHE: dict[tuple, Any] = {}
 
 
@@ -590,6 +993,33 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
         props = torch.cuda.get_device_properties(idx)
         info = _DEVICE_INFO[idx] = ((props.major, props.minor), props.multi_processor_count)
     return info
+
+
+def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
+    fast_key = (op, kd, nd, pad, device.index)
+    fn = _LAUNCH_CACHE.get(fast_key)
+    if fn is None:
+        cc, num_sms = _device_info(device)
+        if cc != (9, 0):
+            raise ValueError(
+                f"tensors must be on a Hopper (sm_90) GPU, got compute capability {cc[0]}.{cc[1]}"
+            )
+        if op == "fwd":
+            fn = compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
+        elif op == "dgrad":
+            fn = compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
+        else:
+            fn = compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+        _LAUNCH_CACHE[fast_key] = fn
+    return fn
+
+
+def _out_tensor(out, n, cols, device):
+    if out is None:
+        return torch.empty(n, cols, dtype=torch.bfloat16, device=device)
+    if out.shape != (n, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out must be a contiguous bf16 [{n}, {cols}] tensor on {device}")
+    return out
 
 
 def group_gemm_fwd(
@@ -605,22 +1035,8 @@ def group_gemm_fwd(
     ``pad`` is P, the multiple every group length has (a power of two >= 64 for this kernel).
     """
     n, kd, nd, epn, nb = _check_inputs(x, w_home, w_slot, cu_seqlens, pad)
-    fast_key = (kd, nd, pad, x.device.index)
-    fn = _LAUNCH_CACHE.get(fast_key)
-    if fn is None:
-        cc, num_sms = _device_info(x.device)
-        if cc != (9, 0):
-            raise ValueError(
-                f"x must be on a Hopper (sm_90) GPU, got compute capability {cc[0]}.{cc[1]}"
-            )
-        fn = compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
-        _LAUNCH_CACHE[fast_key] = fn
-    if out is None:
-        y = torch.empty(n, nd, dtype=torch.bfloat16, device=x.device)
-    else:
-        if out.shape != (n, nd) or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != x.device:
-            raise ValueError(f"out must be a contiguous bf16 [{n}, {nd}] tensor on {x.device}")
-        y = out
+    fn = _launcher("fwd", kd, nd, pad, x.device)
+    y = _out_tensor(out, n, nd, x.device)
     if n == 0:
         return y
     if nb == 0:
@@ -630,29 +1046,138 @@ def group_gemm_fwd(
     return y
 
 
+def group_gemm_dgrad(
+    dy: torch.Tensor,
+    w_home: torch.Tensor,
+    w_slot: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    pad: int = 128,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dx[N, Kd]``: ``dx[rows of g] = dy[rows of g] @ W_g^T``, rows past the last group zero (no host
+    sync). ``pad`` is P (a power of two >= 64)."""
+    n, kd, nd, epn, nb = _check_inputs(dy, w_home, w_slot, cu_seqlens, pad, x_name="dy", red_dim=2)
+    fn = _launcher("dgrad", kd, nd, pad, dy.device)
+    dx = _out_tensor(out, n, kd, dy.device)
+    if n == 0:
+        return dx
+    if nb == 0:
+        w_slot = w_home  # never read (see group_gemm_fwd)
+    fn(dy, w_home, w_slot, cu_seqlens, dx)
+    return dx
+
+
+def group_gemm_wgrad(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dw_home: torch.Tensor,
+    dw_slot: torch.Tensor,
+    pad: int = 128,
+) -> None:
+    """``dw_g += x[rows of g]^T @ dy[rows of g]`` in fp32, in place: home groups into ``dw_home``
+    ``[epn, Kd, Nd]``, slot groups into ``dw_slot`` ``[B, Kd, Nd]``; empty groups' gradients are not
+    touched (no host sync). ``pad`` is P (a power of two >= 64)."""
+    for name, t in (("x", x), ("dy", dy), ("cu_seqlens", cu_seqlens), ("dw_home", dw_home), ("dw_slot", dw_slot)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    for name, t, dt in (("x", x, torch.bfloat16), ("dy", dy, torch.bfloat16),
+                        ("dw_home", dw_home, torch.float32), ("dw_slot", dw_slot, torch.float32)):
+        if t.dtype != dt:
+            raise ValueError(f"{name} must be {str(dt).replace('torch.', '')}, got {t.dtype}")
+    if x.dim() != 2 or dy.dim() != 2 or dy.shape[0] != x.shape[0]:
+        raise ValueError(f"x [N, Kd] and dy [N, Nd] must be 2-D with equal N, got {tuple(x.shape)}, {tuple(dy.shape)}")
+    n, kd = x.shape
+    nd = dy.shape[1]
+    if dw_home.dim() != 3 or tuple(dw_home.shape[1:]) != (kd, nd) or dw_home.shape[0] < 1:
+        raise ValueError(f"dw_home must be [epn >= 1, Kd={kd}, Nd={nd}], got shape {tuple(dw_home.shape)}")
+    if dw_slot.dim() != 3 or tuple(dw_slot.shape[1:]) != (kd, nd):
+        raise ValueError(f"dw_slot must be [B, Kd={kd}, Nd={nd}], got shape {tuple(dw_slot.shape)}")
+    if kd < 8 or kd % 8 or nd < 8 or nd % 8:
+        raise ValueError(f"Kd and Nd must be positive multiples of 8, got Kd={kd}, Nd={nd}")
+    _check_cu(cu_seqlens, dw_home.shape[0] + dw_slot.shape[0])
+    dev = x.device
+    for name, t in (("dy", dy), ("cu_seqlens", cu_seqlens), ("dw_home", dw_home), ("dw_slot", dw_slot)):
+        if t.device != dev:
+            raise ValueError(f"{name} must be on the same device as x ({dev}), got {t.device}")
+    if dev.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor for the CuTe kernel, got device {dev}")
+    for name, t in (("x", x), ("dy", dy), ("dw_home", dw_home), ("dw_slot", dw_slot)):
+        if t.numel() and t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    fn = _launcher("wgrad", kd, nd, pad, dev)
+    if n == 0:
+        return
+    if dw_slot.shape[0] == 0:
+        dw_slot = dw_home  # never written: every group index is < epn
+    fn(x, dy, cu_seqlens, dw_home, dw_slot)
+
+
 # ---------------------------------------------------------------------------------------------------
 # CI: compile for sm_90a without a GPU
 # ---------------------------------------------------------------------------------------------------
 
 
-def _compile_only(kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS) -> None:
+def _compile_only(kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
+                  op: str = "fwd") -> None:
     """Child-process entry of ``compile_group_gemm_for_sm90`` (environment already set)."""
     from csrc_cute.compile_check import expect_no_driver
 
     with expect_no_driver():
-        compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
+        if op == "fwd":
+            compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
+        elif op == "dgrad":
+            compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
+        elif op == "wgrad":
+            compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+
+def _wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
+    """CPU check of the wgrad epilogue's thread -> element map (layout algebra at trace time only).
+
+    Returns how many (row, col) of a ``tile_m x tile_n`` output tile the consumer threads' partitions
+    (``GroupGemmWgradSm90.epilogue_partition``) write, how many distinct ones, and the tile size: every
+    element must be written by exactly one thread. Run with ``CUTE_DSL_ARCH=sm_90a`` (see the tests).
+    """
+    import cutlass
+    import cutlass.cute as cute
+
+    from csrc_cute.compile_check import expect_no_driver
+
+    kernel = _kernel_classes()[1](GroupGemmConfig(tile_m, tile_n, 1))
+    seen: list[tuple[int, int]] = []
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        tile = cute.make_identity_tensor((tile_m, tile_n))
+        for t in cutlass.range_constexpr(kernel.num_mma_threads):
+            part = kernel.epilogue_partition(kernel.tiled_mma, t, tile)
+            for i in cutlass.range_constexpr(cute.size(part)):
+                seen.append(tuple(int(v) for v in part[i]))
+
+    with expect_no_driver():
+        cute.compile(probe)
+    inside = all(0 <= r < tile_m and 0 <= c < tile_n for r, c in seen)
+    return dict(writes=len(seen), distinct=len(set(seen)), elements=tile_m * tile_n, inside=inside)
 
 
 def compile_group_gemm_for_sm90(
-    dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS
+    dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
+    op: str = "fwd",
 ):
-    """Compile the kernel for sm_90a (works on a CPU-only machine) and return a ``CompileCheckResult``
-    with the PTX/cubin paths and ptxas statistics (registers, shared memory, spills)."""
+    """Compile one kernel (``op`` = "fwd", "dgrad" or "wgrad") for sm_90a (works on a CPU-only machine)
+    and return a ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers,
+    shared memory, spills)."""
     from csrc_cute.compile_check import run_compile_check
 
     return run_compile_check(
         "csrc_cute.group_gemm:_compile_only",
         dump_dir,
-        dict(kd=kd, nd=nd, pad=pad, num_sms=num_sms),
+        dict(kd=kd, nd=nd, pad=pad, num_sms=num_sms, op=op),
         arch="sm_90a",
     )

@@ -179,6 +179,14 @@ def group_gemm_dgrad(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Ten
 group_gemm_dgrad.register_fake(meta.group_gemm.group_gemm_dgrad)
 
 
+@group_gemm_dgrad.register_kernel("cuda")
+def _group_gemm_dgrad_cuda(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
+    meta.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
+    from csrc_cute.group_gemm import group_gemm_dgrad as dgrad_kernel  # CuTe DSL loads on first CUDA use only
+
+    return dgrad_kernel(dy, w_home, w_slot, cu_seqlens, pad=P)
+
+
 @custom_op("moonep::group_gemm_wgrad", mutates_args=("dw_home", "dw_slot"), device_types="cpu")
 def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor, P: int) -> None:
     """dW_g += x[rows of g]^T @ dy[rows of g] in fp32: home groups into dw_home, slots into dw_slot."""
@@ -188,6 +196,14 @@ def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor,
 
 
 group_gemm_wgrad.register_fake(meta.group_gemm.group_gemm_wgrad)
+
+
+@group_gemm_wgrad.register_kernel("cuda")
+def _group_gemm_wgrad_cuda(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor, P: int) -> None:
+    meta.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
+    from csrc_cute.group_gemm import group_gemm_wgrad as wgrad_kernel  # CuTe DSL loads on first CUDA use only
+
+    wgrad_kernel(x, dy, cu_seqlens, dw_home, dw_slot, pad=P)
 
 
 # ---------------------------------------------------------------------------------- prefetch_weights

@@ -1,8 +1,8 @@
-"""Tests of the CuTe DSL grouped GEMM forward kernel (csrc_cute/group_gemm.py).
+"""Tests of the CuTe DSL grouped GEMM kernels (csrc_cute/group_gemm.py): forward, dgrad, wgrad.
 
-CPU (CI): the kernel compiles for sm_90a without a GPU, ptxas reports no spills; input validation.
-GPU (Hopper): results against the fp32 reference, CUDA-graph capture/replay; optional benchmark
-(``MOONEP_BENCH=1``) against ``torch._grouped_mm``.
+CPU (CI): every kernel compiles for sm_90a without a GPU, ptxas reports no spills; input validation.
+GPU (Hopper): results against the CPU reference ops, CUDA-graph capture/replay, dispatch of the
+registered ops, autograd of ``moonep::group_gemm`` through the dgrad and wgrad kernels.
 """
 
 import os
@@ -12,7 +12,14 @@ import torch
 
 import moonep_ops  # noqa: F401  (registers moonep::group_gemm, whose CPU implementation is the reference)
 from csrc_cute import compile_check
-from csrc_cute.group_gemm import compile_group_gemm_for_sm90, group_gemm_fwd, select_config
+from csrc_cute.group_gemm import (
+    compile_group_gemm_for_sm90,
+    group_gemm_dgrad,
+    group_gemm_fwd,
+    group_gemm_wgrad,
+    select_config,
+    select_wgrad_config,
+)
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 gpu = pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper (sm_90) GPU")
@@ -246,3 +253,337 @@ def test_registered_cuda_op_and_autograd_boundary():
     x, wh, ws, cu = _make([128, 0, 256, 128], 2, 256, 192)
     y = torch.ops.moonep.group_gemm(x, wh, ws, cu, 128)
     torch.testing.assert_close(y.float(), reference_group_gemm(x, wh, ws, cu).float(), atol=2e-2, rtol=2e-2)
+
+
+# ================================================================================================
+# dgrad and wgrad
+# ================================================================================================
+
+# ------------------------------------------------------------------------------------------------
+# CPU: compile for sm_90a, validation
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "op, kd, nd, pad",
+    [
+        ("dgrad", 7168, 2048, 128),  # gate/up projection's dgrad (output Kd = 7168)
+        ("dgrad", 2048, 7168, 64),  # down projection's dgrad, tile_M = 64
+        ("wgrad", 7168, 2048, 128),
+        ("wgrad", 520, 136, 64),  # partial tiles in M and N, tile_N = 128
+    ],
+)
+def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
+    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op)
+    assert res.ptx, f"no PTX written:\n{res.child_output}"
+    assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
+    if compile_check.find_ptxas() is None:
+        pytest.skip("ptxas not available")
+    print(f"\n[group_gemm {op} sm_90a Kd={kd} Nd={nd} P={pad}]\n" + res.summary())
+    assert len(res.stats) == 1, res.summary()
+    for s in res.stats:
+        assert s.spill_bytes == 0, res.summary()
+        assert s.stack_frame_bytes == 0, res.summary()
+    # the tensor cores do the work: wgmma with the operand majorness of the op
+    # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
+    with open(res.ptx[0], "rb") as f:
+        ptx = f.read().decode(errors="replace")
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma, "no wgmma in the PTX"
+    trans = {"dgrad": "0, 0;", "wgrad": "1, 1;"}[op]
+    assert all(ln.replace(" ", "").endswith(trans.replace(" ", "")) for ln in mma), mma[0][-60:]
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 256), (64, 128)])
+def test_wgrad_epilogue_threads_cover_the_tile_once(tile_m, tile_n):
+    """The wgrad epilogue adds each thread's accumulators straight into dW: the consumer threads'
+    partitions of an output tile must cover every element exactly once (layout algebra at trace time,
+    no GPU). Guards against slicing the tiled MMA by warp group instead of by thread."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    code = (
+        "import json\nfrom csrc_cute.group_gemm import _wgrad_epilogue_coverage as f\n"
+        f"print('RESULT', json.dumps(f({tile_m}, {tile_n})))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    n = tile_m * tile_n
+    assert res == dict(writes=n, distinct=n, elements=n, inside=True), res
+
+
+def test_select_wgrad_config():
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132)
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132)
+    assert select_wgrad_config(64, 64, 64).tile_m == 64
+    with pytest.raises(ValueError, match=r"P \(pad\)"):
+        select_wgrad_config(32, 256, 256)
+    with pytest.raises(ValueError, match=r"P \(pad\)"):
+        select_wgrad_config(96, 256, 256)
+
+
+def test_dgrad_bad_inputs():
+    x, wh, ws, cu = _inputs()  # dy [256, Nd=64]
+    with pytest.raises(ValueError, match=r"^dy must be bfloat16"):
+        group_gemm_dgrad(x.float(), wh, ws, cu)
+    with pytest.raises(ValueError, match=r"^w_home.shape\[2\]"):
+        group_gemm_dgrad(x[:, :56].contiguous(), wh, ws, cu)
+    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D"):
+        group_gemm_dgrad(x, wh, ws, cu[:2])
+    with pytest.raises(ValueError, match=r"^dy must be a CUDA tensor"):
+        group_gemm_dgrad(x, wh, ws, cu)
+
+
+def test_wgrad_bad_inputs():
+    x, wh, ws, cu = _inputs()
+    dy = x.clone()
+    dwh, dws = wh.float(), ws.float()
+    with pytest.raises(ValueError, match=r"^dw_home must be float32"):
+        group_gemm_wgrad(x, dy, cu, wh, dws)
+    with pytest.raises(ValueError, match=r"^x must be bfloat16"):
+        group_gemm_wgrad(x.float(), dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=r"^x \[N, Kd\] and dy \[N, Nd\]"):
+        group_gemm_wgrad(x, dy[:128], cu, dwh, dws)
+    with pytest.raises(ValueError, match=r"^dw_slot must be \[B"):
+        group_gemm_wgrad(x, dy, cu, dwh, dws[:, :8].contiguous())
+    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D"):
+        group_gemm_wgrad(x, dy, cu[:2], dwh, dws)
+    with pytest.raises(ValueError, match=r"^x must be a CUDA tensor"):
+        group_gemm_wgrad(x, dy, cu, dwh, dws)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+
+def _make_bwd(lengths, epn, kd, nd, n_total=None, seed=0):
+    """Random bf16 backward problem: (x, dy, w_home, w_slot, cu_seqlens) on the GPU."""
+    x, wh, ws, cu = _make(lengths, epn, kd, nd, n_total=n_total, seed=seed)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1000)
+    dy = torch.randn(x.shape[0], nd, generator=g).bfloat16().to(x.device)
+    # dy scale: keep dx = dy @ W^T (sums over Nd) of order one
+    wh.mul_((kd / nd) ** 0.5)
+    ws.mul_((kd / nd) ** 0.5)
+    return x, dy, wh, ws, cu
+
+
+def reference_dgrad(dy, wh, ws, cu, pad=128):
+    return torch.ops.moonep.group_gemm_dgrad(dy.cpu(), wh.cpu(), ws.cpu(), cu.cpu(), pad).to(dy.device)
+
+
+def reference_wgrad(x, dy, cu, dwh, dws, pad=128):
+    """CPU reference of the in-place op on copies: returns the updated (dw_home, dw_slot) on x's device."""
+    h, s = dwh.cpu().clone(), dws.cpu().clone()
+    torch.ops.moonep.group_gemm_wgrad(x.cpu(), dy.cpu(), cu.cpu(), h, s, pad)
+    return h.to(x.device), s.to(x.device)
+
+
+def _check_dgrad(dy, wh, ws, cu, pad=128):
+    out = torch.full((dy.shape[0], wh.shape[1]), float("nan"), dtype=torch.bfloat16, device=dy.device)
+    dx = group_gemm_dgrad(dy, wh, ws, cu, pad=pad, out=out)
+    torch.cuda.synchronize()
+    ref = reference_dgrad(dy, wh, ws, cu, pad)
+    end = int(cu[-1])
+    assert torch.equal(dx[end:], torch.zeros_like(dx[end:])), "rows past the last group must be zero"
+    torch.testing.assert_close(dx.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    return dx
+
+
+WGRAD_TOL = dict(atol=1e-2, rtol=1e-3)  # fp32 accumulation both sides: only the summation order differs
+
+
+def _wgrad_case(x, dy, cu, epn, pad=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kd, nd, G = x.shape[1], dy.shape[1], cu.shape[0]
+    dwh0 = torch.randn(epn, kd, nd, generator=g).to(x.device)
+    dws0 = torch.randn(G - epn, kd, nd, generator=g).to(x.device)
+    dwh, dws = dwh0.clone(), dws0.clone()
+    group_gemm_wgrad(x, dy, cu, dwh, dws, pad=pad)
+    torch.cuda.synchronize()
+    ref_h, ref_s = reference_wgrad(x, dy, cu, dwh0, dws0, pad)
+    torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
+    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+    lengths = torch.diff(cu.cpu().long(), prepend=torch.zeros(1, dtype=torch.long))
+    for grp in range(G):
+        before, after = (dwh0[grp], dwh[grp]) if grp < epn else (dws0[grp - epn], dws[grp - epn])
+        if lengths[grp] == 0:
+            assert torch.equal(before, after), f"empty group {grp}: dW must be left untouched"
+        else:
+            assert not torch.equal(before, after), f"group {grp} with rows: dW was not updated"
+    return dwh0, dws0, dwh, dws
+
+
+def _random_lengths(pad, epn, nb, hi, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.randint(0, hi, (epn + nb,), generator=gen) * pad).tolist()
+    lengths[1] = 0  # an empty home group
+    lengths[epn + 1] = 0  # an empty slot group
+    lengths[epn] = max(lengths[epn], pad)  # a slot group with rows
+    lengths[0] = max(lengths[0], pad)
+    return lengths
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64, 256])
+def test_dgrad_random_groups_partial_tiles(pad):
+    # Kd = 520: partial output tile; Nd = 200: partial k tile (TMA zero fill)
+    lengths = _random_lengths(pad, 5, 4, 6, seed=pad)
+    x, dy, wh, ws, cu = _make_bwd(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    _check_dgrad(dy, wh, ws, cu, pad=pad)
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_dgrad_many_tiles_per_cta(pad):
+    lengths = _random_lengths(pad, 8, 8, 13, seed=11 + pad)
+    x, dy, wh, ws, cu = _make_bwd(lengths, 8, kd=1024, nd=256, n_total=sum(lengths) + 5 * pad, seed=pad)
+    _check_dgrad(dy, wh, ws, cu, pad=pad)
+
+
+@gpu
+def test_dgrad_all_rows_one_group_and_b0():
+    for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([256, 0, 512], 3)):
+        x, dy, wh, ws, cu = _make_bwd(lengths, epn, kd=384, nd=512, n_total=sum(lengths) + 128)
+        _check_dgrad(dy, wh, ws, cu)
+    assert ws.shape[0] == 0
+
+
+@gpu
+def test_dgrad_slot_weights_are_read_from_w_slot():
+    x, dy, wh, ws, cu = _make_bwd([256, 256], 1, kd=128, nd=128)
+    ws.copy_(-wh)
+    dx = _check_dgrad(dy, wh, ws, cu)
+    torch.testing.assert_close(dx[256:].float(), -(dy[256:].float() @ wh[0].float().t()).bfloat16().float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64, 256])
+def test_wgrad_random_groups_partial_tiles(pad):
+    # Kd = 520 (tile_M 128: partial), Nd = 200 (tile_N 128: partial); padding rows past the end
+    lengths = _random_lengths(pad, 5, 4, 6, seed=pad + 3)
+    x, dy, wh, ws, cu = _make_bwd(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    _wgrad_case(x, dy, cu, epn=5, pad=pad, seed=pad)
+
+
+@gpu
+def test_wgrad_many_work_items_big_k():
+    # 16 groups x 4 x 4 tiles > #SMs: CTAs walk several items; groups up to 2048 rows (32 k tiles)
+    lengths = _random_lengths(128, 8, 8, 17, seed=5)
+    x, dy, wh, ws, cu = _make_bwd(lengths, 8, kd=512, nd=1024, n_total=sum(lengths) + 256, seed=5)
+    _wgrad_case(x, dy, cu, epn=8, seed=5)
+
+
+@gpu
+def test_wgrad_all_rows_one_group_and_b0():
+    for lengths, epn in (([0, 0, 2048, 0], 3), ([0, 0, 0, 2048], 3), ([0, 640, 128], 3)):
+        x, dy, wh, ws, cu = _make_bwd(lengths, epn, kd=256, nd=384, n_total=sum(lengths) + 128, seed=7)
+        _wgrad_case(x, dy, cu, epn=epn, seed=7)
+
+
+@gpu
+def test_wgrad_accumulates_over_calls():
+    lengths = [256, 0, 384, 128]
+    x, dy, wh, ws, cu = _make_bwd(lengths, 2, kd=256, nd=256, seed=3)
+    dwh0, dws0, dwh, dws = _wgrad_case(x, dy, cu, epn=2, seed=3)
+    group_gemm_wgrad(x, dy, cu, dwh, dws)  # a second call adds the same product again
+    ref_h, ref_s = reference_wgrad(x, dy, cu, *reference_wgrad(x, dy, cu, dwh0, dws0))
+    torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
+    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+    assert torch.equal(dwh[1], dwh0[1])
+
+
+def _routing(epn, nb, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (epn + nb,), generator=gen) * 128
+    return lengths.cumsum(0).clamp(max=n).to(torch.int32)
+
+
+@gpu
+def test_dgrad_and_wgrad_cuda_graph_replay_matches_eager():
+    epn, nb, kd, nd, n = 4, 2, 384, 512, 2048
+    x, dy, wh, ws, _ = _make_bwd([0] * (epn + nb), epn, kd, nd, n_total=n)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    cu.copy_(_routing(epn, nb, n, 0))
+    dx = torch.empty(n, kd, dtype=torch.bfloat16, device="cuda")
+    dwh = torch.zeros(epn, kd, nd, device="cuda")
+    dws = torch.zeros(nb, kd, nd, device="cuda")
+    group_gemm_dgrad(dy, wh, ws, cu, out=dx)  # compile + warm up outside capture
+    group_gemm_wgrad(x, dy, cu, dwh, dws)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            group_gemm_dgrad(dy, wh, ws, cu, out=dx)
+            group_gemm_wgrad(x, dy, cu, dwh, dws)
+    torch.cuda.current_stream().wait_stream(stream)
+    gen = torch.Generator().manual_seed(1)
+    for seed in range(1, 5):  # new routings land on the device only; the graph is replayed as is
+        cu.copy_(_routing(epn, nb, n, seed))
+        init_h = torch.randn(epn, kd, nd, generator=gen).cuda()
+        init_s = torch.randn(nb, kd, nd, generator=gen).cuda()
+        dwh.copy_(init_h)
+        dws.copy_(init_s)
+        dx.fill_(float("nan"))
+        graph.replay()
+        eager_dx = group_gemm_dgrad(dy, wh, ws, cu)
+        eager_h, eager_s = init_h.clone(), init_s.clone()
+        group_gemm_wgrad(x, dy, cu, eager_h, eager_s)
+        torch.cuda.synchronize()
+        assert torch.equal(dx, eager_dx), f"dgrad: graph replay differs from eager (seed {seed})"
+        assert torch.equal(dwh, eager_h) and torch.equal(dws, eager_s), f"wgrad: replay != eager (seed {seed})"
+        torch.testing.assert_close(dx.float(), reference_dgrad(dy, wh, ws, cu).float(), atol=2e-2, rtol=2e-2)
+        ref_h, ref_s = reference_wgrad(x, dy, cu, init_h, init_s)
+        torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
+        torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+
+
+@gpu
+def test_registered_dgrad_and_wgrad_ops_dispatch_to_the_kernels():
+    """The CPU-only custom ops have CUDA kernels: torch.ops.moonep.* on CUDA tensors run ours (bitwise)."""
+    lengths = [128, 0, 256, 128]
+    x, dy, wh, ws, cu = _make_bwd(lengths, 2, kd=256, nd=192, seed=9)
+    dx = torch.ops.moonep.group_gemm_dgrad(dy, wh, ws, cu, 128)
+    assert dx.is_cuda and torch.equal(dx, group_gemm_dgrad(dy, wh, ws, cu, pad=128))
+    torch.testing.assert_close(dx.float(), reference_dgrad(dy, wh, ws, cu).float(), atol=2e-2, rtol=2e-2)
+    dwh = torch.ones(2, 256, 192, device="cuda")
+    dws = torch.ones(2, 256, 192, device="cuda")
+    h2, s2 = dwh.clone(), dws.clone()
+    assert torch.ops.moonep.group_gemm_wgrad(x, dy, cu, dwh, dws, 128) is None
+    group_gemm_wgrad(x, dy, cu, h2, s2, pad=128)
+    assert torch.equal(dwh, h2) and torch.equal(dws, s2)
+    ref_h, ref_s = reference_wgrad(x, dy, cu, torch.ones_like(dwh), torch.ones_like(dws))
+    torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
+    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_autograd_group_gemm_on_cuda(pad):
+    """group_gemm forward + backward on CUDA (our fwd, dgrad and wgrad kernels) vs CPU reference autograd."""
+    lengths = _random_lengths(pad, 3, 2, 5, seed=21 + pad)
+    x, dy, wh, ws, cu = _make_bwd(lengths, 3, kd=320, nd=264, n_total=sum(lengths) + pad, seed=21)
+    grads = []
+    for dev in ("cuda", "cpu"):
+        leaves = [t.detach().to(dev).requires_grad_(True) for t in (x, wh, ws)]
+        y = torch.ops.moonep.group_gemm(leaves[0], leaves[1], leaves[2], cu.to(dev), pad)
+        (y.float() * dy.to(dev).float()).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for name, got, ref in zip(("x", "w_home", "w_slot"), *grads):
+        assert got.is_cuda and got.dtype == torch.bfloat16, name
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(got.float().cpu(), ref.float(), atol=2e-2 * max(scale, 1.0), rtol=2e-2,
+                                   msg=lambda m, n=name: f"grad of {n}: {m}")
+    # rows past the last group get zero gradient; empty groups' weights get zero gradient
+    end = int(cu[-1])
+    assert torch.count_nonzero(grads[0][0][end:]) == 0
+    assert torch.count_nonzero(grads[0][1][1]) == 0 and torch.count_nonzero(grads[0][2][1]) == 0
