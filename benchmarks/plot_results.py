@@ -17,7 +17,8 @@ def bars(ax, labels, series: dict[str, list[float]], ylabel: str):
     width = 0.8 / len(series)
     for i, (name, vals) in enumerate(series.items()):
         ax.bar([x + i * width for x in range(len(labels))], vals, width, label=name)
-    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels, fontsize=7)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(labels))], labels, fontsize=7,
+                  rotation=35, ha="right")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
 
@@ -44,7 +45,7 @@ def plot_planner(path: str) -> None:
     rows = d["results"]
     stages = list(dict.fromkeys(r["stage"] for r in rows))
     configs = list(dict.fromkeys((r["R"], r["E"], round(r["maxvio"], 1)) for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(11, 5))
     series = {f"R={R} E={E} maxvio {mv}": [next(r["isolated_us"] for r in rows if (r["R"], r["E"], round(
         r["maxvio"], 1)) == (R, E, mv) and r["stage"] == s) for s in stages] for R, E, mv in configs}
     bars(ax, stages, series, "us (CUDA graph replay, median)")
