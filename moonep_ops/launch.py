@@ -5,6 +5,7 @@ gloo on the CPU; NCCL with one GPU per rank.
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 from collections.abc import Callable
@@ -15,13 +16,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+COLLECTIVE_TIMEOUT_S = 300  # a rank that never arrives fails the others instead of hanging them
+
+
 def _entry(rank: int, world_size: int, workdir: str, backend: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)  # R processes share the machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(workdir, f"result{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while a peer is still in a collective
     finally:
         dist.destroy_process_group()
 
