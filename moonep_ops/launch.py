@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,11 @@ def _entry(rank: int, world_size: int, workdir: str, backend: str, fn: Callable,
         dist.barrier()  # no rank tears the group down while a peer is still in a collective
     finally:
         dist.destroy_process_group()
+    # Done and saved: leave without interpreter teardown, where background threads (gloo, Inductor's
+    # compile workers) sometimes abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
