@@ -31,3 +31,9 @@ def check_positive(op: str, **values: int) -> None:
     for name, v in values.items():
         if v < 1:
             raise ValueError(f"moonep.{op}: {name} must be >= 1, got {v}")
+
+
+def check_pad(op: str, P: int) -> None:
+    if P < 16 or P & (P - 1):
+        raise ValueError(f"moonep.{op}: P must be a power of two >= 16 (every group length is a multiple "
+                         f"of P), got P={P}")

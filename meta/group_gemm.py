@@ -2,13 +2,7 @@
 
 import torch
 
-from .checks import ROW_DTYPES, check_tensor
-
-
-def check_pad(op: str, P: int) -> None:
-    if P < 16 or P & (P - 1):
-        raise ValueError(f"moonep.{op}: P must be a power of two >= 16 (every group length is a multiple "
-                         f"of P), got P={P}")
+from .checks import ROW_DTYPES, check_pad, check_tensor
 
 
 def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 import torch
 
-from .checks import ID_DTYPES, check_positive, check_tensor
+from .checks import ID_DTYPES, check_pad, check_positive, check_tensor
 
 
 def check_plan_args(topk_ids: torch.Tensor, E: int, B: int, P: int, R: int) -> None:
@@ -12,8 +12,7 @@ def check_plan_args(topk_ids: torch.Tensor, E: int, B: int, P: int, R: int) -> N
         raise ValueError(f"moonep.plan: E={E} must be a multiple of R={R}")
     if not 0 <= B <= E // R:
         raise ValueError(f"moonep.plan: B must be in [0, E/R={E // R}], got {B}")
-    if P < 16 or P & (P - 1):
-        raise ValueError(f"moonep.plan: P must be a power of two >= 16, got {P}")
+    check_pad("plan", P)
 
 
 def plan(topk_ids, E: int, B: int, P: int, R: int, group_name: str):

@@ -6,6 +6,7 @@ from torch.library import opcheck
 
 import moonep_ops  # noqa: F401  (registers the ops)
 from moonep_ops.config import EPConfig
+from moonep_ops.group import MOONEP_OPS
 
 ops = torch.ops.moonep
 CFG = EPConfig(S=6, H=16, K=3, E=4, F=8, R=1, P=16)
@@ -56,11 +57,7 @@ def op_cases(group):
     }
 
 
-OPS = ["plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad", "group_gemm_wgrad",
-       "prefetch_weights", "reduce_grad"]
-
-
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", MOONEP_OPS)
 def test_opcheck(gloo1, name):
     op, args = op_cases(gloo1)[name]
     opcheck(op, args)
