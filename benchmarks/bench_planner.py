@@ -1,11 +1,12 @@
-"""GPU planner latency (CuTe DSL kernels), CUDA-graph replay, one GPU with simulated ranks.
+"""GPU planner latency (CuTe DSL kernels), CUDA-graph replay.
 
     python benchmarks/bench_planner.py [--out DIR]
 
-S=8192, K=8; R=8/E=384 and R=64/E=2048 simulated on one GPU (all ranks' top-k ids on the device),
-at a mild and a strong skew. Reports each stage and one rank's whole planner (count + global plan +
-token destinations). The count exchange between real ranks is not built yet, so this measures the
-planner's compute only.
+S=8192, K=8. (1) R=8/E=384 and R=64/E=2048 simulated on one GPU (all ranks' top-k ids on the device),
+at a mild and a strong skew: each stage and one rank's whole planner compute (count + global plan +
+token destinations). (2) With >= 2 GPUs, real ranks (R = all GPUs, E = 48*R): the `moonep::plan` op end
+to end (count, NVLink count exchange + barrier, global plan, token destinations), and the exchange +
+barrier alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import run_info, write_json  # noqa: E402
 from benchmarks.routing_gen import sample_topk  # noqa: E402
 from moonep_ops import planning  # noqa: E402
+from moonep_ops.launch import run_ranks  # noqa: E402
 
 
 def graph_replay_us(fn, iters: int = 100, back_to_back: int = 20) -> tuple[float, float]:
@@ -50,6 +52,34 @@ def graph_replay_us(fn, iters: int = 100, back_to_back: int = 20) -> tuple[float
         one.append(a.elapsed_time(b) * 1000.0)
         many.append(b.elapsed_time(c) * 1000.0 / back_to_back)
     return sorted(one)[iters // 2], sorted(many)[iters // 2]
+
+
+def real_ranks(rank: int, R: int, S: int, K: int) -> list[dict]:
+    """One process per GPU: the whole plan op, and the count exchange + barrier alone (rank 0 reports)."""
+    import moonep_ops  # noqa: F401  (registers the ops)
+    from csrc_cute import sync
+    from moonep_ops import EPConfig, EPGroup
+    from moonep_ops.group import peers
+
+    E = 48 * R
+    cfg = EPConfig(S=S, H=8, K=K, E=E, F=8, R=R)
+    ep = EPGroup(cfg, device="cuda")
+    rows = []
+    for sigma in (0.3, 2.0):
+        ids_all = sample_topk(R, S, E, K, sigma, seed=1, device="cuda")
+        ids = ids_all[rank].int().contiguous()
+        stages = {
+            "exchange + barrier": lambda: sync.exchange_counts(peers("bench", "ctrl", ep.ctrl), ep.ctrl, rank, E),
+            "moonep::plan": lambda: torch.ops.moonep.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name),
+        }
+        mv = planning.maxvio(torch.stack([torch.bincount(i.reshape(-1).cpu(), minlength=E) for i in ids_all]))
+        for stage, fn in stages.items():
+            isolated, back = graph_replay_us(fn)
+            rows.append(dict(R=R, E=E, B=cfg.B, S=S, K=K, sigma=sigma, maxvio=mv, stage=stage, real_ranks=True,
+                             isolated_us=isolated, back_to_back_us=back))
+    assert int(ep.status.item()) == 0
+    ep.destroy()
+    return rows
 
 
 def main() -> None:
@@ -83,6 +113,13 @@ def main() -> None:
                 print(f"R={R:2d} E={E:4d} maxvio {mv:6.2f}  {stage:20s} {isolated:7.1f} us isolated, "
                       f"{back:7.1f} us back-to-back", flush=True)
             assert int(status.item()) == 0
+    n_gpus = torch.cuda.device_count()
+    if n_gpus >= 2:
+        for r in run_ranks(real_ranks, n_gpus, S, K, backend="nccl")[0]:
+            rows.append(r)
+            print(f"R={r['R']:2d} E={r['E']:4d} maxvio {r['maxvio']:6.2f}  {r['stage']:20s} "
+                  f"{r['isolated_us']:7.1f} us isolated, {r['back_to_back_us']:7.1f} us back-to-back (real ranks)",
+                  flush=True)
     path = write_json("bench_planner.json", dict(run_info(), results=rows), args.out)
     print("wrote", path)
 

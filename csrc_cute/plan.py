@@ -13,7 +13,7 @@ Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once pe
                warp 0 (loads in registers, redux.sync max/min + ballot: ties to the lowest rank, at
                most R-1 steps), and pre[e] = rows ranked before e in its donor's hottest-first order
                (found by counting, so the "sort" is exact and deterministic).
-  plan_expand  workspace -> alloc [E, R], experts_to_copy [R, B], cu_seqlens [R, epn+B]
+  plan_expand  workspace -> alloc [E, R], experts_to_copy [R, B], cu_seqlens and group_rows [R, epn+B]
                CTA d: rows of home group d (the cuts are interval overlaps of [pre, pre+tot) with
                [rstart, rstart+ramt)); warp 0: rank d's slots (ballot + popc, ascending expert id)
                and padded cu_seqlens (warp scans chained by a carry).
@@ -308,9 +308,10 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
 
 @cute.kernel
 def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, cu: cute.Tensor,
-                        status: cute.Tensor, R: Constexpr[int], E: Constexpr[int], B: Constexpr[int],
+                        grows: cute.Tensor, status: cute.Tensor, R: Constexpr[int], E: Constexpr[int], B: Constexpr[int],
                         P: Constexpr[int], NT: Constexpr[int]):
-    """CTA d: rows of home group d in alloc [E, R]; warp 0: rank d's slots and cu_seqlens.
+    """CTA d: rows of home group d in alloc [E, R]; warp 0: rank d's slots, cu_seqlens and real rows
+    per group (grows).
     Donor outflows are consecutive cuts [rstart, rstart+ramt) of the donor's hottest-first row
     sequence; expert e holds [pre[e], pre[e]+tot[e]) of it."""
     epn = E // R
@@ -357,6 +358,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, c
             inc = _warp_incl_scan(pd, lane)
             if i < epn:
                 cu[d * G + i] = carry + inc
+                grows[d * G + i] = ln
             carry = carry + cute.arch.shuffle_sync(inc, 31)
         g = rinfo[d]
         nslot = Int32(0)
@@ -378,6 +380,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, c
                 if keep:
                     e2c[d * B + slot] = e
                     cu[d * G + epn + slot] = carry + inc
+                    grows[d * G + epn + slot] = ov
                 carry = carry + cute.arch.shuffle_sync(inc, 31)
                 nslot = nslot + cute.arch.popc(bal)
         if nslot > B:
@@ -387,15 +390,16 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, c
         for j in cutlass.range(used + lane, B, 32):
             e2c[d * B + j] = -1
             cu[d * G + epn + j] = carry
+            grows[d * G + epn + j] = 0
 
 
 @cute.jit
 def _plan_global_launch(counts: cute.Tensor, ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor,
-                        cu: cute.Tensor, status: cute.Tensor, stream, R: Constexpr[int],
+                        cu: cute.Tensor, grows: cute.Tensor, status: cute.Tensor, stream, R: Constexpr[int],
                         E: Constexpr[int], B: Constexpr[int], P: Constexpr[int], TT: Constexpr[int]):
     _plan_global_kernel(counts, ws, status, R, E, TT, _NT_GLOBAL).launch(
         grid=(1, 1, 1), block=(_NT_GLOBAL, 1, 1), stream=stream)
-    _plan_expand_kernel(ws, alloc, e2c, cu, status, R, E, B, P, _NT_EXPAND).launch(
+    _plan_expand_kernel(ws, alloc, e2c, cu, grows, status, R, E, B, P, _NT_EXPAND).launch(
         grid=(R, 1, 1), block=(_NT_EXPAND, 1, 1), stream=stream)
 
 
@@ -722,7 +726,7 @@ def _compile_global(R: int, E: int, B: int, P: int, TT: int):
             epn = E // R
             fn = cute.compile(_plan_global_launch, _fake(Int32, R * E), _fake(Int32, 2 * E + 4 * R),
                               _fake(Int32, E * R), _fake(Int32, R * B), _fake(Int32, R * (epn + B)),
-                              _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
+                              _fake(Int32, R * (epn + B)), _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
                               options="--enable-tvm-ffi")
             _CACHE[key] = fn
     return fn
@@ -799,6 +803,7 @@ class GPUGlobalPlan(NamedTuple):
     alloc: torch.Tensor            # int32 [E, R]
     experts_to_copy: torch.Tensor  # int32 [R, B]
     cu_seqlens: torch.Tensor       # int32 [R, epn+B]
+    group_rows: torch.Tensor       # int32 [R, epn+B]
 
 
 class GPUTokenPlan(NamedTuple):
@@ -807,10 +812,12 @@ class GPUTokenPlan(NamedTuple):
     primary_row: torch.Tensor  # int32 [S, K]
 
 
-def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = None):
+def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None):
     """topk_ids int32/int64 [S, K] (or [R, S, K] for all ranks) -> (counts int32 [E] (or [R, E]), status).
 
-    Ids outside [0, E) are not counted and set STATUS_BAD_EXPERT_ID in `status` (int32 [1], OR-ed)."""
+    Ids outside [0, E) are not counted and set STATUS_BAD_EXPERT_ID in `status` (int32 [1], OR-ed).
+    `out`, if given, receives the counts (e.g. this rank's row of the symmetric count matrix)."""
     E = _need_int("E", E)
     _need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), (2, 3))
     if topk_ids.numel() == 0:
@@ -821,7 +828,14 @@ def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = 
     N = topk_ids.shape[-1] * topk_ids.shape[-2]
     if E * 4 > _SMEM_LIMIT:
         raise ValueError(f"E={E}: the count kernel keeps E int32 in 48 KiB of shared memory")
-    counts = torch.zeros((RB, E) if batched else (E,), dtype=torch.int32, device=topk_ids.device)
+    shape = (RB, E) if batched else (E,)
+    if out is None:
+        counts = torch.zeros(shape, dtype=torch.int32, device=topk_ids.device)
+    else:
+        counts = _need_tensor("out", out, (torch.int32,), len(shape), topk_ids.device)
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {list(shape)}, got {list(out.shape)}")
+        counts.zero_()
     fn = _compile_count(RB, N, E, topk_ids.dtype)
     fn(topk_ids.view(-1), counts.view(-1), status)
     return counts, status
@@ -842,10 +856,11 @@ def plan_global_cuda(counts: torch.Tensor, S: int, K: int, B: int, P: int,
     alloc = torch.empty(E, R, dtype=torch.int32, device=dev)
     e2c = torch.empty(R, B, dtype=torch.int32, device=dev)
     cu = torch.empty(R, epn + B, dtype=torch.int32, device=dev)
+    grows = torch.empty(R, epn + B, dtype=torch.int32, device=dev)
     fn = _compile_global(R, E, B, P, S * K)
     ws = torch.empty(2 * E + 4 * R, dtype=torch.int32, device=dev)
-    fn(counts.view(-1), ws, alloc.view(-1), e2c.view(-1), cu.view(-1), status)
-    return GPUGlobalPlan(alloc, e2c, cu), status
+    fn(counts.view(-1), ws, alloc.view(-1), e2c.view(-1), cu.view(-1), grows.view(-1), status)
+    return GPUGlobalPlan(alloc, e2c, cu, grows), status
 
 
 def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Device status word: int32 bits that kernels OR in instead of failing (no host sync on the hot path).
+"""Device status word (int32 bits that kernels OR in instead of failing: no host sync on the hot path)
+and the layout of the EP group's control block that holds it.
 
 `moonep_ops.check_status` reads the word (a deliberate host sync) and raises with these messages.
 """
@@ -8,6 +9,7 @@ STATUS_SLOT_OVERFLOW = 2      # a rank needs more than B copied experts (CPU ref
 STATUS_BAD_COUNTS = 4         # counts negative or a row sum != S*K (CPU reference raises)
 STATUS_COUNTS_MISMATCH = 8    # plan_tokens: topk_ids histogram != counts[rank]
 STATUS_BAD_PLAN = 16          # plan_tokens: a row's position lies past its expert's alloc
+STATUS_TIMEOUT = 32           # a cross-rank barrier gave up waiting for a peer
 
 MESSAGES = {
     STATUS_BAD_EXPERT_ID: "topk_ids held an expert id outside [0, E); those rows were routed nowhere",
@@ -16,4 +18,25 @@ MESSAGES = {
     STATUS_BAD_COUNTS: "the count matrix had a negative entry or a rank whose counts do not sum to S*K",
     STATUS_COUNTS_MISMATCH: "this rank's topk_ids do not match its row of the count matrix",
     STATUS_BAD_PLAN: "a token's position lies past its expert's allocation (inconsistent plan inputs)",
+    STATUS_TIMEOUT: "a cross-rank barrier timed out: a peer never arrived (a rank skipped a collective "
+                    "moonep op, crashed, or runs a different op order); this EP group is unusable now",
 }
+
+
+# The EP group's control block: one symmetric int32 buffer per group, shared by every comm kernel.
+#   [STATUS_WORD]            this rank's status bits (check_status reads them)
+#   [EPOCH_WORD]             barriers passed so far (advanced on the device: CUDA-graph replays work)
+#   [SIGNAL_BASE + r]        the epoch rank r last signalled to this rank (written by rank r)
+#   [counts_base(R) + r*E]   rank r's expert counts of the current plan (written by rank r)
+STATUS_WORD = 0
+EPOCH_WORD = 1
+SIGNAL_BASE = 32
+
+
+def counts_base(R: int) -> int:
+    return SIGNAL_BASE + (R + 31) // 32 * 32
+
+
+def control_words(R: int, E: int) -> int:
+    """Size in int32 words of the control block of an EP group of R ranks and E experts."""
+    return counts_base(R) + R * E

@@ -37,3 +37,10 @@ def check_pad(op: str, P: int) -> None:
     if P < 16 or P & (P - 1):
         raise ValueError(f"moonep.{op}: P must be a power of two >= 16 (every group length is a multiple "
                          f"of P), got P={P}")
+
+
+def check_ctrl(op: str, ctrl: torch.Tensor, R: int, E: int, device: torch.device) -> None:
+    """The EP group's control block: int32 [control_words(R, E)] on the op's device."""
+    from csrc_cute.status import control_words
+
+    check_tensor(op, "ctrl", ctrl, (torch.int32,), (control_words(R, E),), device)

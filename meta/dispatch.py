@@ -10,7 +10,8 @@ def check_token_plan(op: str, S: int, K: int, device, **tables: torch.Tensor) ->
         check_tensor(op, name, t, (torch.int32,), (S, K), device)
 
 
-def check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary) -> None:
+def check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_rows, recv_w,
+                        recv_primary, recv_next, ctrl) -> None:
     check_tensor("dispatch", "x", x, ROW_DTYPES, (None, None))
     S, H = x.shape
     check_tensor("dispatch", "route_w", route_w, (torch.float32,), (S, None), x.device)
@@ -20,8 +21,15 @@ def check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, recv_rows, r
     NvS = recv_rows.shape[0]
     check_tensor("dispatch", "recv_w", recv_w, (torch.float32,), (NvS,), x.device)
     check_tensor("dispatch", "recv_primary", recv_primary, (torch.int32,), (NvS,), x.device)
+    check_tensor("dispatch", "recv_next", recv_next, (torch.int32,), (NvS,), x.device)
+    check_tensor("dispatch", "cu_seqlens", cu_seqlens, (torch.int32,), (None,), x.device)
+    check_tensor("dispatch", "group_rows", group_rows, (torch.int32,), cu_seqlens.shape, x.device)
+    check_tensor("dispatch", "ctrl", ctrl, (torch.int32,), (None,), x.device)
 
 
-def dispatch(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary, group_name: str):
-    check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary)
-    return torch.empty_like(recv_rows), torch.empty_like(recv_w), torch.empty_like(recv_primary)
+def dispatch(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_rows, recv_w, recv_primary,
+             recv_next, ctrl, group_name: str):
+    check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_rows, recv_w,
+                        recv_primary, recv_next, ctrl)
+    return (torch.empty_like(recv_rows), torch.empty_like(recv_w), torch.empty_like(recv_primary),
+            torch.empty_like(recv_next))

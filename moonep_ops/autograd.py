@@ -43,62 +43,68 @@ ops.group_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
 
 
 # ------------------------------------------------------------------------------ dispatch and combine
+# The persistent buffers travel as explicit tensor arguments (not through the EPGroup object), the form
+# Dynamo traces into the graph as the buffers themselves.
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary, presum,
-                group_name):
-        rows, row_w, row_primary = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row,
-                                                recv_rows, recv_w, recv_primary, group_name)
-        ctx.save_for_backward(dst_rank, dst_row, primary_row, row_primary)
-        ctx.presum = presum
+    def forward(ctx, x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+                recv_rows, recv_w, recv_primary, recv_next, presum, row_scratch, ctrl, group_name):
+        rows, row_w, row_primary, row_next = ops.dispatch(
+            x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+            recv_rows, recv_w, recv_primary, recv_next, ctrl, group_name)
+        ctx.save_for_backward(dst_rank, dst_row, primary_row, row_primary, row_next)
+        ctx.buffers = (presum, row_scratch, ctrl)
         ctx.group_name = group_name
-        ctx.mark_non_differentiable(row_primary)
-        return rows, row_w, row_primary
+        ctx.mark_non_differentiable(row_primary, row_next)
+        return rows, row_w, row_primary, row_next
 
     @staticmethod
-    def backward(ctx, g_rows, g_row_w, _):
-        dst_rank, dst_row, primary_row, row_primary = ctx.saved_tensors
+    def backward(ctx, g_rows, g_row_w, _, __):
+        dst_rank, dst_row, primary_row, row_primary, row_next = ctx.saved_tensors
+        presum, row_scratch, ctrl = ctx.buffers
         # both ops are collective: every rank runs them, with zeros for an output it did not use
         if g_rows is None:
-            g_rows = ctx.presum.new_zeros(ctx.presum.shape)
+            g_rows = presum.new_zeros(presum.shape)
         if g_row_w is None:
-            g_row_w = row_primary.new_zeros(row_primary.shape, dtype=torch.float32)
-        gx = ops.combine(g_rows.contiguous(), row_primary, dst_rank, dst_row, primary_row, ctx.presum,
+            g_row_w = row_scratch.new_zeros(row_scratch.shape)
+        gx = ops.combine(g_rows.contiguous(), row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl,
                          ctx.group_name)
-        g_route_w = ops.gather_row_weights(g_row_w.contiguous(), dst_rank, dst_row, ctx.group_name)
-        return gx, g_route_w, None, None, None, None, None, None, None, None
+        g_route_w = ops.gather_row_weights(g_row_w.contiguous(), dst_rank, dst_row, row_scratch, ctrl,
+                                           ctx.group_name)
+        return (gx, g_route_w) + (None,) * 13
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, row_primary, dst_rank, dst_row, primary_row, presum, recv_rows, recv_w, recv_primary,
-                group_name):
-        out = ops.combine(rows, row_primary, dst_rank, dst_row, primary_row, presum, group_name)
-        ctx.save_for_backward(dst_rank, dst_row, primary_row)
-        ctx.recv = (recv_rows, recv_w, recv_primary)
+    def forward(ctx, rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+                presum, recv_rows, recv_w, recv_primary, recv_next, ctrl, group_name):
+        out = ops.combine(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name)
+        ctx.save_for_backward(dst_rank, dst_row, primary_row, cu_seqlens, group_rows)
+        ctx.buffers = (recv_rows, recv_w, recv_primary, recv_next, ctrl)
         ctx.group_name = group_name
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        dst_rank, dst_row, primary_row = ctx.saved_tensors
+        dst_rank, dst_row, primary_row, cu_seqlens, group_rows = ctx.saved_tensors
         unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=g_out.device)
-        g_rows, _, _ = ops.dispatch(g_out.contiguous(), unit_w, dst_rank, dst_row, primary_row, *ctx.recv,
-                                    ctx.group_name)
-        return g_rows, None, None, None, None, None, None, None, None, None
+        g_rows, _, _, _ = ops.dispatch(g_out.contiguous(), unit_w, dst_rank, dst_row, primary_row, cu_seqlens,
+                                       group_rows, *ctx.buffers, ctx.group_name)
+        return (g_rows,) + (None,) * 14
 
 
-def dispatch(ep: EPGroup, x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor
-             ) -> tuple[Tensor, Tensor, Tensor]:
-    """Differentiable dispatch: (rows [NvS, H], row weights [NvS], row_primary [NvS])."""
-    return _Dispatch.apply(x, route_w, dst_rank, dst_row, primary_row, *ep.recv_buffers, ep.presum, ep.group_name)
+def dispatch(ep: EPGroup, x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
+             cu_seqlens: Tensor, group_rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Differentiable dispatch: (rows [NvS, H], row weights [NvS], row_primary [NvS], row_next [NvS])."""
+    return _Dispatch.apply(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.recv_buffers,
+                           ep.presum, ep.row_scratch, ep.ctrl, ep.group_name)
 
 
-def combine(ep: EPGroup, rows: Tensor, row_primary: Tensor, dst_rank: Tensor, dst_row: Tensor,
-            primary_row: Tensor) -> Tensor:
+def combine(ep: EPGroup, rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tensor, dst_row: Tensor,
+            primary_row: Tensor, cu_seqlens: Tensor, group_rows: Tensor) -> Tensor:
     """Differentiable combine: expert output rows [NvS, H] -> token rows [S, H]."""
-    return _Combine.apply(rows, row_primary, dst_rank, dst_row, primary_row, ep.presum, *ep.recv_buffers,
-                          ep.group_name)
+    return _Combine.apply(rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+                          ep.presum, *ep.recv_buffers, ep.ctrl, ep.group_name)
 
 
 # -------------------------------------------------------------------------------------- weight path

@@ -2,70 +2,173 @@
 
 Buffers are allocated once and shared by every MoE layer of the process; their shapes come from the
 config alone, so memory is the same whatever the routing. On the CPU they are ordinary tensors and
-the reference ops move data with gloo; the CUDA implementation allocates them in symmetric memory.
+the reference ops move data with gloo. On CUDA every buffer a peer reads or writes is allocated in
+symmetric memory (`torch.distributed._symmetric_memory`), and the kernels get each buffer's R peer
+addresses as an int64 tensor (`peers(buffer)`). The control block (`ctrl`, layout in
+csrc_cute/status.py) holds the status word, the barrier epoch, the signal slots and the count matrix.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+import weakref
+
 import torch
 import torch.distributed as dist
 
+from csrc_cute.status import STATUS_WORD, control_words
+
 from .config import EPConfig
+from .status import check_status
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_COMM_SMS = 32
+
+# data_ptr of a symmetric buffer -> (its owning EPGroup, int64 [R] peer addresses); data_ptr of a
+# control block -> its EPGroup. Weak values: a destroyed group leaves no entry behind.
+_PEERS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+_GROUP_OF_CTRL: dict[int, weakref.ref] = {}
 
 
 class EPGroup:
+    """Process group + EPConfig + persistent buffers.
+
+    timeout_s: how long a cross-rank wait spins before it sets STATUS_TIMEOUT (CUDA).
+    comm_sms: CTAs (one per SM) the dispatch/combine kernels use, leaving the rest for compute (CUDA).
+    debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
+    """
+
     def __init__(self, cfg: EPConfig, group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, comm_sms: int = DEFAULT_COMM_SMS,
+                 debug: bool | None = None):
         if not dist.is_initialized():
-            raise RuntimeError("EPGroup: initialise torch.distributed first (gloo on CPU)")
+            raise RuntimeError("EPGroup: initialise torch.distributed first (gloo on CPU, nccl on CUDA)")
         self.group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(self.group)
         if world != cfg.R:
             raise ValueError(f"EPGroup: EPConfig.R={cfg.R} but the process group has {world} ranks")
         device = torch.device(device)
-        if device.type != "cpu":
-            raise ValueError(f"EPGroup: device {device} has no moonep kernels yet; only the CPU "
-                             f"reference path exists in this version")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"EPGroup: device must be cpu or cuda, got {device}")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not timeout_s > 0:
+            raise ValueError(f"EPGroup: timeout_s must be > 0, got {timeout_s}")
+        if not isinstance(comm_sms, int) or comm_sms < 1:
+            raise ValueError(f"EPGroup: comm_sms must be an int >= 1, got {comm_sms!r}")
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
+        self.timeout_s = float(timeout_s)
+        self.comm_sms = comm_sms
+        self.debug = os.environ.get("MOONEP_DEBUG", "0") not in ("", "0") if debug is None else bool(debug)
         self.rank = dist.get_rank(self.group)
         self.group_name = self.group.group_name
+        self._symmetric = device.type == "cuda"
+        self._handles = []  # symmetric-memory handles, kept alive with the buffers
         c = cfg
 
-        def buf(*shape, dtype=dtype):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        # receive side of dispatch: expert-grouped rows, their route weights, and per row the row
-        # that carried its token over the link (-1 = padding)
-        self.recv_rows = buf(c.NvS, c.H)
-        self.recv_w = buf(c.NvS, dtype=torch.float32)
-        self.recv_primary = buf(c.NvS, dtype=torch.int32)
+        self.ctrl = self._buffer(control_words(c.R, c.E), dtype=torch.int32)
+        # receive side of dispatch: expert-grouped rows, their route weights, per row the row that
+        # carried its token over the link (-1 = padding) and the token's next row on this rank (k order)
+        self.recv_rows = self._buffer(c.NvS, c.H)
+        self.recv_w = self._buffer(c.NvS, dtype=torch.float32)
+        self.recv_primary = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
+        self.recv_next = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
         # combine: each token's rows on this rank pre-summed, read back by the token's rank
-        self.presum = buf(c.NvS, c.H)
-        # copy slots, shared by every layer, and the fp32 gradients of the copies
-        self.pool_gate, self.pool_up, self.pool_down = buf(c.B, c.H, c.F), buf(c.B, c.H, c.F), buf(c.B, c.F, c.H)
-        self.reduce_gate = buf(c.B, c.H, c.F, dtype=torch.float32)
-        self.reduce_up = buf(c.B, c.H, c.F, dtype=torch.float32)
-        self.reduce_down = buf(c.B, c.F, c.H, dtype=torch.float32)
+        self.presum = self._buffer(c.NvS, c.H)
+        # per-row values (route-weight gradients) read back by the tokens' ranks
+        self.row_scratch = self._buffer(c.NvS, dtype=torch.float32)
+        self._pools = self._reduce = None
+        if self._symmetric:
+            _GROUP_OF_CTRL[self.ctrl.data_ptr()] = weakref.ref(self)
+            torch.cuda.synchronize(device)
+            dist.barrier(group=self.group)  # every peer's buffers are initialised before anyone writes
+
+    def _buffer(self, *shape, dtype=None, fill=0):
+        dtype = dtype or self.dtype
+        if not self._symmetric:
+            return torch.full(shape, fill, dtype=dtype, device=self.device)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
+        t.fill_(fill)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
+                symm_mem.enable_symm_mem_for_group(self.group_name)
+        handle = symm_mem.rendezvous(t, self.group)
+        self._handles.append(handle)
+        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        _PEERS[t.data_ptr()] = (weakref.ref(self), peers)
+        return t
 
     @property
-    def recv_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.recv_rows, self.recv_w, self.recv_primary
+    def status(self) -> torch.Tensor:
+        """This rank's status word (int32 [1], a view of the control block)."""
+        return self.ctrl[STATUS_WORD:STATUS_WORD + 1]
+
+    def check(self, where: str = "") -> None:
+        """Raise MoEStatusError if a kernel of this group reported a problem (syncs the host)."""
+        check_status(self.status, where)
+
+    @property
+    def recv_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.recv_rows, self.recv_w, self.recv_primary, self.recv_next
+
+    def _weight_buffers(self):
+        # copy slots, shared by every layer, and the fp32 gradients of the copies (allocated on first use)
+        if self._pools is None:
+            c = self.cfg
+
+            def buf(*shape, dtype=self.dtype):
+                return torch.zeros(shape, dtype=dtype, device=self.device)
+
+            self._pools = (buf(c.B, c.H, c.F), buf(c.B, c.H, c.F), buf(c.B, c.F, c.H))
+            self._reduce = tuple(buf(*p.shape, dtype=torch.float32) for p in self._pools)
+        return self._pools, self._reduce
 
     @property
     def pools(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.pool_gate, self.pool_up, self.pool_down
+        return self._weight_buffers()[0]
 
     @property
     def reduce_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.reduce_gate, self.reduce_up, self.reduce_down
+        return self._weight_buffers()[1]
 
     def destroy(self) -> None:
         """Release the buffers (before the process group is destroyed)."""
-        for name in ("recv_rows", "recv_w", "recv_primary", "presum", "pool_gate", "pool_up", "pool_down",
-                     "reduce_gate", "reduce_up", "reduce_down"):
+        if self._symmetric and self.ctrl is not None:
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)  # no peer still reads or writes our buffers
+            _GROUP_OF_CTRL.pop(self.ctrl.data_ptr(), None)
+        for name in ("ctrl", "recv_rows", "recv_w", "recv_primary", "recv_next", "presum", "row_scratch"):
+            t = getattr(self, name)
+            if t is not None:
+                _PEERS.pop(t.data_ptr(), None)
             setattr(self, name, None)
+        self._pools = self._reduce = None
+        self._handles.clear()
+
+
+def peers(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """int64 [R] addresses of symmetric buffer `t` on every rank (CUDA ops only)."""
+    entry = _PEERS.get(t.data_ptr())
+    if entry is None or entry[0]() is None:
+        raise ValueError(f"moonep.{op}: {name} must be the symmetric buffer of a live CUDA EPGroup "
+                         f"(pass the EPGroup's own buffer, not a copy)")
+    return entry[1]
+
+
+def group_of(op: str, ctrl: torch.Tensor) -> EPGroup:
+    """The CUDA EPGroup whose control block is `ctrl`."""
+    ref = _GROUP_OF_CTRL.get(ctrl.data_ptr())
+    ep = ref() if ref is not None else None
+    if ep is None:
+        raise ValueError(f"moonep.{op}: ctrl must be the control block of a live CUDA EPGroup (EPGroup.ctrl)")
+    return ep
 
 
 MOONEP_OPS = ("plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad",

@@ -70,11 +70,13 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: x holds {tokens.shape[0]} tokens of size H={c.H}, EPConfig.S={c.S}")
         tokens = tokens.to(ep.dtype).contiguous()
         route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
-        dst_rank, dst_row, primary_row, experts_to_copy, cu_seqlens, counts = ops.plan(
-            ids, c.E, c.B, c.P, c.R, ep.group_name)
-        rows, row_w, row_primary = autograd.dispatch(ep, tokens, route_w, dst_rank, dst_row, primary_row)
+        dst_rank, dst_row, primary_row, experts_to_copy, cu_seqlens, group_rows, counts = ops.plan(
+            ids, c.E, c.B, c.P, c.R, ep.ctrl, ep.group_name)
+        rows, row_w, row_primary, row_next = autograd.dispatch(ep, tokens, route_w, dst_rank, dst_row, primary_row,
+                                                               cu_seqlens, group_rows)
         out_rows = self.experts(rows, row_w, cu_seqlens, experts_to_copy)
-        out = autograd.combine(ep, out_rows, row_primary, dst_rank, dst_row, primary_row)
+        out = autograd.combine(ep, out_rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens,
+                               group_rows)
         if not torch.compiler.is_compiling():
             self.last_counts = counts
         return out.view(x.shape).to(x.dtype)

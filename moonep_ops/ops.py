@@ -22,17 +22,19 @@ import meta.reduce_grad
 
 from . import planning
 from .comm import exchange, pull, resolve_group
+from .group import group_of, peers
 
 Tensor = torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- plan
-@custom_op("moonep::plan", mutates_args=(), device_types="cpu")
-def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, group_name: str
-         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+@custom_op("moonep::plan", mutates_args=("ctrl",), device_types="cpu")
+def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_name: str
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Router top-k ids [S, K] -> (dst_rank, dst_row, primary_row [S, K], experts_to_copy [R, B],
-    cu_seqlens [epn+B] of this rank, counts [R, E] of all ranks), all int32."""
-    meta.plan.check_plan_args(topk_ids, E, B, P, R)
+    cu_seqlens [epn+B] and group_rows [epn+B] (real rows per group) of this rank, counts [R, E] of all
+    ranks), all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status)."""
+    meta.plan.check_plan_args(topk_ids, E, B, P, R, ctrl)
     group = resolve_group("plan", group_name, R)
     S, K = topk_ids.shape
     bad = (topk_ids < 0) | (topk_ids >= E)
@@ -46,22 +48,62 @@ def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, group_name: str
     gp = planning.plan_global(counts, S, K, B, P)
     rank = torch.distributed.get_rank(group)
     tp = planning.plan_tokens(topk_ids, counts, gp, rank)
-    return tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.cu_seqlens[rank].clone(), counts
+    return (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.cu_seqlens[rank].clone(),
+            gp.group_rows[rank].clone(), counts)
 
 
 plan.register_fake(meta.plan.plan)
 
 
+@plan.register_kernel("cuda")
+def _plan_cuda(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_name: str):
+    meta.plan.check_plan_args(topk_ids, E, B, P, R, ctrl)
+    from csrc_cute import plan as kplan, sync  # CuTe DSL loads on first CUDA use only
+
+    ep = group_of("plan", ctrl)
+    S, K = topk_ids.shape
+    counts = sync.count_matrix(ctrl, R, E)
+    kplan.count_experts(topk_ids, E, ep.status, out=counts[ep.rank])
+    sync.exchange_counts(peers("plan", "ctrl", ctrl), ctrl, ep.rank, E, ep.timeout_s)
+    gp, _ = kplan.plan_global_cuda(counts, S, K, B, P, ep.status)
+    tp, _ = kplan.plan_tokens_cuda(topk_ids, counts, gp.alloc, gp.experts_to_copy, gp.cu_seqlens, ep.rank,
+                                   ep.status)
+    out = (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.cu_seqlens[ep.rank].clone(),
+           gp.group_rows[ep.rank].clone(), counts.clone())
+    _debug_check(ep, "plan")
+    return out
+
+
+def _debug_check(ep, op: str) -> None:
+    """In debug mode, raise at once if the op's kernels set a status bit (a host sync per op)."""
+    if ep.debug and not torch.cuda.is_current_stream_capturing():
+        ep.check(f"moonep.{op}")
+
+
 # ------------------------------------------------------------------------------------------ dispatch
-@custom_op("moonep::dispatch", mutates_args=("recv_rows", "recv_w", "recv_primary"), device_types="cpu")
+def next_row_same_rank(dst_rank: Tensor, dst_row: Tensor) -> Tensor:
+    """[S, K]: dst_row of the token's next k (k order) that goes to the same rank, -1 if none."""
+    nxt = torch.full_like(dst_row, -1)
+    K = dst_rank.shape[1]
+    for k in range(K):
+        for k2 in range(K - 1, k, -1):  # descending, so the nearest later k wins
+            same = dst_rank[:, k2] == dst_rank[:, k]
+            nxt[:, k] = torch.where(same, dst_row[:, k2], nxt[:, k])
+    return nxt
+
+
+@custom_op("moonep::dispatch", mutates_args=("recv_rows", "recv_w", "recv_primary", "recv_next", "ctrl"),
+           device_types="cpu")
 def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
-             recv_rows: Tensor, recv_w: Tensor, recv_primary: Tensor, group_name: str
-             ) -> tuple[Tensor, Tensor, Tensor]:
+             cu_seqlens: Tensor, group_rows: Tensor, recv_rows: Tensor, recv_w: Tensor, recv_primary: Tensor,
+             recv_next: Tensor, ctrl: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Token rows [S, H] -> this rank's expert-grouped rows [NvS, H], row weights [NvS] and, per row,
-    the row that carried its token over the link (-1 for padding). Each token crosses to a rank once;
-    the receiver copies it to the token's other rows there. Writes the receive buffers; returns copies
-    of them as ordinary activations."""
-    meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, recv_rows, recv_w, recv_primary)
+    the row that carried its token over the link and the token's next row on this rank in k order
+    (both -1 for padding). Each token crosses to a rank once; the receiver copies it to the token's
+    other rows there. Writes the receive buffers; returns copies of them as ordinary activations.
+    cu_seqlens/group_rows (this rank's padded group ends and real rows) locate the padding rows."""
+    meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+                                      recv_rows, recv_w, recv_primary, recv_next, ctrl)
     group = resolve_group("dispatch", group_name)
     R = torch.distributed.get_world_size(group)
     NvS = recv_rows.shape[0]
@@ -70,37 +112,60 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     K = dst_rank.shape[1]
     flat_rank = dst_rank.reshape(-1)
     is_primary = (dst_row == primary_row).reshape(-1)
+    next_row = next_row_same_rank(dst_rank, dst_row).reshape(-1)
     token = torch.arange(flat_rank.numel()) // K
     rows_meta, weights, data = [], [], []
     for d in range(R):
         sel = flat_rank == d
-        rows_meta.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel]], 1))
+        rows_meta.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel]], 1))
         weights.append(route_w.reshape(-1)[sel])
         data.append(x[token[sel & is_primary]])
     recv_rows.zero_()
     recv_w.zero_()
     recv_primary.fill_(-1)
+    recv_next.fill_(-1)
     for m, w, rows in zip(exchange(rows_meta, group), exchange(weights, group), exchange(data, group)):
         row, prim = m[:, 0].long(), m[:, 1]
         recv_w[row] = w
         recv_primary[row] = prim
+        recv_next[row] = m[:, 2]
         recv_rows[row[row == prim]] = rows
     dup = torch.nonzero((recv_primary >= 0) & (recv_primary != torch.arange(NvS))).flatten()
     recv_rows[dup] = recv_rows[recv_primary[dup].long()]
-    return recv_rows.clone(), recv_w.clone(), recv_primary.clone()
+    return recv_rows.clone(), recv_w.clone(), recv_primary.clone(), recv_next.clone()
 
 
 dispatch.register_fake(meta.dispatch.dispatch)
 
 
+@dispatch.register_kernel("cuda")
+def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_rows, recv_w,
+                   recv_primary, recv_next, ctrl, group_name):
+    meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+                                      recv_rows, recv_w, recv_primary, recv_next, ctrl)
+    from csrc_cute import dispatch as kd, sync  # CuTe DSL loads on first CUDA use only
+
+    ep = group_of("dispatch", ctrl)
+    bufs = (recv_rows, recv_w, recv_primary, recv_next)
+    names = ("recv_rows", "recv_w", "recv_primary", "recv_next")
+    kd.dispatch_push(x, route_w, dst_rank, dst_row, primary_row,
+                     *(peers("dispatch", n, b) for n, b in zip(names, bufs)), *bufs, cu_seqlens, group_rows,
+                     ep.rank, num_ctas=ep.comm_sms)
+    sync.barrier(peers("dispatch", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
+    out = tuple(torch.empty_like(b) for b in bufs)
+    kd.dispatch_finish(*bufs, *out, num_ctas=ep.comm_sms)
+    _debug_check(ep, "dispatch")
+    return out
+
+
 # ------------------------------------------------------------------------------------------- combine
-@custom_op("moonep::combine", mutates_args=("presum",), device_types="cpu")
-def combine(rows: Tensor, row_primary: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
-            presum: Tensor, group_name: str) -> Tensor:
+@custom_op("moonep::combine", mutates_args=("presum", "ctrl"), device_types="cpu")
+def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tensor, dst_row: Tensor,
+            primary_row: Tensor, presum: Tensor, ctrl: Tensor, group_name: str) -> Tensor:
     """Expert output rows [NvS, H] -> token rows [S, H], summing each token's K rows. The receiver first
     sums a token's rows on it into the row that carried it (fp32, stored in the row dtype in `presum`),
     so one row per (token, rank) crosses back; the source adds those in fp32, in k order."""
-    meta.combine.check_combine_args(rows, row_primary, dst_rank, dst_row, primary_row, presum)
+    meta.combine.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
     group = resolve_group("combine", group_name)
     valid = torch.nonzero(row_primary >= 0).flatten()
     acc = torch.zeros(rows.shape, dtype=torch.float32)
@@ -116,16 +181,48 @@ def combine(rows: Tensor, row_primary: Tensor, dst_rank: Tensor, dst_row: Tensor
 combine.register_fake(meta.combine.combine)
 
 
+@combine.register_kernel("cuda")
+def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name):
+    meta.combine.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
+    from csrc_cute import combine as kc, sync  # CuTe DSL loads on first CUDA use only
+
+    ep = group_of("combine", ctrl)
+    kc.combine_presum(rows, row_primary, row_next, presum, num_ctas=ep.comm_sms)
+    sync.barrier(peers("combine", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
+    out = rows.new_empty((dst_rank.shape[0], rows.shape[1]))
+    kc.combine_pull(peers("combine", "presum", presum), dst_rank, dst_row, primary_row, out, num_ctas=ep.comm_sms)
+    _debug_check(ep, "combine")
+    return out
+
+
 # -------------------------------------------------------------------------------- gather_row_weights
-@custom_op("moonep::gather_row_weights", mutates_args=(), device_types="cpu")
-def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, group_name: str) -> Tensor:
-    """Per-row values [NvS] (the route-weight gradient) -> [S, K], read back from the computing ranks."""
-    meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row)
+@custom_op("moonep::gather_row_weights", mutates_args=("row_scratch", "ctrl"), device_types="cpu")
+def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, row_scratch: Tensor, ctrl: Tensor,
+                       group_name: str) -> Tensor:
+    """Per-row values [NvS] (the route-weight gradient) -> [S, K], read back from the computing ranks
+    (through `row_scratch`, a buffer peers can read)."""
+    meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
     group = resolve_group("gather_row_weights", group_name)
-    return pull(row_vals, dst_rank.reshape(-1), dst_row.reshape(-1), group).view(dst_rank.shape)
+    row_scratch.copy_(row_vals)
+    return pull(row_scratch, dst_rank.reshape(-1), dst_row.reshape(-1), group).view(dst_rank.shape)
 
 
 gather_row_weights.register_fake(meta.gather_row_weights.gather_row_weights)
+
+
+@gather_row_weights.register_kernel("cuda")
+def _gather_row_weights_cuda(row_vals, dst_rank, dst_row, row_scratch, ctrl, group_name):
+    meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
+    from csrc_cute import combine as kc, sync  # CuTe DSL loads on first CUDA use only
+
+    ep = group_of("gather_row_weights", ctrl)
+    row_scratch.copy_(row_vals)
+    sync.barrier(peers("gather_row_weights", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
+    out = torch.empty(dst_rank.shape, dtype=torch.float32, device=row_vals.device)
+    kc.gather_pull(peers("gather_row_weights", "row_scratch", row_scratch), dst_rank, dst_row, out,
+                   num_ctas=ep.comm_sms)
+    _debug_check(ep, "gather_row_weights")
+    return out
 
 
 # ---------------------------------------------------------------------------------------- group_gemm

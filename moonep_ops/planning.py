@@ -30,6 +30,7 @@ class GlobalPlan(NamedTuple):
     alloc: torch.Tensor            # int32 [E, R]: rows of expert e computed on rank d
     experts_to_copy: torch.Tensor  # int32 [R, B]: copied experts hosted by each rank, ascending, -1 = empty
     cu_seqlens: torch.Tensor       # int32 [R, epn+B]: padded group ends on each rank
+    group_rows: torch.Tensor       # int32 [R, epn+B]: real (unpadded) rows of each group on each rank
 
     @property
     def n_copies(self) -> int:
@@ -138,7 +139,7 @@ def plan_global(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> GlobalP
         group_len[d, epn:epn + ids.numel()] = alloc[ids, d]
     padded = (group_len + P - 1) // P * P
     cu_seqlens = padded.cumsum(1)
-    return GlobalPlan(alloc.int(), experts_to_copy.int(), cu_seqlens.int())
+    return GlobalPlan(alloc.int(), experts_to_copy.int(), cu_seqlens.int(), group_len.int())
 
 
 def group_of_expert(plan: GlobalPlan, E: int) -> torch.Tensor:

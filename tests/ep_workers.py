@@ -127,9 +127,10 @@ def partial_use(rank: int, R: int, cfg_kwargs: dict):
     ep = layer.ep
     x.requires_grad_()
     ids = torch.topk(layer.router(x), cfg.K).indices
-    dst_rank, dst_row, primary_row, experts_to_copy, cu, _ = ops.plan(ids, cfg.E, cfg.B, cfg.P, cfg.R, ep.group_name)
+    dst_rank, dst_row, primary_row, experts_to_copy, cu, group_rows, _ = ops.plan(
+        ids, cfg.E, cfg.B, cfg.P, cfg.R, ep.ctrl, ep.group_name)
     route_w = torch.full(ids.shape, 0.5, requires_grad=True)
-    rows, _, _ = ag.dispatch(ep, x, route_w, dst_rank, dst_row, primary_row)
+    rows, _, _, _ = ag.dispatch(ep, x, route_w, dst_rank, dst_row, primary_row, cu, group_rows)
     slot_gate, _, _ = ag.slot_weights(ep, layer.experts.w_gate, layer.experts.w_up, layer.experts.w_down,
                                       experts_to_copy)
     (ops.group_gemm(rows, layer.experts.w_gate, slot_gate, cu, cfg.P).sum()).backward()

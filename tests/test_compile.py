@@ -35,7 +35,7 @@ def test_compiled_graph_ops(compiled_r2):
     text = "\n".join(f"{graph}:\n" + "\n".join(f"  {op}" for op in calls) for graph, calls in ops.items())
     assert_expected_inline(text, """\
 forward:
-  moonep.plan.default
+  auto_functionalized(moonep.plan.default)
   auto_functionalized(moonep.dispatch.default)
   auto_functionalized(moonep.prefetch_weights.default)
   moonep.group_gemm.default
@@ -52,4 +52,4 @@ backward:
   auto_functionalized(moonep.group_gemm_wgrad.default)
   auto_functionalized(moonep.reduce_grad.default)
   auto_functionalized(moonep.combine.default)
-  moonep.gather_row_weights.default""")
+  auto_functionalized(moonep.gather_row_weights.default)""")

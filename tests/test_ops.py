@@ -5,47 +5,46 @@ import torch
 from torch.library import opcheck
 
 import moonep_ops  # noqa: F401  (registers the ops)
+from csrc_cute.status import control_words
 from moonep_ops.config import EPConfig
-from moonep_ops.group import MOONEP_OPS
+from moonep_ops.group import MOONEP_OPS, EPGroup
 
 ops = torch.ops.moonep
 CFG = EPConfig(S=6, H=16, K=3, E=4, F=8, R=1, P=16)
 
 
 def plan_of(ids, group):
-    return ops.plan(ids, CFG.E, CFG.B, CFG.P, CFG.R, group)
+    return ops.plan(ids, CFG.E, CFG.B, CFG.P, CFG.R, EPGroup(CFG).ctrl, group)
 
 
 def ids_fixture():
     return torch.tensor([[0, 1, 2], [3, 0, 1], [2, 2, 0], [1, 3, 0], [0, 0, 0], [3, 2, 1]])
 
 
-def buffers(dtype=torch.float32):
-    c = CFG
-    return dict(recv_rows=torch.zeros(c.NvS, c.H, dtype=dtype), recv_w=torch.zeros(c.NvS),
-                recv_primary=torch.zeros(c.NvS, dtype=torch.int32), presum=torch.zeros(c.NvS, c.H, dtype=dtype))
 
 
 def op_cases(group):
     """(op, args) for every op, with consistent real inputs at R=1."""
     c = CFG
     ids = ids_fixture()
-    dst_rank, dst_row, primary_row, etc, cu, counts = plan_of(ids, group)
+    dst_rank, dst_row, primary_row, etc, cu, group_rows, counts = plan_of(ids, group)
     x = torch.randn(c.S, c.H)
     route_w = torch.rand(c.S, c.K)
-    b = buffers()
-    rows, row_w, row_primary = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, b["recv_rows"],
-                                            b["recv_w"], b["recv_primary"], group)
+    ep = EPGroup(c, dtype=torch.float32)
+    rows, row_w, row_primary, row_next = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
+                                                      *ep.recv_buffers, ep.ctrl, group)
     w_home, w_slot = torch.randn(c.epn, c.H, c.F), torch.randn(c.B, c.H, c.F)
     wd_home = torch.randn(c.epn, c.F, c.H)
     hidden = torch.randn(c.NvS, c.F)
     pools = [torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.F, c.H)]
     return {
-        "plan": (ops.plan.default, (ids, c.E, c.B, c.P, c.R, group)),
-        "dispatch": (ops.dispatch.default, (x, route_w, dst_rank, dst_row, primary_row, b["recv_rows"], b["recv_w"],
-                                            b["recv_primary"], group)),
-        "combine": (ops.combine.default, (rows, row_primary, dst_rank, dst_row, primary_row, b["presum"], group)),
-        "gather_row_weights": (ops.gather_row_weights.default, (row_w, dst_rank, dst_row, group)),
+        "plan": (ops.plan.default, (ids, c.E, c.B, c.P, c.R, ep.ctrl, group)),
+        "dispatch": (ops.dispatch.default, (x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
+                                            *ep.recv_buffers, ep.ctrl, group)),
+        "combine": (ops.combine.default, (rows, row_primary, row_next, dst_rank, dst_row, primary_row, ep.presum,
+                                          ep.ctrl, group)),
+        "gather_row_weights": (ops.gather_row_weights.default, (row_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl,
+                                                                group)),
         "group_gemm": (ops.group_gemm.default, (rows, w_home, w_slot, cu, c.P)),
         "group_gemm_dgrad": (ops.group_gemm_dgrad.default, (hidden, w_home, w_slot, cu, c.P)),
         "group_gemm_wgrad": (ops.group_gemm_wgrad.default, (rows, hidden, cu, torch.zeros(c.epn, c.H, c.F),
@@ -67,26 +66,34 @@ def test_dispatch_combine_values(gloo1):
     """Rows land at their planned rows, duplicates are copied locally, combine sums a token's K rows."""
     c = CFG
     ids = ids_fixture()
-    dst_rank, dst_row, primary_row, _, cu, _ = plan_of(ids, gloo1)
+    dst_rank, dst_row, primary_row, _, cu, group_rows, _ = plan_of(ids, gloo1)
     x = torch.arange(c.S, dtype=torch.float32)[:, None].repeat(1, c.H) + 1  # row s holds s+1
     route_w = torch.arange(c.S * c.K, dtype=torch.float32).view(c.S, c.K) / 100
-    b = buffers()
-    rows, row_w, row_primary = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, b["recv_rows"], b["recv_w"],
-                                            b["recv_primary"], gloo1)
-    assert torch.equal(rows, b["recv_rows"]) and rows.data_ptr() != b["recv_rows"].data_ptr()
+    ep = EPGroup(c, dtype=torch.float32)
+    rows, row_w, row_primary, row_next = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
+                                                      *ep.recv_buffers, ep.ctrl, gloo1)
+    assert torch.equal(rows, ep.recv_rows) and rows.data_ptr() != ep.recv_rows.data_ptr()
     for s in range(c.S):
         for k in range(c.K):
             r = int(dst_row[s, k])
+            nxt = int(dst_row[s, k + 1]) if k + 1 < c.K else -1  # R=1: the next k is on the same rank
             assert torch.equal(rows[r], x[s]) and row_w[r] == route_w[s, k] and row_primary[r] == primary_row[s, k]
+            assert row_next[r] == nxt
     padding = row_primary < 0
     assert int((~padding).sum()) == c.S * c.K and not rows[padding].any() and not row_w[padding].any()
+    assert bool((row_next[padding] == -1).all())
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
+    real = torch.zeros(c.NvS, dtype=torch.bool)
+    for s0, n in zip(starts.tolist(), group_rows.tolist()):
+        real[s0:s0 + n] = True
+    assert torch.equal(real, ~padding)  # group_rows locate exactly the real rows
     # on one rank all K rows of a token share a destination: exactly one carries it
     assert int((dst_row == primary_row).sum()) == c.S
     scale = torch.arange(c.NvS, dtype=torch.float32)[:, None]
-    out = ops.combine(rows * scale, row_primary, dst_rank, dst_row, primary_row, b["presum"], gloo1)
+    out = ops.combine(rows * scale, row_primary, row_next, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl, gloo1)
     want = torch.stack([sum(x[s] * int(dst_row[s, k]) for k in range(c.K)) for s in range(c.S)])
     assert torch.equal(out, want)
-    assert torch.equal(ops.gather_row_weights(row_w, dst_rank, dst_row, gloo1), route_w)
+    assert torch.equal(ops.gather_row_weights(row_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl, gloo1), route_w)
 
 
 def test_group_gemm_values():
@@ -172,4 +179,5 @@ def test_int32_and_int64_ids_agree(gloo1):
 
 def test_plan_rejects_wrong_R(gloo1):
     with pytest.raises(ValueError, match=r"moonep.plan: R=2 but process group"):
-        ops.plan(torch.zeros(4, 1, dtype=torch.long), 4, 2, 16, 2, gloo1)
+        ops.plan(torch.zeros(4, 1, dtype=torch.long), 4, 2, 16, 2, torch.zeros(control_words(2, 4), dtype=torch.int32),
+                 gloo1)

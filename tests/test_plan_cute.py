@@ -18,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.routing_gen import sample_topk  # noqa: E402
 from moonep_ops import planning  # noqa: E402
+from routings import cpu_counts, routings  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -51,6 +51,25 @@ def test_planner_kernels_compile_sm90a():
         for s in res.stats:
             assert s.registers > 0
             assert s.spill_bytes == 0, s
+
+
+def test_sync_kernels_compile_sm90a():
+    """The barrier and the count exchange (csrc_cute/sync.py) compile for sm_90a without spills."""
+    from csrc_cute import compile_check
+
+    if compile_check.find_ptxas() is None:
+        pytest.skip("ptxas not found")
+    configs = [[2, 96], [8, 384], [64, 2048]]
+    with tempfile.TemporaryDirectory() as tmp:
+        res = compile_check.run_compile_check(
+            "csrc_cute.sync:compile_all_for_check", tmp, kwargs={"configs": configs})
+        print()
+        print(res.summary())
+        names = [s.name for s in res.stats]
+        for k in ("_barrier_kernel", "_exchange_counts_kernel"):
+            assert sum(k in n for n in names) == len(configs), (k, names)
+        for s in res.stats:
+            assert s.registers > 0 and s.spill_bytes == 0, s
 
 
 def test_host_validation_errors():
@@ -92,44 +111,6 @@ def test_host_validation_errors():
                                torch.zeros(2, 3, dtype=torch.int32, device=dev), 2)
 
 
-# ------------------------------------------------------------------------------------------------
-# routings
-# ------------------------------------------------------------------------------------------------
-def _lognormal_ids(gen, R, S, K, E, sigma, replacement=False):
-    """ids int64 [R, S, K] on the CPU from the shared routing generator (sampled on the GPU if any)."""
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
-    dev = "cuda" if HAS_CUDA else "cpu"
-    return torch.stack(sample_topk(R, S, E, K, sigma, seed, dev, replacement=replacement or K > E)).cpu()
-
-
-def routings(R, S, K, E, seed, n):
-    """The first n of (name, ids [R, S, K] int64 on CPU) for one config: skews, extremes, duplicates."""
-    gen = torch.Generator().manual_seed(seed)
-    epn = E // R
-    makers = []
-    for sigma in (0.0, 0.3, 1.0, 2.0, 3.0, 4.0):
-        for rep in range(2):
-            makers.append((f"lognormal{sigma}-{rep}", lambda s=sigma: _lognormal_ids(gen, R, S, K, E, s)))
-    makers.append(("all-one-expert", lambda: torch.full(
-        (R, S, K), int(torch.randint(0, E, (1,), generator=gen)), dtype=torch.long)))
-    makers.append(("dupes", lambda: torch.randint(0, E, (R, S, K), generator=gen)))
-    makers.append(("all-one-rank", lambda: _lognormal_ids(gen, R, S, K, epn, 1.0, replacement=K > epn)
-                   + int(torch.randint(0, R, (1,), generator=gen)) * epn))
-    makers.append(("dupes-skew", lambda: _lognormal_ids(gen, R, S, K, E, 2.0, replacement=True)))
-    makers.append(("all-rank0", lambda: torch.randint(0, epn, (R, S, K), generator=gen)))
-    makers.append(("all-last-expert", lambda: torch.full((R, S, K), E - 1, dtype=torch.long)))
-    makers.append(("per-rank-one-expert", lambda: torch.randint(0, E, (R, 1, 1), generator=gen)
-                   .expand(R, S, K).contiguous()))
-    # extremes early, so that configs that use only a few routings still get them
-    order = [0, 6, 12, 14, 10, 13, 4, 8, 15, 2, 16, 17, 18, 1, 3, 5, 7, 9, 11]
-    return [(makers[i][0], makers[i][1]()) for i in order[:n]]
-
-
-def _cpu_counts(ids, E):
-    R = ids.shape[0]
-    return torch.stack([torch.bincount(ids[r].reshape(-1), minlength=E) for r in range(R)]).int()
-
-
 # (R, S, K, E, B, P, ids dtype, number of routings used)
 CONFIGS = [
     (1, 64, 4, 8, 8, 16, torch.int32, 19),
@@ -158,7 +139,7 @@ def _eq(a, b, what):
 def _check_routing(P, R, S, K, E, B, Pad, dt, name, ids_cpu, ranks):
     dev = torch.device("cuda")
     ids = ids_cpu.to(dt).to(dev).contiguous()
-    counts_ref = _cpu_counts(ids_cpu, E)
+    counts_ref = cpu_counts(ids_cpu, E)
     try:
         ref = planning.plan_global(counts_ref, S, K, B, Pad)
     except ValueError:
@@ -173,6 +154,7 @@ def _check_routing(P, R, S, K, E, B, Pad, dt, name, ids_cpu, ranks):
     _eq(plan.alloc, ref.alloc, f"{name} alloc")
     _eq(plan.experts_to_copy, ref.experts_to_copy, f"{name} experts_to_copy")
     _eq(plan.cu_seqlens, ref.cu_seqlens, f"{name} cu_seqlens")
+    _eq(plan.group_rows, ref.group_rows, f"{name} group_rows")
     for rank in ranks:
         tok_ref = planning.plan_tokens(ids_cpu[rank], counts_ref, ref, rank)
         tok, status = P.plan_tokens_cuda(ids[rank], counts, plan.alloc, plan.experts_to_copy,

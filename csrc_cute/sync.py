@@ -1,0 +1,185 @@
+"""Cross-rank synchronisation of the EP group in CuTe DSL: barriers over NVLink and the count exchange.
+
+Every rank owns a symmetric int32 control block (layout in `csrc_cute/status.py`). A barrier is one CTA:
+thread t release-stores the new epoch into rank t's signal slot for this rank, then acquire-spins on
+this rank's slot of rank t until it holds that epoch. Epochs only grow, so no slot is ever reset and a
+barrier needs no second phase; the epoch lives on the device (advanced by the barrier itself), so
+repeated launches and CUDA-graph replays stay in step as long as every rank runs the same ops in the
+same order. A wait that outlives the timeout ORs STATUS_TIMEOUT into the status word and returns
+instead of spinning forever. Plain peer pointers and system-scope acquire/release only (no multicast).
+
+Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once per static shape):
+  barrier          signal every peer, wait for every peer.
+  exchange_counts  push this rank's row of the count matrix into every peer's control block, then the
+                   barrier: afterwards every rank holds all R rows and plans the same global plan.
+"""
+
+# (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
+
+import threading
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .status import EPOCH_WORD, SIGNAL_BASE, STATUS_TIMEOUT, STATUS_WORD, control_words, counts_base
+
+_NT = 256  # threads of the one-CTA sync kernels
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dsl_user_op
+def _globaltimer(*, loc=None, ip=None) -> Int64:
+    """The GPU's nanosecond clock (%globaltimer)."""
+    return Int64(llvm.inline_asm(
+        T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+def _word(t: cute.Tensor, i):
+    return (t.iterator + i).llvm_ptr
+
+
+def _peer_word(peer_ctrl: cute.Tensor, r, i):
+    """Address of word i of rank r's control block."""
+    base = cute.make_ptr(Int32, peer_ctrl[r], cute.AddressSpace.gmem, assumed_align=4)
+    return (base + i).llvm_ptr
+
+
+@cute.jit
+def signal_and_wait(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
+                    R: Constexpr[int], NT: Constexpr[int]):
+    """The barrier, run by every thread of exactly one CTA (which must not have diverged). Every write
+    this CTA made before the call, local or remote, is visible to every peer once it passes."""
+    tidx, _, _ = cute.arch.thread_idx()
+    epoch = ctrl[EPOCH_WORD] + 1
+    cute.arch.sync_threads()  # all threads read the epoch before thread 0 advances it below
+    cute.arch.fence_acq_rel_sys()
+    for t in cutlass.range(tidx, R, NT):
+        cute.arch.store(_peer_word(peer_ctrl, t, SIGNAL_BASE + rank), epoch, sem="release", scope="sys")
+    for t in cutlass.range(tidx, R, NT):
+        start = _globaltimer()
+        seen = cute.arch.load(_word(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
+        pending = seen - epoch < 0  # epochs compared by difference: wrap-around safe
+        while pending:
+            seen = cute.arch.load(_word(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
+            elapsed = _globaltimer() - start
+            if (seen - epoch < 0) & (elapsed > timeout_ns):
+                cute.arch.atomic_or(_word(ctrl, STATUS_WORD), Int32(STATUS_TIMEOUT))
+            pending = (seen - epoch < 0) & (elapsed <= timeout_ns)
+    cute.arch.sync_threads()
+    if tidx == 0:
+        ctrl[EPOCH_WORD] = epoch
+
+
+@cute.kernel
+def _barrier_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
+                    R: Constexpr[int], NT: Constexpr[int]):
+    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, R, NT)
+
+
+@cute.kernel
+def _exchange_counts_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
+                            R: Constexpr[int], E: Constexpr[int], NT: Constexpr[int]):
+    tidx, _, _ = cute.arch.thread_idx()
+    row = counts_base(R) + rank * E
+    for i in cutlass.range(tidx, R * E, NT, unroll=4):
+        r = i // E
+        if r != rank:
+            cute.arch.store(_peer_word(peer_ctrl, r, row + (i - r * E)), ctrl[row + (i - r * E)])
+    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, R, NT)
+
+
+@cute.jit
+def _barrier_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, stream,
+                    R: Constexpr[int]):
+    _barrier_kernel(peer_ctrl, ctrl, rank, timeout_ns, R, _NT).launch(
+        grid=(1, 1, 1), block=(_NT, 1, 1), stream=stream)
+
+
+@cute.jit
+def _exchange_counts_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
+                            stream, R: Constexpr[int], E: Constexpr[int]):
+    _exchange_counts_kernel(peer_ctrl, ctrl, rank, timeout_ns, R, E, _NT).launch(
+        grid=(1, 1, 1), block=(_NT, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# compile cache and host wrappers
+# ------------------------------------------------------------------------------------------------
+_CACHE: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+
+
+def _compile(kind: str, R: int, E: int):
+    key = (kind, R, E, "sm_90a")
+    with _LOCK:
+        fn = _CACHE.get(key)
+        if fn is None:
+            peers = cute.runtime.make_fake_compact_tensor(Int64, (R,), assumed_align=8)
+            ctrl = cute.runtime.make_fake_compact_tensor(Int32, (control_words(R, E),), assumed_align=16)
+            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+            if kind == "barrier":
+                fn = cute.compile(_barrier_launch, peers, ctrl, Int32(0), Int64(0), stream, R,
+                                  options="--enable-tvm-ffi")
+            else:
+                fn = cute.compile(_exchange_counts_launch, peers, ctrl, Int32(0), Int64(0), stream, R, E,
+                                  options="--enable-tvm-ffi")
+            _CACHE[key] = fn
+    return fn
+
+
+def _check(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int) -> int:
+    if peer_ctrl.dtype != torch.int64 or peer_ctrl.dim() != 1 or not peer_ctrl.is_cuda:
+        raise ValueError(f"peer_ctrl must be a CUDA int64 [R] tensor of peer addresses, got "
+                         f"{peer_ctrl.dtype} {list(peer_ctrl.shape)} on {peer_ctrl.device}")
+    R = peer_ctrl.shape[0]
+    if ctrl.dtype != torch.int32 or tuple(ctrl.shape) != (control_words(R, E),) or not ctrl.is_cuda:
+        raise ValueError(f"ctrl must be the CUDA int32 control block [{control_words(R, E)}] of R={R}, "
+                         f"E={E}, got {ctrl.dtype} {list(ctrl.shape)} on {ctrl.device}")
+    if not 0 <= rank < R:
+        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    return R
+
+
+def _timeout_ns(timeout_s: float) -> int:
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    return int(timeout_s * 1e9)
+
+
+def barrier(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int,
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Cross-rank barrier on the current stream (no host sync)."""
+    R = _check(peer_ctrl, ctrl, rank, E)
+    _compile("barrier", R, E)(peer_ctrl, ctrl, rank, _timeout_ns(timeout_s))
+
+
+def exchange_counts(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Publish this rank's count row (already in its control block) to every peer, then barrier."""
+    R = _check(peer_ctrl, ctrl, rank, E)
+    _compile("exchange", R, E)(peer_ctrl, ctrl, rank, _timeout_ns(timeout_s))
+
+
+def count_matrix(ctrl: torch.Tensor, R: int, E: int) -> torch.Tensor:
+    """The [R, E] count matrix inside a control block (a view)."""
+    base = counts_base(R)
+    return ctrl[base:base + R * E].view(R, E)
+
+
+def compile_all_for_check(configs=((2, 96), (8, 384), (64, 2048))) -> None:
+    """Compile the sync kernels for each (R, E) without a GPU (see csrc_cute/compile_check.py)."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    for R, E in configs:
+        for kind in ("barrier", "exchange"):
+            with expect_no_driver() as st:
+                _compile(kind, R, E)
+            print(f"compiled {kind} R={R} E={E}: "
+                  f"{'load failed: no CUDA driver (expected on CPU)' if st['driver_missing'] else 'no load error'}",
+                  flush=True)

@@ -1,0 +1,63 @@
+"""The CUDA EP group on real ranks (one GPU each, NCCL + symmetric memory): the planner with its
+NVLink count exchange, barriers and status; dispatch/combine. Skipped unless enough GPUs exist.
+
+Rerun on a GPU machine: `python3 -m pytest -q tests/test_ep_cuda.py` (uses 1 and, if present, 2 GPUs).
+"""
+
+import pytest
+import torch
+
+import cuda_workers
+from moonep_ops.launch import run_ranks
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def world_sizes():
+    return [pytest.param(R, marks=pytest.mark.skipif(N_GPUS < R, reason=f"needs {R} GPUs")) for R in (1, 2)]
+
+
+def plan_configs(R):
+    return [
+        dict(S=256, K=8, E=48 * R, ids=torch.int64),
+        dict(S=512, K=4, E=8 * R, B=2, P=32, ids=torch.int32),      # few slots: overflow reported
+        dict(S=1000, K=6, E=16 * R, P=16, ids=torch.int32),
+        dict(S=64, K=2, E=2 * R, P=16, ids=torch.int64),
+        dict(S=8192, K=8, E=48 * R, ids=torch.int32),                # benchmark shape
+        dict(S=3, K=3, E=4 * R, P=16, ids=torch.int64),              # tiny S
+    ]
+
+
+@pytest.mark.parametrize("R", world_sizes())
+def test_plan_bitexact_on_real_ranks(R):
+    res = run_ranks(cuda_workers.plan_bitexact, R, plan_configs(R), 19, backend="nccl")
+    for rank, r in enumerate(res):
+        assert r["checked"] == 6 * 19, r["checked"]
+        assert not r["bad"], (rank, r["bad"][:5])
+
+
+@pytest.mark.parametrize("R", world_sizes())
+def test_plan_repeat_graph_and_no_host_sync(R):
+    res = run_ranks(cuda_workers.plan_repeat_graph_nosync, R, 1000, backend="nccl")
+    for rank, r in enumerate(res):
+        assert r["repeat_bad"] == 0 and r["repeat_status"] == 0, (rank, r)
+        assert not r["graph_bad"], (rank, r["graph_bad"])
+        assert r["sync_error"] is None and r["nosync_ok"], (rank, r["sync_error"])
+        assert r["final_status"] == 0, (rank, r)
+
+
+@pytest.mark.parametrize("R", world_sizes())
+def test_plan_bad_expert_id_reported(R):
+    res = run_ranks(cuda_workers.plan_bad_expert_id, R, backend="nccl")
+    assert res[0]["msg"] is not None and "outside [0, E)" in res[0]["msg"], res[0]
+    for r in res:
+        assert r["after"] == 0, r
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="needs 2 GPUs")
+def test_missing_rank_times_out_instead_of_hanging():
+    res = run_ranks(cuda_workers.barrier_timeout, 2, backend="nccl")
+    r0 = res[0]
+    assert r0["error"] is not None and "timed out" in r0["error"], r0
+    assert 0.4 < r0["waited_s"] < 10, r0
+    assert all(r["status_after"] == 0 for r in res), res
