@@ -68,8 +68,10 @@ def real_ranks(rank: int, R: int, S: int, K: int) -> list[dict]:
     for sigma in (0.3, 2.0):
         ids_all = sample_topk(R, S, E, K, sigma, seed=1, device="cuda")
         ids = ids_all[rank].int().contiguous()
+        counts = torch.zeros(R, E, dtype=torch.int32, device="cuda")
         stages = {
-            "exchange + barrier": lambda: sync.exchange_counts(peers("bench", "ctrl", ep.ctrl), ep.ctrl, rank, E),
+            "exchange + barrier": lambda: sync.exchange_counts(peers("bench", "ctrl", ep.ctrl), ep.ctrl, counts,
+                                                               rank),
             "moonep::plan": lambda: torch.ops.moonep.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name),
         }
         mv = planning.maxvio(torch.stack([torch.bincount(i.reshape(-1).cpu(), minlength=E) for i in ids_all]))

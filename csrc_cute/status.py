@@ -27,16 +27,19 @@ MESSAGES = {
 #   [STATUS_WORD]            this rank's status bits (check_status reads them)
 #   [EPOCH_WORD]             barriers passed so far (advanced on the device: CUDA-graph replays work)
 #   [SIGNAL_BASE + r]        the epoch rank r last signalled to this rank (written by rank r)
-#   [counts_base(R) + r*E]   rank r's expert counts of the current plan (written by rank r)
+#   [counts_base(R, E, p) + r*E]  rank r's expert counts, landed by rank r's count exchange whose
+#                                  barrier epoch has parity p. Two landing zones: a peer can run at
+#                                  most one barrier ahead, so its next exchange never overwrites the
+#                                  counts this rank is still copying out.
 STATUS_WORD = 0
 EPOCH_WORD = 1
 SIGNAL_BASE = 32
 
 
-def counts_base(R: int) -> int:
-    return SIGNAL_BASE + (R + 31) // 32 * 32
+def counts_base(R: int, E: int, parity: int = 0) -> int:
+    return SIGNAL_BASE + (R + 31) // 32 * 32 + parity * R * E
 
 
 def control_words(R: int, E: int) -> int:
     """Size in int32 words of the control block of an EP group of R ranks and E experts."""
-    return counts_base(R) + R * E
+    return counts_base(R, E, 2)

@@ -10,8 +10,9 @@ instead of spinning forever. Plain peer pointers and system-scope acquire/releas
 
 Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once per static shape):
   barrier          signal every peer, wait for every peer.
-  exchange_counts  push this rank's row of the count matrix into every peer's control block, then the
-                   barrier: afterwards every rank holds all R rows and plans the same global plan.
+  exchange_counts  push this rank's row of the count matrix into every peer's control block (landing
+                   zone of this barrier's epoch parity), barrier, then copy the peers' rows out into
+                   this rank's count matrix: every rank then holds all R rows and plans the same plan.
 """
 
 # (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
@@ -83,15 +84,20 @@ def _barrier_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, time
 
 
 @cute.kernel
-def _exchange_counts_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
-                            R: Constexpr[int], E: Constexpr[int], NT: Constexpr[int]):
+def _exchange_counts_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, counts: cute.Tensor, rank: Int32,
+                            timeout_ns: Int64, R: Constexpr[int], E: Constexpr[int], NT: Constexpr[int]):
     tidx, _, _ = cute.arch.thread_idx()
-    row = counts_base(R) + rank * E
+    parity = (ctrl[EPOCH_WORD] + 1) & 1  # the epoch the barrier below will pass
+    zone = counts_base(R, E) + parity * (R * E)
     for i in cutlass.range(tidx, R * E, NT, unroll=4):
         r = i // E
         if r != rank:
-            cute.arch.store(_peer_word(peer_ctrl, r, row + (i - r * E)), ctrl[row + (i - r * E)])
+            j = i - r * E
+            cute.arch.store(_peer_word(peer_ctrl, r, zone + rank * E + j), counts[rank * E + j])
     signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, R, NT)
+    for i in cutlass.range(tidx, R * E, NT, unroll=4):
+        if i // E != rank:
+            counts[i] = ctrl[zone + i]
 
 
 @cute.jit
@@ -102,9 +108,9 @@ def _barrier_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, time
 
 
 @cute.jit
-def _exchange_counts_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
-                            stream, R: Constexpr[int], E: Constexpr[int]):
-    _exchange_counts_kernel(peer_ctrl, ctrl, rank, timeout_ns, R, E, _NT).launch(
+def _exchange_counts_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, counts: cute.Tensor, rank: Int32,
+                            timeout_ns: Int64, stream, R: Constexpr[int], E: Constexpr[int]):
+    _exchange_counts_kernel(peer_ctrl, ctrl, counts, rank, timeout_ns, R, E, _NT).launch(
         grid=(1, 1, 1), block=(_NT, 1, 1), stream=stream)
 
 
@@ -127,7 +133,8 @@ def _compile(kind: str, R: int, E: int):
                 fn = cute.compile(_barrier_launch, peers, ctrl, Int32(0), Int64(0), stream, R,
                                   options="--enable-tvm-ffi")
             else:
-                fn = cute.compile(_exchange_counts_launch, peers, ctrl, Int32(0), Int64(0), stream, R, E,
+                counts = cute.runtime.make_fake_compact_tensor(Int32, (R * E,), assumed_align=4)
+                fn = cute.compile(_exchange_counts_launch, peers, ctrl, counts, Int32(0), Int64(0), stream, R, E,
                                   options="--enable-tvm-ffi")
             _CACHE[key] = fn
     return fn
@@ -159,17 +166,18 @@ def barrier(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int,
     _compile("barrier", R, E)(peer_ctrl, ctrl, rank, _timeout_ns(timeout_s))
 
 
-def exchange_counts(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int,
+def exchange_counts(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, counts: torch.Tensor, rank: int,
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Publish this rank's count row (already in its control block) to every peer, then barrier."""
+    """counts int32 [R, E] holding this rank's row -> every rank's rows (NVLink, then a barrier)."""
+    if counts.dtype != torch.int32 or counts.dim() != 2 or not counts.is_contiguous() or \
+            counts.device != ctrl.device:
+        raise ValueError(f"counts must be a contiguous int32 [R, E] tensor on {ctrl.device}, got "
+                         f"{counts.dtype} {list(counts.shape)} on {counts.device}")
+    E = counts.shape[1]
     R = _check(peer_ctrl, ctrl, rank, E)
-    _compile("exchange", R, E)(peer_ctrl, ctrl, rank, _timeout_ns(timeout_s))
-
-
-def count_matrix(ctrl: torch.Tensor, R: int, E: int) -> torch.Tensor:
-    """The [R, E] count matrix inside a control block (a view)."""
-    base = counts_base(R)
-    return ctrl[base:base + R * E].view(R, E)
+    if counts.shape[0] != R:
+        raise ValueError(f"counts must have R={R} rows, got {counts.shape[0]}")
+    _compile("exchange", R, E)(peer_ctrl, ctrl, counts.view(-1), rank, _timeout_ns(timeout_s))
 
 
 def compile_all_for_check(configs=((2, 96), (8, 384), (64, 2048))) -> None:

@@ -62,14 +62,14 @@ def _plan_cuda(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, g
 
     ep = group_of("plan", ctrl)
     S, K = topk_ids.shape
-    counts = sync.count_matrix(ctrl, R, E)
+    counts = torch.empty(R, E, dtype=torch.int32, device=topk_ids.device)
     kplan.count_experts(topk_ids, E, ep.status, out=counts[ep.rank])
-    sync.exchange_counts(peers("plan", "ctrl", ctrl), ctrl, ep.rank, E, ep.timeout_s)
+    sync.exchange_counts(peers("plan", "ctrl", ctrl), ctrl, counts, ep.rank, ep.timeout_s)
     gp, _ = kplan.plan_global_cuda(counts, S, K, B, P, ep.status)
     tp, _ = kplan.plan_tokens_cuda(topk_ids, counts, gp.alloc, gp.experts_to_copy, gp.cu_seqlens, ep.rank,
                                    ep.status)
     out = (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.cu_seqlens[ep.rank].clone(),
-           gp.group_rows[ep.rank].clone(), counts.clone())
+           gp.group_rows[ep.rank].clone(), counts)
     _debug_check(ep, "plan")
     return out
 

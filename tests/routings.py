@@ -7,7 +7,7 @@ from benchmarks.routing_gen import sample_topk
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _lognormal_ids(gen, R, S, K, E, sigma, replacement=False):
+def lognormal_ids(gen, R, S, K, E, sigma, replacement=False):
     """ids int64 [R, S, K] on the CPU from the shared routing generator (sampled on the GPU if any)."""
     seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
     dev = "cuda" if HAS_CUDA else "cpu"
@@ -21,13 +21,13 @@ def routings(R, S, K, E, seed, n):
     makers = []
     for sigma in (0.0, 0.3, 1.0, 2.0, 3.0, 4.0):
         for rep in range(2):
-            makers.append((f"lognormal{sigma}-{rep}", lambda s=sigma: _lognormal_ids(gen, R, S, K, E, s)))
+            makers.append((f"lognormal{sigma}-{rep}", lambda s=sigma: lognormal_ids(gen, R, S, K, E, s)))
     makers.append(("all-one-expert", lambda: torch.full(
         (R, S, K), int(torch.randint(0, E, (1,), generator=gen)), dtype=torch.long)))
     makers.append(("dupes", lambda: torch.randint(0, E, (R, S, K), generator=gen)))
-    makers.append(("all-one-rank", lambda: _lognormal_ids(gen, R, S, K, epn, 1.0, replacement=K > epn)
+    makers.append(("all-one-rank", lambda: lognormal_ids(gen, R, S, K, epn, 1.0, replacement=K > epn)
                    + int(torch.randint(0, R, (1,), generator=gen)) * epn))
-    makers.append(("dupes-skew", lambda: _lognormal_ids(gen, R, S, K, E, 2.0, replacement=True)))
+    makers.append(("dupes-skew", lambda: lognormal_ids(gen, R, S, K, E, 2.0, replacement=True)))
     makers.append(("all-rank0", lambda: torch.randint(0, epn, (R, S, K), generator=gen)))
     makers.append(("all-last-expert", lambda: torch.full((R, S, K), E - 1, dtype=torch.long)))
     makers.append(("per-rank-one-expert", lambda: torch.randint(0, E, (R, 1, 1), generator=gen)

@@ -19,7 +19,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from moonep_ops import planning  # noqa: E402
-from routings import cpu_counts, routings  # noqa: E402
+from routings import cpu_counts, lognormal_ids, routings  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -241,7 +241,7 @@ def test_cuda_slot_overflow_status():
     gen = torch.Generator().manual_seed(11)
     n_over = 0
     for sigma in (0.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0):
-        ids_cpu = _lognormal_ids(gen, R, S, K, E, sigma)
+        ids_cpu = lognormal_ids(gen, R, S, K, E, sigma)
         outcome = _check_routing(P, R, S, K, E, B, Pad, torch.int32, f"overflow{sigma}", ids_cpu, [0])
         if outcome != "overflow":
             continue
@@ -274,7 +274,7 @@ def test_cuda_graph_capture_replay_equals_eager():
 
     R, S, K, E, B, Pad = 8, 1024, 8, 64, 8, 128
     gen = torch.Generator().manual_seed(7)
-    ids0 = _lognormal_ids(gen, R, S, K, E, 1.0).int().cuda()
+    ids0 = lognormal_ids(gen, R, S, K, E, 1.0).int().cuda()
     static_ids = ids0.clone()
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
     rank = 3
@@ -287,7 +287,7 @@ def test_cuda_graph_capture_replay_equals_eager():
         counts, plan, tok, status_out = P.plan_simulated(static_ids, E=E, B=B, P=Pad, rank=rank,
                                                          status=status)
     for sigma in (0.5, 2.0, 3.0):
-        ids = _lognormal_ids(gen, R, S, K, E, sigma).int().cuda()
+        ids = lognormal_ids(gen, R, S, K, E, sigma).int().cuda()
         static_ids.copy_(ids)
         g.replay()
         torch.cuda.synchronize()
