@@ -9,6 +9,8 @@ shapes: what moonep_ops removes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,15 +19,21 @@ from torch.distributed.nn.functional import all_to_all_single
 from moonep_ops.routing import route
 
 
-def baseline_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                 w_down: torch.Tensor, K: int, E: int, group=None, normalize_topk: bool = True) -> torch.Tensor:
-    """x [S, H] on this rank; router_w [E, H] (replicated); w_gate/w_up [epn, H, F], w_down [epn, F, H]
-    (this rank's experts e = rank*epn + i) -> [S, H]."""
+class BaselineRoute(NamedTuple):
+    """What the reverse path needs: the permutation, the split sizes (host ints), the regrouping."""
+    order: torch.Tensor
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    regroup: torch.Tensor
+    offs: torch.Tensor  # int32 [epn] cumulative rows per local expert
+
+
+def baseline_dispatch(x: torch.Tensor, ids: torch.Tensor, E: int, group=None) -> tuple[torch.Tensor, BaselineRoute]:
+    """Token rows [S, H] and top-k ids [S, K] -> this rank's rows grouped by local expert, and the route."""
     group = group or dist.group.WORLD
     R = dist.get_world_size(group)
     epn = E // R
-    S, H = x.shape
-    weights, ids = route(x @ router_w.t(), K, normalize_topk)
+    K = ids.shape[1]
     # permute: (s, k) rows sorted by expert, so each destination rank's rows are contiguous
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -35,17 +43,34 @@ def baseline_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate: torch.Tensor, 
     recv_per_expert = torch.empty_like(per_expert)  # [R(source), epn] counts of rows this rank gets
     dist.all_to_all_single(recv_per_expert, per_expert, group=group)
     send_sizes, recv_sizes = send.tolist(), recv_per_expert.view(R, epn).sum(1).tolist()  # host sync
-    recv = all_to_all_single(rows.new_empty(sum(recv_sizes), H), rows, recv_sizes, send_sizes, group=group)
+    recv = all_to_all_single(rows.new_empty(sum(recv_sizes), x.shape[1]), rows, recv_sizes, send_sizes, group=group)
     # received rows are ordered (source rank, expert): regroup them by local expert
     local_expert = torch.repeat_interleave(torch.arange(epn, device=x.device).repeat(R),
                                            recv_per_expert.view(-1))
     regroup = torch.argsort(local_expert, stable=True)
-    grouped = recv[regroup]
     offs = torch.bincount(local_expert, minlength=epn).cumsum(0).to(torch.int32)
-    hidden = F.silu(torch._grouped_mm(grouped, w_gate, offs=offs)) * torch._grouped_mm(grouped, w_up, offs=offs)
-    out_grouped = torch._grouped_mm(hidden.to(x.dtype), w_down, offs=offs)
-    back = torch.empty_like(out_grouped).index_copy(0, regroup, out_grouped)
-    returned = all_to_all_single(back.new_empty(sum(send_sizes), H), back, send_sizes, recv_sizes, group=group)
-    # unpermute and sum each token's K rows with its route weights
-    rows_out = torch.empty_like(returned).index_copy(0, order, returned).view(S, K, H)
-    return (rows_out.float() * weights[:, :, None]).sum(1).to(x.dtype)
+    return recv[regroup], BaselineRoute(order, send_sizes, recv_sizes, regroup, offs)
+
+
+def baseline_combine(out_grouped: torch.Tensor, weights: torch.Tensor, route: BaselineRoute, group=None
+                     ) -> torch.Tensor:
+    """Expert outputs grouped by local expert -> [S, H]: back to the source ranks, unpermuted, each token's
+    K rows summed with its route weights."""
+    group = group or dist.group.WORLD
+    S, K = weights.shape
+    back = torch.empty_like(out_grouped).index_copy(0, route.regroup, out_grouped)
+    returned = all_to_all_single(back.new_empty(sum(route.send_sizes), back.shape[1]), back, route.send_sizes,
+                                 route.recv_sizes, group=group)
+    rows_out = torch.empty_like(returned).index_copy(0, route.order, returned).view(S, K, -1)
+    return (rows_out.float() * weights[:, :, None]).sum(1).to(out_grouped.dtype)
+
+
+def baseline_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                 w_down: torch.Tensor, K: int, E: int, group=None, normalize_topk: bool = True) -> torch.Tensor:
+    """x [S, H] on this rank; router_w [E, H] (replicated); w_gate/w_up [epn, H, F], w_down [epn, F, H]
+    (this rank's experts e = rank*epn + i) -> [S, H]."""
+    weights, ids = route(x @ router_w.t(), K, normalize_topk)
+    grouped, rt = baseline_dispatch(x, ids, E, group)
+    hidden = F.silu(torch._grouped_mm(grouped, w_gate, offs=rt.offs)) * torch._grouped_mm(grouped, w_up, offs=rt.offs)
+    out_grouped = torch._grouped_mm(hidden.to(x.dtype), w_down, offs=rt.offs)
+    return baseline_combine(out_grouped, weights, rt, group)

@@ -46,14 +46,43 @@ def plot_planner(path: str) -> None:
     stages = list(dict.fromkeys(r["stage"] for r in rows))
     configs = list(dict.fromkeys((r["R"], r["E"], round(r["maxvio"], 1)) for r in rows))
     fig, ax = plt.subplots(figsize=(11, 5))
-    series = {f"R={R} E={E} maxvio {mv}": [next(r["isolated_us"] for r in rows if (r["R"], r["E"], round(
-        r["maxvio"], 1)) == (R, E, mv) and r["stage"] == s) for s in stages] for R, E, mv in configs}
+    series = {f"R={R} E={E} maxvio {mv}": [next((r["isolated_us"] for r in rows if (r["R"], r["E"], round(
+        r["maxvio"], 1)) == (R, E, mv) and r["stage"] == s), 0.0) for s in stages] for R, E, mv in configs}
     bars(ax, stages, series, "us (CUDA graph replay, median)")
-    ax.set_title("Planner kernels, S=8192 K=8, simulated ranks on one GPU\n" + caption(d), fontsize=9)
+    ax.set_title("Planner, S=8192 K=8: kernels on simulated ranks (one GPU); exchange and moonep::plan on "
+                 "real ranks\n" + caption(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+
+
+def plot_comm(path: str) -> None:
+    d = json.load(open(path))
+    rows = d["results"]
+    mv = [r["maxvio"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label, style in (("ours_dispatch_graph_ms", "moonep dispatch (graph)", "o-"),
+                              ("ours_combine_graph_ms", "moonep combine (graph)", "s-"),
+                              ("baseline_dispatch_ms", "NCCL a2a dispatch", "o--"),
+                              ("baseline_combine_ms", "NCCL a2a combine", "s--")):
+        a.plot(mv, [r[key] for r in rows], style, label=label)
+    for key, label, style in (("ours_forward_graph_ms", "moonep plan+dispatch+combine (graph)", "o-"),
+                              ("ours_backward_graph_ms", "moonep backward (graph)", "s-"),
+                              ("baseline_forward_ms", "NCCL a2a forward", "o--"),
+                              ("baseline_fwd_bwd_ms", "NCCL a2a forward+backward", "s--")):
+        b.plot(mv, [r[key] for r in rows], style, label=label)
+    for ax in (a, b):
+        ax.set_xlabel("maxvio")
+        ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Token communication, EP{d['R']}, S={d['S']} H={d['H']} K={d['K']} epn={d['epn']}, "
+                 f"{d['comm_sms']} SMs\n" + caption(d), fontsize=9)
     fig.tight_layout()
     fig.savefig(path.replace(".json", ".png"), dpi=120)
 
 
 if __name__ == "__main__":
-    plot_gemm(os.path.join(RESULTS, "bench_gemm.json"))
-    plot_planner(os.path.join(RESULTS, "bench_planner.json"))
+    for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
+                       ("bench_comm.json", plot_comm)):
+        if os.path.exists(os.path.join(RESULTS, name)):
+            plot(os.path.join(RESULTS, name))

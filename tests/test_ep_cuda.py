@@ -61,3 +61,15 @@ def test_missing_rank_times_out_instead_of_hanging():
     assert r0["error"] is not None and "timed out" in r0["error"], r0
     assert 0.4 < r0["waited_s"] < 10, r0
     assert all(r["status_after"] == 0 for r in res), res
+
+
+@pytest.mark.parametrize("R", world_sizes())
+def test_dispatch_combine_on_real_ranks(R):
+    cfg_kwargs = dict(S=384, H=256, K=8, E=16 * R, F=8, P=32)
+    res = run_ranks(cuda_workers.dispatch_combine_traceable, R, cfg_kwargs, 8, 1000, backend="nccl")
+    for rank, r in enumerate(res):
+        assert not r["fails"], (rank, r["fails"][:6])
+        assert r["max_remote_rows"] <= min(cfg_kwargs["K"], R), r
+        assert r["repeat_diff"] == 0 and r["graph_ok"], (rank, r)
+        assert r["sync_error"] is None, (rank, r["sync_error"])
+        assert r["status"] == 0, (rank, r)

@@ -1,0 +1,204 @@
+"""Token communication: moonep dispatch/combine (CuTe DSL over NVLink) against the NCCL all-to-all path.
+
+    python benchmarks/bench_comm.py [--out DIR] [--S 8192 --H 7168 --K 8 --epn 48] [--sms 32]
+    torchrun --nproc-per-node R benchmarks/bench_comm.py ...      (same, launched by torchrun)
+
+Without torchrun it spawns one process per visible GPU. Per maxvio in {0.2, 1, 2, 5, 10, 20} (capped
+at E/K - 1: top-K without replacement gives an expert at most one row per token), on the same routing:
+  ours      plan, dispatch, combine, forward (plan + dispatch + combine), backward (combine's backward =
+            dispatch, dispatch's backward = combine + gather of the route-weight gradients); eager and
+            replayed from a CUDA graph;
+  baseline  the path users run today: permute, split sizes to the host, NCCL all_to_all_single, regroup;
+            the reverse all_to_all, unpermute and the weighted sum over K; forward and forward+backward
+            (autograd), eager (host syncs and data-dependent shapes: no CUDA graph);
+  link      peer copy bandwidth (a copy into a peer's symmetric buffer) in the same run.
+Remote bytes count the token rows that cross NVLink (ours: one per token and destination rank; the
+baseline: one per (token, k) on another rank). Rank 0 prints the table and writes bench_comm.json; the
+PNG comes from benchmarks/plot_results.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import cuda_time_ms, run_info, write_json  # noqa: E402
+from benchmarks.routing_gen import routing_for_maxvio  # noqa: E402
+
+MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0, 20.0)
+
+
+def graph_time_ms(fn, iters: int = 20, repeats: int = 5) -> float:
+    """fn captured once in a CUDA graph; median over repeats of the mean replay time, in ms."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    t = cuda_time_ms(graph.replay, iters=iters, repeats=repeats)
+    del graph
+    return t
+
+
+def peer_copy_gbs(rank: int, R: int, group, nbytes: int = 1 << 30) -> float:
+    """Bandwidth of copying nbytes from this GPU into the next rank's symmetric buffer (GB/s)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    n = nbytes // 2
+    buf = symm_mem.empty(n, dtype=torch.bfloat16, device="cuda")
+    handle = symm_mem.rendezvous(buf, group)
+    peer = handle.get_buffer((rank + 1) % R, (n,), torch.bfloat16)
+    src = torch.randn(n, device="cuda").to(torch.bfloat16)
+    dist.barrier(group)
+    ms = cuda_time_ms(lambda: peer.copy_(src), iters=10, repeats=5)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    return nbytes / ms / 1e6
+
+
+def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
+    from benchmarks.baseline_ep import baseline_combine, baseline_dispatch
+    from moonep_ops import EPConfig, EPGroup, planning
+
+    ops = torch.ops.moonep
+    S, H, K, epn = opts["S"], opts["H"], opts["K"], opts["epn"]
+    E = epn * R
+    cfg = EPConfig(S=S, H=H, K=K, E=E, F=8, R=R)
+    ep = EPGroup(cfg, device="cuda", comm_sms=opts["sms"])
+    group = ep.group
+    link = peer_copy_gbs(rank, R, group) if R > 1 else float("nan")
+    x = (torch.randn(S, H, device="cuda") / 4).to(torch.bfloat16)
+    g_out = (torch.randn(S, H, device="cuda") / 4).to(torch.bfloat16)
+    rows = []
+    for target in [m for m in MAXVIOS if m <= E / K - 1 + 1e-9]:
+        ids_all, _, realized = routing_for_maxvio(R, S, E, K, target, seed=opts["seed"])
+        ids = ids_all[rank].cuda()
+        counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids_all]).int()
+        route_w = torch.softmax(torch.randn(S, K, device="cuda"), 1)
+        plan = ops.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name)
+        dst_rank, dst_row, primary_row, etc, cu, group_rows, _ = plan
+        recv = ep.recv_buffers
+
+        def do_plan():
+            return ops.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name)
+
+        def do_dispatch():
+            return ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows, *recv, ep.ctrl,
+                                ep.group_name)
+
+        d_rows, d_w, d_primary, d_next = do_dispatch()
+
+        def do_combine():
+            return ops.combine(d_rows, d_primary, d_next, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl,
+                               ep.group_name)
+
+        def do_forward():
+            p = do_plan()
+            r_rows, _, r_primary, r_next = ops.dispatch(x, route_w, p[0], p[1], p[2], p[4], p[5], *recv, ep.ctrl,
+                                                        ep.group_name)
+            return ops.combine(r_rows, r_primary, r_next, p[0], p[1], p[2], ep.presum, ep.ctrl, ep.group_name)
+
+        unit_w = torch.ones(S, K, device="cuda")
+
+        def do_backward():
+            g_rows, _, _, _ = ops.dispatch(g_out, unit_w, dst_rank, dst_row, primary_row, cu, group_rows, *recv,
+                                           ep.ctrl, ep.group_name)
+            gx = ops.combine(g_rows, d_primary, d_next, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl,
+                             ep.group_name)
+            return gx, ops.gather_row_weights(d_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl, ep.group_name)
+
+        ours = {}
+        for name, fn in (("plan", do_plan), ("dispatch", do_dispatch), ("combine", do_combine),
+                         ("forward", do_forward), ("backward", do_backward)):
+            ours[name] = (cuda_time_ms(fn), graph_time_ms(fn))
+        ep.check("bench_comm")
+
+        def base_forward():
+            grouped, rt = baseline_dispatch(x, ids, E, group)
+            return baseline_combine(grouped, route_w, rt, group)
+
+        xg = x.clone().requires_grad_()
+        wg = route_w.clone().requires_grad_()
+
+        def base_fwd_bwd():
+            grouped, rt = baseline_dispatch(xg, ids, E, group)
+            y = baseline_combine(grouped, wg, rt, group)
+            y.backward(g_out)
+
+        grouped, rt = baseline_dispatch(x, ids, E, group)
+        base = dict(dispatch=cuda_time_ms(lambda: baseline_dispatch(x, ids, E, group)),
+                    combine=cuda_time_ms(lambda: baseline_combine(grouped, route_w, rt, group)),
+                    forward=cuda_time_ms(base_forward), fwd_bwd=cuda_time_ms(base_fwd_bwd))
+        row_bytes = H * x.element_size()
+        mine = (dst_rank != rank)
+        ours_remote = int(((dst_row == primary_row) & mine).sum()) * row_bytes  # per direction
+        base_remote = int(mine.sum()) * row_bytes
+        logical = S * K * row_bytes
+        rows.append(dict(
+            maxvio_target=target, maxvio=realized, rank_imbalance=planning.rank_imbalance(counts),
+            logical_bytes=logical, ours_remote_bytes=ours_remote, baseline_remote_bytes=base_remote,
+            peer_copy_gbs=link,
+            **{f"ours_{k}_ms": v[0] for k, v in ours.items()},
+            **{f"ours_{k}_graph_ms": v[1] for k, v in ours.items()},
+            **{f"baseline_{k}_ms": v for k, v in base.items()}))
+        dist.barrier(group)
+    ep.destroy()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'maxvio':>7} {'imbal':>6} | {'ours disp':>9} {'graph':>7} {'comb':>7} {'graph':>7} {'plan':>6} "
+          f"{'fwd':>7} {'bwd':>7} | {'base disp':>9} {'comb':>7} {'fwd':>7} {'fwd+bwd':>8} | "
+          f"{'remote MB':>9} {'GB/s d':>7} {'GB/s c':>7} {'link':>6} | {'fwd x':>6}")
+    for r in rows:
+        mb = r["ours_remote_bytes"] / 1e6
+        print(f"{r['maxvio']:7.2f} {r['rank_imbalance']:6.2f} | {r['ours_dispatch_ms']:9.3f} "
+              f"{r['ours_dispatch_graph_ms']:7.3f} {r['ours_combine_ms']:7.3f} {r['ours_combine_graph_ms']:7.3f} "
+              f"{r['ours_plan_ms']:6.3f} {r['ours_forward_ms']:7.3f} {r['ours_backward_ms']:7.3f} | "
+              f"{r['baseline_dispatch_ms']:9.3f} {r['baseline_combine_ms']:7.3f} {r['baseline_forward_ms']:7.3f} "
+              f"{r['baseline_fwd_bwd_ms']:8.3f} | {mb:9.1f} {mb / r['ours_dispatch_graph_ms']:7.1f} "
+              f"{mb / r['ours_combine_graph_ms']:7.1f} {r['peer_copy_gbs']:6.1f} | "
+              f"{r['baseline_forward_ms'] / r['ours_forward_ms']:6.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--S", type=int, default=8192)
+    ap.add_argument("--H", type=int, default=7168)
+    ap.add_argument("--K", type=int, default=8)
+    ap.add_argument("--epn", type=int, default=48)
+    ap.add_argument("--sms", type=int, default=32, help="CTAs of the dispatch/combine kernels")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    opts = vars(args)
+    if "LOCAL_RANK" in os.environ:  # torchrun
+        rank, R = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
+        rows = bench_rank(rank, R, opts)
+        dist.destroy_process_group()
+    else:
+        from moonep_ops.launch import run_ranks
+
+        R = torch.cuda.device_count()
+        rank, rows = 0, run_ranks(bench_rank, R, opts, backend="nccl")[0]
+    if rank == 0:
+        print_table(rows)
+        info = dict(run_info(), R=R, S=args.S, H=args.H, K=args.K, epn=args.epn, comm_sms=args.sms)
+        print("wrote", write_json("bench_comm.json", dict(info, results=rows), args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+"""Combine data movement as CuTe DSL CUDA kernels: sum each token's duplicate rows locally, then pull
+one row per (token, destination rank) from the peers and sum in k order. No barrier inside: the
+caller runs a cross-rank barrier between `combine_presum` (on every rank) and `combine_pull`.
+
+Semantics (S tokens, K top-k, R ranks, NvS rows; plan tables [S, K] int32 `dst_rank`, `dst_row`,
+`primary_row` as in `moonep_ops/planning.py`; `row_primary` / `row_next` [NvS] int32 are dispatch's
+`out_primary` / `out_next`):
+
+  combine_presum  local: for every row p with row_primary[p] == p, presum[p] = the fp32 sum over the
+                  chain p, row_next[p], row_next[row_next[p]], ... (until -1) of rows[...], rounded
+                  to the row dtype; other rows of presum are left untouched.
+  combine_pull    out[s] = the row dtype of the fp32 sum, in k order, over the k with
+                  dst_row[s, k] == primary_row[s, k], of presum[dst_row[s, k]] on rank dst_rank[s, k]
+                  (remote reads: one row per (token, destination rank) crosses the link).
+  gather_pull     out[s, k] = vals[dst_row[s, k]] on rank dst_rank[s, k] (vals f32 [NvS] per rank);
+                  0 for entries outside the plan.
+
+Every sum is a fixed-order fp32 sum (no atomics): deterministic. Chains are followed for at most 32
+rows (K <= 32) and stop at a row outside [0, NvS); plan entries with a rank outside [0, R) or a row
+outside [0, NvS) are skipped.
+
+Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
+static key):
+  presum  one warp per 32 rows: the lanes walk the chains of the chain heads among them in lockstep
+          (node lists in shared memory, the walk ends when no lane has a next row), then the warp sums
+          each head's chain segment by segment (U 16-byte chunks per lane, fp32 registers), NB chain
+          rows at a time (all their loads issued before the adds, which keep the chain order).
+  pull    one warp per token: lanes < K hold the token's entries, a ballot of the carriers, then per
+          segment the carriers' rows are read from the peers in k order (NB at a time) and summed in
+          fp32.
+  gather  one thread per (s, k), 4 independent reads in flight per thread.
+"""
+
+# (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Float32, Int32, Int64
+
+from .dispatch import (
+    DEFAULT_NUM_CTAS,
+    ROW_DTYPES,
+    addr_of,
+    align_up,
+    check_fits,
+    chunk_offsets,
+    compiled,
+    fake,
+    fake_stream,
+    need_int,
+    need_peers,
+    need_plan,
+    need_rows,
+    need_tensor,
+    row_geometry,
+    vec_tensor,
+)
+from .plan import _ctz
+
+_NT_PRESUM = 256   # 8 warps: each keeps a 32 x 32 int32 node table in shared memory (32 KiB per CTA)
+_NT_PULL = 512
+_NT_GATHER = 256
+# U: 16-byte chunks per lane per segment; NB (1, 2 or 4): rows of a chain / carriers read at once
+# (blocks of NB, then of 2, then 1 row; every load of a block is issued before its adds)
+_U_PRESUM, _NB_PRESUM = 8, 2
+_U_PULL, _NB_PULL = 8, 1
+_CHAIN_MAX = 32
+_NO_NVS = 2 ** 31 - 64  # row bound when the caller gives no nvs
+
+
+# ------------------------------------------------------------------------------------------------
+# device helpers (straight-line)
+# ------------------------------------------------------------------------------------------------
+def acc_add_rows(acc, addrs, offs, dtype, VEC: int):
+    """acc[:, u] += fp32 of row addrs[0], then addrs[1], ... (chunks at offs): every load of the
+    block is issued before the adds, which keep the rows' order."""
+    vals = []
+    for a in addrs:
+        for o in offs:
+            vals.append(vec_tensor(dtype, a + o, VEC).load())
+    n = len(offs)
+    for u in range(n):
+        a = acc[None, u]
+        x = a.load()
+        for b in range(len(addrs)):
+            x = x + vals[b * n + u].to(Float32)
+        a.store(x)
+
+
+def chain_rows(ra, nodes, idx0, nb: int, ROWB: int):
+    """Addresses of nb chain rows whose ids are at nodes[idx0], nodes[idx0 + 32], ..."""
+    return [ra + Int64(nodes[idx0 + b * 32]) * ROWB for b in range(nb)]
+
+
+def next_lanes(src, mm, nb: int):
+    """The next nb lanes of mask mm (lowest first): (their src values, the mask without them)."""
+    out = []
+    for _ in range(nb):
+        out.append(cute.arch.shuffle_sync(src, _ctz(mm)))
+        mm = mm & (mm - 1)
+    return out, mm
+
+
+def acc_store(acc, base, offs, dtype, VEC: int):
+    for u in range(len(offs)):
+        vec_tensor(dtype, base + offs[u], VEC).store(acc[None, u].load().to(dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+@cute.kernel
+def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.Tensor,
+                   presum: cute.Tensor, NVS: Constexpr[int], ROWB: Constexpr[int], dtype: Constexpr,
+                   NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], CM: Constexpr[int],
+                   NB: Constexpr[int]):
+    NW = NT // 32
+    W = NCTA * NW
+    VEC = 16 * 8 // dtype.width
+    NC, nfull, UT, clamp = row_geometry(ROWB, U)
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    gw = bx * NW + warp
+    smem = cutlass.utils.SmemAllocator()
+    nodes = smem.allocate_tensor(Int32, cute.make_layout(NW * CM * 32), byte_alignment=16)
+    nb = warp * (CM * 32)
+    acc = cute.make_rmem_tensor(cute.make_layout((VEC, U)), Float32)
+    ra = addr_of(rows)
+    pa = addr_of(presum)
+    for i0 in cutlass.range(gw * 32, NVS, W * 32):
+        i = i0 + lane
+        ic = cutlass.min(i, Int32(NVS - 1))
+        head = (i < NVS) & (row_primary[ic] == i)
+        heads = cute.arch.vote_ballot_sync(head)
+        # walk all chains of this batch in lockstep
+        cur = cutlass.select_(head, i, Int32(-1))
+        ln = Int32(0)
+        c = Int32(0)
+        act = heads
+        while act != 0:
+            if cur >= 0:
+                nodes[nb + c * 32 + lane] = cur
+                ln = c + 1
+                nx = row_next[cur]
+                cur = cutlass.select_((nx >= 0) & (nx < NVS) & (c + 1 < CM), nx, Int32(-1))
+            c = c + 1
+            act = cute.arch.vote_ballot_sync(cur >= 0)
+        cute.arch.sync_warp()
+        hm = heads
+        for _j in cutlass.range(cute.arch.popc(heads)):
+            lj = _ctz(hm)
+            hm = hm & (hm - 1)
+            lenj = cute.arch.shuffle_sync(ln, lj)
+            dst = pa + Int64(i0 + lj) * ROWB
+            for seg in cutlass.range(nfull):
+                offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
+                acc.fill(0.0)
+                nblk = lenj // NB
+                for q in cutlass.range(nblk):
+                    acc_add_rows(acc, chain_rows(ra, nodes, nb + q * (NB * 32) + lj, NB, ROWB), offs,
+                                 dtype, VEC)
+                cc = nblk * NB
+                if cutlass.const_expr(NB >= 4):
+                    if lenj - cc >= 2:
+                        acc_add_rows(acc, chain_rows(ra, nodes, nb + cc * 32 + lj, 2, ROWB), offs,
+                                     dtype, VEC)
+                if (lenj - cc) % 2 == 1:
+                    acc_add_rows(acc, chain_rows(ra, nodes, nb + (lenj - 1) * 32 + lj, 1, ROWB), offs,
+                                 dtype, VEC)
+                acc_store(acc, dst, offs, dtype, VEC)
+            if cutlass.const_expr(UT > 0):
+                offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
+                acc.fill(0.0)
+                nblk = lenj // NB
+                for q in cutlass.range(nblk):
+                    acc_add_rows(acc, chain_rows(ra, nodes, nb + q * (NB * 32) + lj, NB, ROWB), offs,
+                                 dtype, VEC)
+                cc = nblk * NB
+                if cutlass.const_expr(NB >= 4):
+                    if lenj - cc >= 2:
+                        acc_add_rows(acc, chain_rows(ra, nodes, nb + cc * 32 + lj, 2, ROWB), offs,
+                                     dtype, VEC)
+                if (lenj - cc) % 2 == 1:
+                    acc_add_rows(acc, chain_rows(ra, nodes, nb + (lenj - 1) * 32 + lj, 1, ROWB), offs,
+                                 dtype, VEC)
+                acc_store(acc, dst, offs, dtype, VEC)
+        cute.arch.sync_warp()
+
+
+@cute.kernel
+def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+                 primary_row: cute.Tensor, out: cute.Tensor, S: Constexpr[int], K: Constexpr[int],
+                 R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int], dtype: Constexpr,
+                 NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], NB: Constexpr[int]):
+    NW = NT // 32
+    W = NCTA * NW
+    VEC = 16 * 8 // dtype.width
+    NC, nfull, UT, clamp = row_geometry(ROWB, U)
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    gw = bx * NW + warp
+    acc = cute.make_rmem_tensor(cute.make_layout((VEC, U)), Float32)
+    oa = addr_of(out)
+    kl = cutlass.min(lane, Int32(K - 1))
+    for s in cutlass.range(gw, S, W):
+        idx = s * K + kl
+        d = dst_rank[idx]
+        r = dst_row[idx]
+        pr = primary_row[idx]
+        ok = (lane < K) & (d >= 0) & (d < R) & (r >= 0) & (r < NVS)
+        car = cute.arch.vote_ballot_sync(ok & (r == pr))
+        ncar = cute.arch.popc(car)
+        src = (peer_presum[cutlass.select_(ok, d, Int32(0))]
+               + Int64(cutlass.select_(ok, r, Int32(0))) * ROWB)
+        dst = oa + Int64(s) * ROWB
+        for seg in cutlass.range(nfull):
+            offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
+            acc.fill(0.0)
+            mm = car
+            for _q in cutlass.range(ncar // NB):
+                srcs, mm = next_lanes(src, mm, NB)
+                acc_add_rows(acc, srcs, offs, dtype, VEC)
+            if cutlass.const_expr(NB >= 4):
+                if cute.arch.popc(mm) >= 2:
+                    srcs, mm = next_lanes(src, mm, 2)
+                    acc_add_rows(acc, srcs, offs, dtype, VEC)
+            if mm != 0:
+                srcs, mm = next_lanes(src, mm, 1)
+                acc_add_rows(acc, srcs, offs, dtype, VEC)
+            acc_store(acc, dst, offs, dtype, VEC)
+        if cutlass.const_expr(UT > 0):
+            offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
+            acc.fill(0.0)
+            mm = car
+            for _q in cutlass.range(ncar // NB):
+                srcs, mm = next_lanes(src, mm, NB)
+                acc_add_rows(acc, srcs, offs, dtype, VEC)
+            if cutlass.const_expr(NB >= 4):
+                if cute.arch.popc(mm) >= 2:
+                    srcs, mm = next_lanes(src, mm, 2)
+                    acc_add_rows(acc, srcs, offs, dtype, VEC)
+            if mm != 0:
+                srcs, mm = next_lanes(src, mm, 1)
+                acc_add_rows(acc, srcs, offs, dtype, VEC)
+            acc_store(acc, dst, offs, dtype, VEC)
+
+
+@cute.kernel
+def _gather_kernel(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+                   out: cute.Tensor, N: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
+                   NCTA: Constexpr[int], NT: Constexpr[int]):
+    UG = 4
+    T = NCTA * NT
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    t = bx * NT + tidx
+    for i0 in cutlass.range(t, N, T * UG):
+        vals = []
+        for u in cutlass.range_constexpr(UG):
+            i = cutlass.min(i0 + u * T, Int32(N - 1))
+            d = dst_rank[i]
+            r = dst_row[i]
+            ok = (d >= 0) & (d < R) & (r >= 0) & (r < NVS)
+            a = (peer_vals[cutlass.select_(ok, d, Int32(0))]
+                 + Int64(cutlass.select_(ok, r, Int32(0))) * 4)
+            v = cute.arch.load(cute.make_ptr(Float32, a, cute.AddressSpace.gmem, assumed_align=4),
+                               Float32)
+            vals.append(cutlass.select_(ok, v, Float32(0.0)))
+        for u in cutlass.range_constexpr(UG):
+            if i0 + u * T < N:
+                out[i0 + u * T] = vals[u]
+
+
+@cute.jit
+def _presum_launch(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.Tensor,
+                   presum: cute.Tensor, stream, NVS: Constexpr[int], ROWB: Constexpr[int],
+                   dtype: Constexpr, NCTA: Constexpr[int]):
+    _presum_kernel(rows, row_primary, row_next, presum, NVS, ROWB, dtype, NCTA, _NT_PRESUM,
+                   _U_PRESUM, _CHAIN_MAX, _NB_PRESUM).launch(
+        grid=(NCTA, 1, 1), block=(_NT_PRESUM, 1, 1), stream=stream)
+
+
+@cute.jit
+def _pull_launch(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+                 primary_row: cute.Tensor, out: cute.Tensor, stream, S: Constexpr[int],
+                 K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
+                 dtype: Constexpr, NCTA: Constexpr[int]):
+    _pull_kernel(peer_presum, dst_rank, dst_row, primary_row, out, S, K, R, NVS, ROWB, dtype, NCTA,
+                 _NT_PULL, _U_PULL, _NB_PULL).launch(grid=(NCTA, 1, 1), block=(_NT_PULL, 1, 1), stream=stream)
+
+
+@cute.jit
+def _gather_launch(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+                   out: cute.Tensor, stream, N: Constexpr[int], R: Constexpr[int],
+                   NVS: Constexpr[int], NCTA: Constexpr[int]):
+    _gather_kernel(peer_vals, dst_rank, dst_row, out, N, R, NVS, NCTA, _NT_GATHER).launch(
+        grid=(NCTA, 1, 1), block=(_NT_GATHER, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# compile cache
+# ------------------------------------------------------------------------------------------------
+def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int):
+    dt = ROW_DTYPES[dtype]
+
+    def build():
+        return cute.compile(_presum_launch, fake(dt, NVS * H), fake(Int32, NVS, 4), fake(Int32, NVS, 4),
+                            fake(dt, NVS * H), fake_stream(), NVS, H * dtype.itemsize, dt, ncta,
+                            options="--enable-tvm-ffi")
+    return compiled(("presum", NVS, H, dtype, ncta), build)
+
+
+def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int):
+    dt = ROW_DTYPES[dtype]
+
+    def build():
+        return cute.compile(_pull_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),
+                            fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(dt, S * H), fake_stream(),
+                            S, K, R, NVS, H * dtype.itemsize, dt, ncta, options="--enable-tvm-ffi")
+    return compiled(("pull", S, H, K, R, NVS, dtype, ncta), build)
+
+
+def _compile_gather(S: int, K: int, R: int, NVS: int, ncta: int):
+    def build():
+        return cute.compile(_gather_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),
+                            fake(Int32, S * K, 4), fake(Float32, S * K, 4), fake_stream(), S * K, R,
+                            NVS, ncta, options="--enable-tvm-ffi")
+    return compiled(("gather", S, K, R, NVS, ncta), build)
+
+
+# ------------------------------------------------------------------------------------------------
+# public API
+# ------------------------------------------------------------------------------------------------
+def combine_presum(rows: torch.Tensor, row_primary: torch.Tensor, row_next: torch.Tensor,
+                   presum: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """Local: presum[p] = row dtype of the fp32 sum over the chain p, row_next[p], ... of rows[...]
+    for every row p with row_primary[p] == p; other rows of presum untouched.
+    rows, presum [NvS, H] bf16/fp16/fp32 (same dtype); row_primary, row_next int32 [NvS]."""
+    need_rows("rows", rows)
+    dev = rows.device
+    NVS, H = rows.shape
+    need_rows("presum", presum, rows.dtype, (NVS, H), dev)
+    need_tensor("row_primary", row_primary, (torch.int32,), shape=(NVS,), device=dev)
+    need_tensor("row_next", row_next, (torch.int32,), shape=(NVS,), device=dev)
+    num_ctas = need_int("num_ctas", num_ctas)
+    check_fits(1, 1, NVS)
+    fn = _compile_presum(NVS, H, rows.dtype, num_ctas)
+    fn(rows.view(-1), row_primary, row_next, presum.view(-1))
+
+
+def combine_pull(peer_presum: torch.Tensor, dst_rank: torch.Tensor, dst_row: torch.Tensor,
+                 primary_row: torch.Tensor, out: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS,
+                 nvs: int | None = None) -> None:
+    """out[s] = row dtype of the fp32 sum, in k order, over the k with dst_row[s, k] ==
+    primary_row[s, k], of presum[dst_row[s, k]] on rank dst_rank[s, k].
+    peer_presum int64 [R]: addresses of every rank's presum [nvs, H] (out's dtype);
+    plan tables int32 [S, K]; out [S, H] bf16/fp16/fp32. `nvs` (optional): rows per rank; with it,
+    entries with dst_row >= nvs are skipped (without it only negative rows are)."""
+    need_rows("out", out)
+    dev = out.device
+    S, H = out.shape
+    S2, K = need_plan(dst_rank, dst_row, primary_row, dev)
+    if S2 != S:
+        raise ValueError(f"dst_rank must be [S, K] with S={S} (out's rows), got {tuple(dst_rank.shape)}")
+    R = need_peers("peer_presum", peer_presum, device=dev)
+    nvs = _NO_NVS if nvs is None else need_int("nvs", nvs)
+    num_ctas = need_int("num_ctas", num_ctas)
+    check_fits(S, K, nvs)
+    fn = _compile_pull(S, H, K, R, nvs, out.dtype, num_ctas)
+    fn(peer_presum, dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1), out.view(-1))
+
+
+def gather_pull(peer_vals: torch.Tensor, dst_rank: torch.Tensor, dst_row: torch.Tensor,
+                out: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS, nvs: int | None = None) -> None:
+    """out[s, k] = vals[dst_row[s, k]] on rank dst_rank[s, k] (0 outside the plan).
+    peer_vals int64 [R]: addresses of every rank's vals f32 [nvs]; plan tables int32 [S, K];
+    out f32 [S, K]. `nvs` (optional): as in `combine_pull`."""
+    S, K = need_plan(dst_rank, dst_row)
+    dev = dst_rank.device
+    need_tensor("out", out, (torch.float32,), shape=(S, K), device=dev)
+    R = need_peers("peer_vals", peer_vals, device=dev)
+    nvs = _NO_NVS if nvs is None else need_int("nvs", nvs)
+    num_ctas = need_int("num_ctas", num_ctas)
+    check_fits(S, K, nvs)
+    fn = _compile_gather(S, K, R, nvs, num_ctas)
+    fn(peer_vals, dst_rank.view(-1), dst_row.view(-1), out.view(-1))
+
+
+# ------------------------------------------------------------------------------------------------
+# CI: compile every kernel for sm_90a without a GPU (run in a child by compile_check)
+# ------------------------------------------------------------------------------------------------
+DEFAULT_CHECK_CONFIGS = [
+    dict(S=8192, H=7168, K=8, R=2, NVS=align_up(8192 * 8 + 127 * 96, 128), dtype="bfloat16"),
+    dict(S=7, H=64, K=6, R=2, NVS=align_up(7 * 6 + 15 * 6, 16), dtype="bfloat16"),
+    dict(S=7, H=72, K=6, R=4, NVS=align_up(7 * 6 + 15 * 6, 16), dtype="float32"),
+    dict(S=9, H=200, K=5, R=4, NVS=align_up(9 * 5 + 15 * 6, 16), dtype="float16"),
+]
+
+
+def compile_all_for_check(configs: list[dict] | None = None, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """Compile presum, pull and gather for each config; on a machine without a CUDA driver each
+    compile stops at loading (caught: exactly DSLRuntimeError from CudaDriverDependencyError)."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    for cfg in configs or DEFAULT_CHECK_CONFIGS:
+        S, H, K, R, NVS = (cfg[k] for k in ("S", "H", "K", "R", "NVS"))
+        dt = getattr(torch, cfg.get("dtype", "bfloat16"))
+        for name, build in (("presum", lambda: _compile_presum(NVS, H, dt, num_ctas)),
+                            ("pull", lambda: _compile_pull(S, H, K, R, NVS, dt, num_ctas)),
+                            ("gather", lambda: _compile_gather(S, K, R, NVS, num_ctas))):
+            with expect_no_driver() as st:
+                build()
+            print(f"compiled {name} S={S} H={H} K={K} R={R} NvS={NVS} {dt}: "
+                  + ("load failed: no CUDA driver (expected on CPU)" if st["driver_missing"]
+                     else "no load error"),
+                  flush=True)
