@@ -88,7 +88,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
         route_w = torch.softmax(torch.randn(S, K, device="cuda"), 1)
         plan = ops.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name)
         dst_rank, dst_row, primary_row, etc, cu, group_rows, _ = plan
-        recv = ep.recv_buffers
+        recv = ep.dispatch_buffers
 
         def do_plan():
             return ops.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name)

@@ -5,7 +5,7 @@ import torch
 from .checks import ROW_DTYPES, check_tensor
 
 
-def check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down) -> None:
+def check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl) -> None:
     op = "prefetch_weights"
     check_tensor(op, "w_gate", w_gate, ROW_DTYPES, (None, None, None))
     epn, H, F = w_gate.shape
@@ -17,8 +17,9 @@ def check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_u
     check_tensor(op, "pool_gate", pool_gate, (dt,), (B, H, F), dev)
     check_tensor(op, "pool_up", pool_up, (dt,), (B, H, F), dev)
     check_tensor(op, "pool_down", pool_down, (dt,), (B, F, H), dev)
+    check_tensor(op, "ctrl", ctrl, (torch.int32,), (None,), dev)
 
 
-def prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, group_name: str):
-    check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down)
-    return torch.empty_like(pool_gate), torch.empty_like(pool_up), torch.empty_like(pool_down)
+def prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl,
+                     group_name: str) -> None:
+    check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl)

@@ -5,7 +5,8 @@ persistent buffers (which `register_autograd` refuses), so each has a `torch.aut
 its op; Dynamo traces those under torch.compile. Backward never re-plans: it reuses the forward's plan.
   dispatch  backward = combine of the row gradients + gather of the route-weight gradients
   combine   backward = dispatch of the token gradients
-  prefetch  backward = reduce_grad of the copies' weight gradients into the home experts
+  experts   (prefetch + SwiGLU GEMMs, one Function) backward = prefetch again, dgrad/wgrad GEMMs, and
+            reduce_grad of the copies' weight gradients into the home experts
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ ops.group_gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                recv_rows, recv_w, recv_primary, recv_next, presum, row_scratch, ctrl, group_name):
+                send_rows, recv_w, recv_primary, recv_next, recv_src, presum, row_scratch, ctrl, group_name):
         rows, row_w, row_primary, row_next = ops.dispatch(
             x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-            recv_rows, recv_w, recv_primary, recv_next, ctrl, group_name)
+            send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl, group_name)
         ctx.save_for_backward(dst_rank, dst_row, primary_row, row_primary, row_next)
         ctx.buffers = (presum, row_scratch, ctrl)
         ctx.group_name = group_name
@@ -71,16 +72,16 @@ class _Dispatch(torch.autograd.Function):
                          ctx.group_name)
         g_route_w = ops.gather_row_weights(g_row_w.contiguous(), dst_rank, dst_row, row_scratch, ctrl,
                                            ctx.group_name)
-        return (gx, g_route_w) + (None,) * 13
+        return (gx, g_route_w) + (None,) * 14
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                presum, recv_rows, recv_w, recv_primary, recv_next, ctrl, group_name):
+                presum, send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl, group_name):
         out = ops.combine(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name)
         ctx.save_for_backward(dst_rank, dst_row, primary_row, cu_seqlens, group_rows)
-        ctx.buffers = (recv_rows, recv_w, recv_primary, recv_next, ctrl)
+        ctx.buffers = (send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
         ctx.group_name = group_name
         return out
 
@@ -90,13 +91,13 @@ class _Combine(torch.autograd.Function):
         unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=g_out.device)
         g_rows, _, _, _ = ops.dispatch(g_out.contiguous(), unit_w, dst_rank, dst_row, primary_row, cu_seqlens,
                                        group_rows, *ctx.buffers, ctx.group_name)
-        return (g_rows,) + (None,) * 14
+        return (g_rows,) + (None,) * 15
 
 
 def dispatch(ep: EPGroup, x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
              cu_seqlens: Tensor, group_rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Differentiable dispatch: (rows [NvS, H], row weights [NvS], row_primary [NvS], row_next [NvS])."""
-    return _Dispatch.apply(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.recv_buffers,
+    return _Dispatch.apply(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
                            ep.presum, ep.row_scratch, ep.ctrl, ep.group_name)
 
 
@@ -104,34 +105,66 @@ def combine(ep: EPGroup, rows: Tensor, row_primary: Tensor, row_next: Tensor, ds
             primary_row: Tensor, cu_seqlens: Tensor, group_rows: Tensor) -> Tensor:
     """Differentiable combine: expert output rows [NvS, H] -> token rows [S, H]."""
     return _Combine.apply(rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                          ep.presum, *ep.recv_buffers, ep.ctrl, ep.group_name)
+                          ep.presum, *ep.dispatch_buffers, ep.ctrl, ep.group_name)
 
 
-# -------------------------------------------------------------------------------------- weight path
-class _SlotWeights(torch.autograd.Function):
+# ---------------------------------------------------------------------------------------- experts
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def _swiglu_backward(gate: Tensor, up: Tensor, g_hidden: Tensor) -> tuple[Tensor, Tensor]:
+    g, u, dh = gate.float(), up.float(), g_hidden.float()
+    sig = torch.sigmoid(g)
+    g_up = dh * g * sig
+    g_gate = dh * u * sig * (1 + g * (1 - sig))
+    return g_gate.to(gate.dtype), g_up.to(up.dtype)
+
+
+class _ExpertsFFN(torch.autograd.Function):
+    """One layer's SwiGLU experts on this rank's rows: prefetch -> gate/up GEMMs -> SwiGLU -> down GEMM ->
+    route-weight scaling. The slot pools are shared by every layer, so forward reads them in place and
+    backward prefetches this layer's copies again (by then they hold another layer's); the wgrad GEMMs
+    accumulate the copies' gradients into the reduce buffers and `reduce_grad` folds them home."""
+
     @staticmethod
-    def forward(ctx, w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
-                reduce_gate, reduce_up, reduce_down, group_name):
-        slots = ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
-                                     group_name)
-        ctx.save_for_backward(experts_to_copy)
-        ctx.reduce = (reduce_gate, reduce_up, reduce_down)
-        ctx.meta = (w_gate.shape[0], w_gate.dtype, group_name)
-        return slots
+    def forward(ctx, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
+                pool_gate, pool_up, pool_down, reduce_gate, reduce_up, reduce_down, ctrl, P, group_name):
+        ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name)
+        gate = ops.group_gemm(rows, w_gate, pool_gate, cu_seqlens, P)
+        up = ops.group_gemm(rows, w_up, pool_up, cu_seqlens, P)
+        out = ops.group_gemm(_swiglu(gate, up), w_down, pool_down, cu_seqlens, P)
+        ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, out)
+        ctx.buffers = (pool_gate, pool_up, pool_down, reduce_gate, reduce_up, reduce_down, ctrl)
+        ctx.P, ctx.group_name = P, group_name
+        return (out.float() * row_w[:, None]).to(rows.dtype)
 
     @staticmethod
-    def backward(ctx, *slot_grads):
-        (experts_to_copy,) = ctx.saved_tensors
-        epn, dtype, group_name = ctx.meta
-        # collective: every rank folds all three projections, zeros for a slot weight it did not use
-        g_gate, g_up, g_down = (buf.new_zeros(buf.shape) if g is None else g.contiguous()
-                                for g, buf in zip(slot_grads, ctx.reduce))
-        home = ops.reduce_grad(g_gate, g_up, g_down, experts_to_copy, *ctx.reduce, epn, group_name)
-        return (*(h.to(dtype) for h in home), None, None, None, None, None, None, None, None)
+    def backward(ctx, g_y):
+        rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up, out = ctx.saved_tensors
+        pool_gate, pool_up, pool_down, reduce_gate, reduce_up, reduce_down, ctrl = ctx.buffers
+        P, group_name = ctx.P, ctx.group_name
+        # collective: every rank runs the whole backward whatever it needs
+        ops.prefetch_weights(w_gate, w_up, w_down, etc, pool_gate, pool_up, pool_down, ctrl, group_name)
+        g_y = g_y.float()
+        g_row_w = (g_y * out.float()).sum(1)
+        g_out = (g_y * row_w[:, None]).to(rows.dtype)
+        g_hidden = ops.group_gemm_dgrad(g_out, w_down, pool_down, cu, P)
+        dw_gate, dw_up, dw_down = (torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                                   for w in (w_gate, w_up, w_down))
+        ops.group_gemm_wgrad(_swiglu(gate, up), g_out, cu, dw_down, reduce_down, P)
+        g_gate, g_up = _swiglu_backward(gate, up, g_hidden)
+        g_rows = (ops.group_gemm_dgrad(g_gate, w_gate, pool_gate, cu, P).float()
+                  + ops.group_gemm_dgrad(g_up, w_up, pool_up, cu, P).float()).to(rows.dtype)
+        ops.group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
+        ops.group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
+        home = ops.reduce_grad(etc, reduce_gate, reduce_up, reduce_down, w_gate.shape[0], ctrl, group_name)
+        dws = tuple((dw + h).to(w.dtype) for dw, h, w in zip((dw_gate, dw_up, dw_down), home, (w_gate, w_up, w_down)))
+        return (g_rows, g_row_w) + dws + (None,) * 11
 
 
-def slot_weights(ep: EPGroup, w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_copy: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """This layer's copied experts (gate, up, down) in the rank's slots; gradients flow home."""
-    return _SlotWeights.apply(w_gate, w_up, w_down, experts_to_copy, *ep.pools, *ep.reduce_buffers,
-                              ep.group_name)
+def experts_ffn(ep: EPGroup, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                cu_seqlens: Tensor, experts_to_copy: Tensor) -> Tensor:
+    """Differentiable SwiGLU experts with copied slots: rows [NvS, H] -> route-weighted outputs [NvS, H]."""
+    return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, *ep.pools,
+                             *ep.reduce_buffers, ep.ctrl, ep.cfg.P, ep.group_name)

@@ -71,12 +71,14 @@ class EPGroup:
         c = cfg
 
         self.ctrl = self._buffer(control_words(c.R, c.E), dtype=torch.int32)
-        # receive side of dispatch: expert-grouped rows, their route weights, per row the row that
-        # carried its token over the link (-1 = padding) and the token's next row on this rank (k order)
-        self.recv_rows = self._buffer(c.NvS, c.H)
+        # dispatch: this rank's tokens staged for the peers to read, and per receive row its route
+        # weight, the row that carried its token over the link (-1 = padding), the token's next row on
+        # this rank (k order) and the token's source (rank * S + token)
+        self.send_rows = self._buffer(c.S, c.H)
         self.recv_w = self._buffer(c.NvS, dtype=torch.float32)
         self.recv_primary = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
         self.recv_next = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
+        self.recv_src = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
         # combine: each token's rows on this rank pre-summed, read back by the token's rank
         self.presum = self._buffer(c.NvS, c.H)
         # per-row values (route-weight gradients) read back by the tokens' ranks
@@ -115,8 +117,9 @@ class EPGroup:
         check_status(self.status, where)
 
     @property
-    def recv_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.recv_rows, self.recv_w, self.recv_primary, self.recv_next
+    def dispatch_buffers(self) -> tuple[torch.Tensor, ...]:
+        """send_rows, recv_w, recv_primary, recv_next, recv_src (the persistent buffers of dispatch)."""
+        return self.send_rows, self.recv_w, self.recv_primary, self.recv_next, self.recv_src
 
     def _weight_buffers(self):
         # copy slots, shared by every layer, and the fp32 gradients of the copies (allocated on first use)
@@ -144,7 +147,7 @@ class EPGroup:
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)  # no peer still reads or writes our buffers
             _GROUP_OF_CTRL.pop(self.ctrl.data_ptr(), None)
-        for name in ("ctrl", "recv_rows", "recv_w", "recv_primary", "recv_next", "presum", "row_scratch"):
+        for name in ("ctrl", "send_rows", "recv_w", "recv_primary", "recv_next", "recv_src", "presum", "row_scratch"):
             t = getattr(self, name)
             if t is not None:
                 _PEERS.pop(t.data_ptr(), None)

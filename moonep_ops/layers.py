@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import autograd, ops
@@ -37,14 +36,8 @@ class MoEExperts(nn.Module):
     def forward(self, rows: torch.Tensor, row_w: torch.Tensor, cu_seqlens: torch.Tensor,
                 experts_to_copy: torch.Tensor) -> torch.Tensor:
         """rows [NvS, H] grouped by cu_seqlens (home experts, then slots) -> weighted outputs [NvS, H]."""
-        slot_gate, slot_up, slot_down = autograd.slot_weights(self.ep, self.w_gate, self.w_up, self.w_down,
-                                                              experts_to_copy)
-        P = self.ep.cfg.P
-        gate = ops.group_gemm(rows, self.w_gate, slot_gate, cu_seqlens, P)
-        up = ops.group_gemm(rows, self.w_up, slot_up, cu_seqlens, P)
-        hidden = (F.silu(gate.float()) * up.float()).to(rows.dtype)
-        out = ops.group_gemm(hidden, self.w_down, slot_down, cu_seqlens, P)
-        return (out.float() * row_w[:, None]).to(rows.dtype)
+        return autograd.experts_ffn(self.ep, rows, row_w, self.w_gate, self.w_up, self.w_down, cu_seqlens,
+                                    experts_to_copy)
 
 
 class MoELayer(nn.Module):

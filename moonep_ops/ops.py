@@ -92,70 +92,82 @@ def next_row_same_rank(dst_rank: Tensor, dst_row: Tensor) -> Tensor:
     return nxt
 
 
-@custom_op("moonep::dispatch", mutates_args=("recv_rows", "recv_w", "recv_primary", "recv_next", "ctrl"),
-           device_types="cpu")
+@custom_op("moonep::dispatch",
+           mutates_args=("send_rows", "recv_w", "recv_primary", "recv_next", "recv_src", "ctrl"), device_types="cpu")
 def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
-             cu_seqlens: Tensor, group_rows: Tensor, recv_rows: Tensor, recv_w: Tensor, recv_primary: Tensor,
-             recv_next: Tensor, ctrl: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             cu_seqlens: Tensor, group_rows: Tensor, send_rows: Tensor, recv_w: Tensor, recv_primary: Tensor,
+             recv_next: Tensor, recv_src: Tensor, ctrl: Tensor, group_name: str
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Token rows [S, H] -> this rank's expert-grouped rows [NvS, H], row weights [NvS] and, per row,
     the row that carried its token over the link and the token's next row on this rank in k order
     (both -1 for padding). Each token crosses to a rank once; the receiver copies it to the token's
-    other rows there. Writes the receive buffers; returns copies of them as ordinary activations.
-    cu_seqlens/group_rows (this rank's padded group ends and real rows) locate the padding rows."""
+    other rows there. cu_seqlens/group_rows (this rank's padded group ends and real rows) locate the
+    padding rows, which are zero. Persistent buffers: `send_rows` stages this rank's tokens for the
+    peers to read; the recv_* tables receive, per row, its weight, primary row, next row and source
+    (rank * S + token). Outputs are fresh tensors."""
     meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                                      recv_rows, recv_w, recv_primary, recv_next, ctrl)
+                                      send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
     group = resolve_group("dispatch", group_name)
     R = torch.distributed.get_world_size(group)
-    NvS = recv_rows.shape[0]
+    NvS = recv_w.shape[0]
     if bool((dst_rank < 0).any() | (dst_rank >= R).any() | (dst_row < 0).any() | (dst_row >= NvS).any()):
         raise ValueError(f"moonep.dispatch: dst_rank/dst_row must lie in [0, R={R}) x [0, NvS={NvS})")
-    K = dst_rank.shape[1]
+    S, K = dst_rank.shape
+    rank = torch.distributed.get_rank(group)
+    send_rows.copy_(x)
     flat_rank = dst_rank.reshape(-1)
-    is_primary = (dst_row == primary_row).reshape(-1)
     next_row = next_row_same_rank(dst_rank, dst_row).reshape(-1)
-    token = torch.arange(flat_rank.numel()) // K
-    rows_meta, weights, data = [], [], []
+    src = rank * S + torch.arange(S * K, dtype=torch.int32) // K
+    tables, weights = [], []
     for d in range(R):
         sel = flat_rank == d
-        rows_meta.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel]], 1))
+        tables.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel], src[sel]], 1))
         weights.append(route_w.reshape(-1)[sel])
-        data.append(x[token[sel & is_primary]])
-    recv_rows.zero_()
     recv_w.zero_()
-    recv_primary.fill_(-1)
-    recv_next.fill_(-1)
-    for m, w, rows in zip(exchange(rows_meta, group), exchange(weights, group), exchange(data, group)):
-        row, prim = m[:, 0].long(), m[:, 1]
+    for t in (recv_primary, recv_next, recv_src):
+        t.fill_(-1)
+    for m, w in zip(exchange(tables, group), exchange(weights, group)):
+        row = m[:, 0].long()
         recv_w[row] = w
-        recv_primary[row] = prim
-        recv_next[row] = m[:, 2]
-        recv_rows[row[row == prim]] = rows
-    dup = torch.nonzero((recv_primary >= 0) & (recv_primary != torch.arange(NvS))).flatten()
-    recv_rows[dup] = recv_rows[recv_primary[dup].long()]
-    return recv_rows.clone(), recv_w.clone(), recv_primary.clone(), recv_next.clone()
+        recv_primary[row], recv_next[row], recv_src[row] = m[:, 1], m[:, 2], m[:, 3]
+    carriers = torch.nonzero(recv_primary == torch.arange(NvS)).flatten()
+    token_rows = pull(send_rows, recv_src[carriers] // S, recv_src[carriers] % S, group)
+    rows = x.new_zeros((NvS, x.shape[1]))
+    rows[carriers] = token_rows
+    real = torch.nonzero(recv_primary >= 0).flatten()
+    rows[real] = rows[recv_primary[real].long()]
+    return rows, recv_w.clone(), recv_primary.clone(), recv_next.clone()
 
 
 dispatch.register_fake(meta.dispatch.dispatch)
 
 
 @dispatch.register_kernel("cuda")
-def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_rows, recv_w,
-                   recv_primary, recv_next, ctrl, group_name):
+def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, send_rows, recv_w,
+                   recv_primary, recv_next, recv_src, ctrl, group_name):
     meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                                      recv_rows, recv_w, recv_primary, recv_next, ctrl)
-    from csrc_cute import dispatch as kd, sync  # CuTe DSL loads on first CUDA use only
+                                      send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
+    from csrc_cute import dispatch as kd  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("dispatch", ctrl)
-    bufs = (recv_rows, recv_w, recv_primary, recv_next)
-    names = ("recv_rows", "recv_w", "recv_primary", "recv_next")
-    kd.dispatch_push(x, route_w, dst_rank, dst_row, primary_row,
-                     *(peers("dispatch", n, b) for n, b in zip(names, bufs)), *bufs, cu_seqlens, group_rows,
-                     ep.rank, num_ctas=ep.comm_sms)
-    sync.barrier(peers("dispatch", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
-    out = tuple(torch.empty_like(b) for b in bufs)
-    kd.dispatch_finish(*bufs, *out, num_ctas=ep.comm_sms)
+    tables = (recv_w, recv_primary, recv_next, recv_src)
+    names = ("recv_w", "recv_primary", "recv_next", "recv_src")
+    _barrier(ep, ctrl)  # every peer is done reading the previous dispatch's tables and staged rows
+    kd.dispatch_meta(x, route_w, dst_rank, dst_row, primary_row,
+                     *(peers("dispatch", n, t) for n, t in zip(names, tables)), *tables, send_rows, cu_seqlens,
+                     group_rows, ep.rank, num_ctas=ep.comm_sms)
+    _barrier(ep, ctrl)  # every row's table entry has landed and every rank's tokens are staged
+    out = (torch.empty((recv_w.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),) + tuple(
+        torch.empty_like(t) for t in tables[:3])
+    kd.dispatch_pull(peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0], num_ctas=ep.comm_sms)
     _debug_check(ep, "dispatch")
     return out
+
+
+def _barrier(ep, ctrl: Tensor) -> None:
+    from csrc_cute import sync
+
+    sync.barrier(peers("moonep", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
 
 
 # ------------------------------------------------------------------------------------------- combine
@@ -184,11 +196,12 @@ combine.register_fake(meta.combine.combine)
 @combine.register_kernel("cuda")
 def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name):
     meta.combine.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
-    from csrc_cute import combine as kc, sync  # CuTe DSL loads on first CUDA use only
+    from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("combine", ctrl)
+    _barrier(ep, ctrl)  # every peer is done reading the previous combine's presum
     kc.combine_presum(rows, row_primary, row_next, presum, num_ctas=ep.comm_sms)
-    sync.barrier(peers("combine", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
+    _barrier(ep, ctrl)  # every rank's presum is complete
     out = rows.new_empty((dst_rank.shape[0], rows.shape[1]))
     kc.combine_pull(peers("combine", "presum", presum), dst_rank, dst_row, primary_row, out, num_ctas=ep.comm_sms)
     _debug_check(ep, "combine")
@@ -213,11 +226,12 @@ gather_row_weights.register_fake(meta.gather_row_weights.gather_row_weights)
 @gather_row_weights.register_kernel("cuda")
 def _gather_row_weights_cuda(row_vals, dst_rank, dst_row, row_scratch, ctrl, group_name):
     meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
-    from csrc_cute import combine as kc, sync  # CuTe DSL loads on first CUDA use only
+    from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("gather_row_weights", ctrl)
+    _barrier(ep, ctrl)  # every peer is done reading the previous values
     row_scratch.copy_(row_vals)
-    sync.barrier(peers("gather_row_weights", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
+    _barrier(ep, ctrl)
     out = torch.empty(dst_rank.shape, dtype=torch.float32, device=row_vals.device)
     kc.gather_pull(peers("gather_row_weights", "row_scratch", row_scratch), dst_rank, dst_row, out,
                    num_ctas=ep.comm_sms)
@@ -304,13 +318,15 @@ def _group_gemm_wgrad_cuda(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: T
 
 
 # ---------------------------------------------------------------------------------- prefetch_weights
-@custom_op("moonep::prefetch_weights", mutates_args=("pool_gate", "pool_up", "pool_down"), device_types="cpu")
+@custom_op("moonep::prefetch_weights", mutates_args=("pool_gate", "pool_up", "pool_down", "ctrl"),
+           device_types="cpu")
 def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_copy: Tensor,
-                     pool_gate: Tensor, pool_up: Tensor, pool_down: Tensor, group_name: str
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """Fill this rank's slot pools with the planned copies (gate, up, down) from their home ranks;
-    empty slots are zero. Returns copies of the pools as this layer's slot weights."""
-    meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down)
+                     pool_gate: Tensor, pool_up: Tensor, pool_down: Tensor, ctrl: Tensor, group_name: str) -> None:
+    """Fill this rank's slot pools with the planned copies (gate, up, down) from their home ranks; empty
+    slots are zero. The pools are shared by every layer: the GEMMs read them in place, and a layer's
+    backward prefetches its copies again."""
+    meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
+                                              ctrl)
     group = resolve_group("prefetch_weights", group_name, experts_to_copy.shape[0])
     epn = w_gate.shape[0]
     mine = experts_to_copy[torch.distributed.get_rank(group)].long()
@@ -318,31 +334,28 @@ def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_co
     for w, pool in ((w_gate, pool_gate), (w_up, pool_up), (w_down, pool_down)):
         pool.zero_()
         pool[used] = pull(w, mine[used] // epn, mine[used] % epn, group)
-    return pool_gate.clone(), pool_up.clone(), pool_down.clone()
 
 
 prefetch_weights.register_fake(meta.prefetch_weights.prefetch_weights)
 
 
 # --------------------------------------------------------------------------------------- reduce_grad
-@custom_op("moonep::reduce_grad", mutates_args=("reduce_gate", "reduce_up", "reduce_down"), device_types="cpu")
-def reduce_grad(slot_grad_gate: Tensor, slot_grad_up: Tensor, slot_grad_down: Tensor, experts_to_copy: Tensor,
-                reduce_gate: Tensor, reduce_up: Tensor, reduce_down: Tensor, epn: int, group_name: str
-                ) -> tuple[Tensor, Tensor, Tensor]:
-    """Fold the copies' weight gradients home. Each rank adds its slot gradients into its fp32 reduce
-    buffers; each home rank then reads its experts' copy gradients from every rank, in rank then slot
-    order (bitwise deterministic), into fresh fp32 home gradients [epn, ...]; the consumed reduce
-    buffers are zeroed for the next micro-batch."""
-    slot_grads = (slot_grad_gate, slot_grad_up, slot_grad_down)
+@custom_op("moonep::reduce_grad", mutates_args=("reduce_gate", "reduce_up", "reduce_down", "ctrl"),
+           device_types="cpu")
+def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor, reduce_down: Tensor, epn: int,
+                ctrl: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Fold the copies' weight gradients home. The reduce buffers hold, per slot, the fp32 gradient of
+    the copy this rank computed (the wgrad GEMMs accumulate into them). Each home rank reads its
+    experts' copy gradients from every rank, in rank then slot order (bitwise deterministic), into fresh
+    fp32 home gradients [epn, ...]; the consumed buffers are zeroed for the next layer/micro-batch."""
     reduce_bufs = (reduce_gate, reduce_up, reduce_down)
-    meta.reduce_grad.check_reduce_args(slot_grads, experts_to_copy, reduce_bufs, epn)
+    meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, epn, ctrl)
     group = resolve_group("reduce_grad", group_name, experts_to_copy.shape[0])
     me = torch.distributed.get_rank(group)
     copies = experts_to_copy.long()
     ranks, slots = torch.nonzero((copies >= 0) & (copies // epn == me), as_tuple=True)  # row-major: rank, slot
     outs = []
-    for g, buf in zip(slot_grads, reduce_bufs):
-        buf.add_(g.float())
+    for buf in reduce_bufs:
         got = pull(buf, ranks, slots, group)
         home = torch.zeros((epn,) + tuple(buf.shape[1:]), dtype=torch.float32)
         for i, e in enumerate(copies[ranks, slots].tolist()):

@@ -207,7 +207,7 @@ def dispatch_combine_traceable(rank: int, R: int, cfg_kwargs: dict, n_routings: 
         x = xs[rank].to(dev)
         route_w = _route_w(rank, c.S, c.K).to(dev)
         rows, row_w, row_primary, row_next = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu,
-                                                          group_rows, *ep.recv_buffers, ep.ctrl, ep.group_name)
+                                                          group_rows, *ep.dispatch_buffers, ep.ctrl, ep.group_name)
         # expected receive side of this rank, from every rank's reference plan
         exp_rows = torch.zeros(c.NvS, c.H, dtype=torch.bfloat16)
         exp_w = torch.zeros(c.NvS)
@@ -265,7 +265,7 @@ def dispatch_combine_traceable(rank: int, R: int, cfg_kwargs: dict, n_routings: 
 
     # repeated steps bitwise stable, graph replay equal, no host sync (last routing)
     def step():
-        rws, rw, rp, rn = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows, *ep.recv_buffers,
+        rws, rw, rp, rn = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows, *ep.dispatch_buffers,
                                        ep.ctrl, ep.group_name)
         return rws, ops.combine(rws, rp, rn, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl, ep.group_name)
 

@@ -117,8 +117,8 @@ def compile_and_export(rank: int, R: int, cfg_kwargs: dict, steps: int):
 
 
 def partial_use(rank: int, R: int, cfg_kwargs: dict):
-    """Backward through dispatch when only the rows are used (not the row weights), and through the
-    weight path when only the gate slots are used: the collective backward ops still run on every rank."""
+    """Backward through dispatch when only the rows are used (not the row weights): the collective
+    backward ops (gather_row_weights among them) still run on every rank."""
     from moonep_ops import autograd as ag
     from moonep_ops import ops
 
@@ -130,11 +130,12 @@ def partial_use(rank: int, R: int, cfg_kwargs: dict):
     dst_rank, dst_row, primary_row, experts_to_copy, cu, group_rows, _ = ops.plan(
         ids, cfg.E, cfg.B, cfg.P, cfg.R, ep.ctrl, ep.group_name)
     route_w = torch.full(ids.shape, 0.5, requires_grad=True)
-    rows, _, _, _ = ag.dispatch(ep, x, route_w, dst_rank, dst_row, primary_row, cu, group_rows)
-    slot_gate, _, _ = ag.slot_weights(ep, layer.experts.w_gate, layer.experts.w_up, layer.experts.w_down,
-                                      experts_to_copy)
-    (ops.group_gemm(rows, layer.experts.w_gate, slot_gate, cu, cfg.P).sum()).backward()
-    return dict(x=x.grad, gate=layer.experts.w_gate.grad, up=layer.experts.w_up.grad, route_w=route_w.grad)
+    rows, _, row_primary, row_next = ag.dispatch(ep, x, route_w, dst_rank, dst_row, primary_row, cu, group_rows)
+    y = layer.experts(rows, torch.ones(rows.shape[0]), cu, experts_to_copy)  # the row weights go unused
+    out = ag.combine(ep, y, row_primary, row_next, dst_rank, dst_row, primary_row, cu, group_rows)
+    out.sum().backward()
+    e = layer.experts
+    return dict(x=x.grad, gate=e.w_gate.grad, up=e.w_up.grad, down=e.w_down.grad, route_w=route_w.grad)
 
 
 def baseline_forward_backward(rank: int, R: int, cfg_kwargs: dict, skew: str):

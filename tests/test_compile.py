@@ -44,11 +44,12 @@ forward:
   auto_functionalized(moonep.combine.default)
 backward:
   auto_functionalized(moonep.dispatch.default)
+  auto_functionalized(moonep.prefetch_weights.default)
   moonep.group_gemm_dgrad.default
   auto_functionalized(moonep.group_gemm_wgrad.default)
   moonep.group_gemm_dgrad.default
-  auto_functionalized(moonep.group_gemm_wgrad.default)
   moonep.group_gemm_dgrad.default
+  auto_functionalized(moonep.group_gemm_wgrad.default)
   auto_functionalized(moonep.group_gemm_wgrad.default)
   auto_functionalized(moonep.reduce_grad.default)
   auto_functionalized(moonep.combine.default)

@@ -32,7 +32,7 @@ def op_cases(group):
     route_w = torch.rand(c.S, c.K)
     ep = EPGroup(c, dtype=torch.float32)
     rows, row_w, row_primary, row_next = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
-                                                      *ep.recv_buffers, ep.ctrl, group)
+                                                      *ep.dispatch_buffers, ep.ctrl, group)
     w_home, w_slot = torch.randn(c.epn, c.H, c.F), torch.randn(c.B, c.H, c.F)
     wd_home = torch.randn(c.epn, c.F, c.H)
     hidden = torch.randn(c.NvS, c.F)
@@ -40,7 +40,7 @@ def op_cases(group):
     return {
         "plan": (ops.plan.default, (ids, c.E, c.B, c.P, c.R, ep.ctrl, group)),
         "dispatch": (ops.dispatch.default, (x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
-                                            *ep.recv_buffers, ep.ctrl, group)),
+                                            *ep.dispatch_buffers, ep.ctrl, group)),
         "combine": (ops.combine.default, (rows, row_primary, row_next, dst_rank, dst_row, primary_row, ep.presum,
                                           ep.ctrl, group)),
         "gather_row_weights": (ops.gather_row_weights.default, (row_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl,
@@ -49,10 +49,10 @@ def op_cases(group):
         "group_gemm_dgrad": (ops.group_gemm_dgrad.default, (hidden, w_home, w_slot, cu, c.P)),
         "group_gemm_wgrad": (ops.group_gemm_wgrad.default, (rows, hidden, cu, torch.zeros(c.epn, c.H, c.F),
                                                             torch.zeros(c.B, c.H, c.F), c.P)),
-        "prefetch_weights": (ops.prefetch_weights.default, (w_home, w_home.clone(), wd_home, etc, *pools, group)),
-        "reduce_grad": (ops.reduce_grad.default, (torch.randn(c.B, c.H, c.F), torch.randn(c.B, c.H, c.F),
-                                                  torch.randn(c.B, c.F, c.H), etc, torch.zeros(c.B, c.H, c.F),
-                                                  torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.F, c.H), c.epn, group)),
+        "prefetch_weights": (ops.prefetch_weights.default, (w_home, w_home.clone(), wd_home, etc, *pools, ep.ctrl,
+                                                            group)),
+        "reduce_grad": (ops.reduce_grad.default, (etc, torch.randn(c.B, c.H, c.F), torch.randn(c.B, c.H, c.F),
+                                                  torch.randn(c.B, c.F, c.H), c.epn, ep.ctrl, group)),
     }
 
 
@@ -71,14 +71,14 @@ def test_dispatch_combine_values(gloo1):
     route_w = torch.arange(c.S * c.K, dtype=torch.float32).view(c.S, c.K) / 100
     ep = EPGroup(c, dtype=torch.float32)
     rows, row_w, row_primary, row_next = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
-                                                      *ep.recv_buffers, ep.ctrl, gloo1)
-    assert torch.equal(rows, ep.recv_rows) and rows.data_ptr() != ep.recv_rows.data_ptr()
+                                                      *ep.dispatch_buffers, ep.ctrl, gloo1)
+    assert torch.equal(ep.send_rows, x)  # staged for the peers
     for s in range(c.S):
         for k in range(c.K):
             r = int(dst_row[s, k])
             nxt = int(dst_row[s, k + 1]) if k + 1 < c.K else -1  # R=1: the next k is on the same rank
             assert torch.equal(rows[r], x[s]) and row_w[r] == route_w[s, k] and row_primary[r] == primary_row[s, k]
-            assert row_next[r] == nxt
+            assert row_next[r] == nxt and ep.recv_src[r] == s  # source: rank 0, token s
     padding = row_primary < 0
     assert int((~padding).sum()) == c.S * c.K and not rows[padding].any() and not row_w[padding].any()
     assert bool((row_next[padding] == -1).all())
