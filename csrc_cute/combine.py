@@ -21,10 +21,12 @@ outside [0, NvS) are skipped.
 
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
 static key):
-  presum  one warp per 32 rows: the lanes walk the chains of the chain heads among them in lockstep
-          (node lists in shared memory, the walk ends when no lane has a next row), then the warp sums
-          each head's chain segment by segment (U 16-byte chunks per lane, fp32 registers), NB chain
-          rows at a time (all their loads issued before the adds, which keep the chain order).
+  presum  one warp per 32 rows (grid-stride), a ballot finds the chain heads; items (head,
+          segment of U 16-byte chunks per lane, chain row) stream through a per-warp ring of D
+          slots in shared memory filled by cp.async (per-thread commit groups, no barriers: each
+          lane reads back only its own chunks), D - 1 items in flight while the oldest is added in
+          fp32 registers (chain order) and stored at its chain's end; a walker follows the next
+          head's chain one pointer load per iteration, overlapped with the copies.
   pull    one warp per token: lanes < K hold the token's entries, a ballot of the carriers, then per
           segment the carriers' rows are read from the peers in k order (NB at a time) and summed in
           fp32.
@@ -38,6 +40,7 @@ import torch
 import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync
 
 from .dispatch import (
     DEFAULT_NUM_CTAS,
@@ -59,12 +62,12 @@ from .dispatch import (
 )
 from .plan import _ctz
 
-_NT_PRESUM = 256   # 8 warps: each keeps a 32 x 32 int32 node table in shared memory (32 KiB per CTA)
+_NT_PRESUM = 512   # 16 warps, each with a ring of D slots of U 16-byte chunks per lane in shared memory
 _NT_PULL = 512
 _NT_GATHER = 256
 # U: 16-byte chunks per lane per segment; NB (1, 2 or 4): rows of a chain / carriers read at once
 # (blocks of NB, then of 2, then 1 row; every load of a block is issued before its adds)
-_U_PRESUM, _NB_PRESUM = 8, 2
+_U_PRESUM, _D_PRESUM = 4, 6   # 16 warps * 6 slots * 2 KiB = 192 KiB of shared memory per CTA
 _U_PULL, _NB_PULL = 8, 1
 _CHAIN_MAX = 32
 _NO_NVS = 2 ** 31 - 64  # row bound when the caller gives no nvs
@@ -89,11 +92,6 @@ def acc_add_rows(acc, addrs, offs, dtype, VEC: int):
         a.store(x)
 
 
-def chain_rows(ra, nodes, idx0, nb: int, ROWB: int):
-    """Addresses of nb chain rows whose ids are at nodes[idx0], nodes[idx0 + 32], ..."""
-    return [ra + Int64(nodes[idx0 + b * 32]) * ROWB for b in range(nb)]
-
-
 def next_lanes(src, mm, nb: int):
     """The next nb lanes of mask mm (lowest first): (their src values, the mask without them)."""
     out = []
@@ -101,6 +99,12 @@ def next_lanes(src, mm, nb: int):
         out.append(cute.arch.shuffle_sync(src, _ctz(mm)))
         mm = mm & (mm - 1)
     return out, mm
+
+
+def smem_vec(dtype, addr, n: int):
+    """n elements of `dtype` (16 bytes) at shared-memory address `addr` (16-byte aligned)."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=16),
+                            cute.make_layout(n))
 
 
 def acc_store(acc, base, offs, dtype, VEC: int):
@@ -114,81 +118,120 @@ def acc_store(acc, base, offs, dtype, VEC: int):
 @cute.kernel
 def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.Tensor,
                    presum: cute.Tensor, NVS: Constexpr[int], ROWB: Constexpr[int], dtype: Constexpr,
-                   NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], CM: Constexpr[int],
-                   NB: Constexpr[int]):
+                   NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], D: Constexpr[int],
+                   CM: Constexpr[int]):
     NW = NT // 32
     W = NCTA * NW
     VEC = 16 * 8 // dtype.width
-    NC, nfull, UT, clamp = row_geometry(ROWB, U)
+    NC = ROWB // 16
+    SEGC = 32 * U                      # chunks per segment (U per lane)
+    NSEG = (NC + SEGC - 1) // SEGC
+    CLAMP = NC % SEGC != 0             # the last segment is partial: lanes past the end repeat
+    SLOT = U * 512                     # bytes of one ring slot of a warp
     tidx, _, _ = cute.arch.thread_idx()
     bx, _, _ = cute.arch.block_idx()
     warp = tidx // 32
     lane = cute.arch.lane_idx()
     gw = bx * NW + warp
     smem = cutlass.utils.SmemAllocator()
-    nodes = smem.allocate_tensor(Int32, cute.make_layout(NW * CM * 32), byte_alignment=16)
-    nb = warp * (CM * 32)
+    ring = smem.allocate_tensor(Int32, cute.make_layout(NW * D * SLOT // 4), byte_alignment=16)
+    # this lane's 16 bytes of slot 0, chunk 0 of its warp's ring (slot q, chunk u: + q*SLOT + u*512)
+    rbase = Int64(ring.iterator.toint()) + Int64(warp * (D * SLOT) + lane * 16)
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32,
+                               num_bits_per_copy=128)
     acc = cute.make_rmem_tensor(cute.make_layout((VEC, U)), Float32)
     ra = addr_of(rows)
     pa = addr_of(presum)
     for i0 in cutlass.range(gw * 32, NVS, W * 32):
         i = i0 + lane
         ic = cutlass.min(i, Int32(NVS - 1))
-        head = (i < NVS) & (row_primary[ic] == i)
-        heads = cute.arch.vote_ballot_sync(head)
-        # walk all chains of this batch in lockstep
-        cur = cutlass.select_(head, i, Int32(-1))
-        ln = Int32(0)
-        c = Int32(0)
-        act = heads
-        while act != 0:
-            if cur >= 0:
-                nodes[nb + c * 32 + lane] = cur
-                ln = c + 1
-                nx = row_next[cur]
-                cur = cutlass.select_((nx >= 0) & (nx < NVS) & (c + 1 < CM), nx, Int32(-1))
-            c = c + 1
-            act = cute.arch.vote_ballot_sync(cur >= 0)
-        cute.arch.sync_warp()
-        hm = heads
-        for _j in cutlass.range(cute.arch.popc(heads)):
-            lj = _ctz(hm)
-            hm = hm & (hm - 1)
-            lenj = cute.arch.shuffle_sync(ln, lj)
-            dst = pa + Int64(i0 + lj) * ROWB
-            for seg in cutlass.range(nfull):
-                offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
-                acc.fill(0.0)
-                nblk = lenj // NB
-                for q in cutlass.range(nblk):
-                    acc_add_rows(acc, chain_rows(ra, nodes, nb + q * (NB * 32) + lj, NB, ROWB), offs,
-                                 dtype, VEC)
-                cc = nblk * NB
-                if cutlass.const_expr(NB >= 4):
-                    if lenj - cc >= 2:
-                        acc_add_rows(acc, chain_rows(ra, nodes, nb + cc * 32 + lj, 2, ROWB), offs,
-                                     dtype, VEC)
-                if (lenj - cc) % 2 == 1:
-                    acc_add_rows(acc, chain_rows(ra, nodes, nb + (lenj - 1) * 32 + lj, 1, ROWB), offs,
-                                 dtype, VEC)
-                acc_store(acc, dst, offs, dtype, VEC)
-            if cutlass.const_expr(UT > 0):
-                offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
-                acc.fill(0.0)
-                nblk = lenj // NB
-                for q in cutlass.range(nblk):
-                    acc_add_rows(acc, chain_rows(ra, nodes, nb + q * (NB * 32) + lj, NB, ROWB), offs,
-                                 dtype, VEC)
-                cc = nblk * NB
-                if cutlass.const_expr(NB >= 4):
-                    if lenj - cc >= 2:
-                        acc_add_rows(acc, chain_rows(ra, nodes, nb + cc * 32 + lj, 2, ROWB), offs,
-                                     dtype, VEC)
-                if (lenj - cc) % 2 == 1:
-                    acc_add_rows(acc, chain_rows(ra, nodes, nb + (lenj - 1) * 32 + lj, 1, ROWB), offs,
-                                 dtype, VEC)
-                acc_store(acc, dst, offs, dtype, VEC)
-        cute.arch.sync_warp()
+        hm = cute.arch.vote_ballot_sync((i < NVS) & (row_primary[ic] == i))
+        # Items (head j, segment, chain row c) in that order. The producer issues item np_ into ring
+        # slot np_ % D (one commit group per item) once that slot is free; the consumer adds item nc
+        # when D items are in flight (or the producer is done) and stores at each chain's end. A
+        # walker follows the next head's chain one step per iteration (its pointer load overlaps
+        # the iteration), so the producer finds the chain ready when it finishes a head.
+        pm = hm           # producer: heads not finished; its head is the lowest, (pseg, pc) in it
+        pready = Int32(0)  # the producer holds its head's chain (pnode, pl)
+        pseg = Int32(0)
+        pc = Int32(0)
+        pl = Int32(0)
+        pnode = Int32(0)  # lane c: row c of the producer's chain
+        lenreg = Int32(0)  # lane j: chain length of head j (set when the producer takes head j)
+        cm = hm           # consumer: heads not finished; its head is the lowest, (cseg, cc) in it
+        cseg = Int32(0)
+        cc = Int32(0)
+        np_ = Int32(0)
+        nc = Int32(0)
+        wcur = cutlass.select_(hm != 0, i0 + _ctz(cutlass.select_(hm != 0, hm, Int32(1))), Int32(-1))
+        wc = Int32(0)     # walker: wcur the row to record next (-1: done), wc rows recorded
+        wnode = Int32(0)  # lane c: row c of the walker's chain
+        acc.fill(0.0)
+        while cm != 0:
+            wl = wcur
+            wnx = row_next[cutlass.max(wcur, Int32(0))]
+            # take the walked chain of the next head
+            if (pready == 0) & (pm != 0) & (wcur < 0):
+                pnode = wnode
+                pl = wc
+                lenreg = cutlass.select_(lane == _ctz(pm), wc, lenreg)
+                pready = Int32(1)
+                rest = pm & (pm - 1)
+                wcur = cutlass.select_(rest != 0, i0 + _ctz(cutlass.select_(rest != 0, rest, Int32(1))),
+                                       Int32(-1))
+                wc = Int32(0)
+            # produce
+            if (pready != 0) & (np_ - nc < D):
+                src = ra + Int64(cute.arch.shuffle_sync(pnode, pc)) * ROWB
+                sl = rbase + Int64((np_ % D) * SLOT)
+                for u in cutlass.range_constexpr(U):
+                    ch = pseg * SEGC + (u * 32) + lane
+                    if cutlass.const_expr(CLAMP):
+                        ch = cutlass.min(ch, Int32(NC - 1))
+                    cute.copy(atom, vec_tensor(Int32, src + Int64(ch) * 16, 4),
+                              smem_vec(Int32, sl + u * 512, 4))
+                cute.arch.cp_async_commit_group()
+                np_ = np_ + 1
+                pc = pc + 1
+                if pc == pl:
+                    pc = Int32(0)
+                    pseg = pseg + 1
+                    if pseg == NSEG:
+                        pseg = Int32(0)
+                        pm = pm & (pm - 1)
+                        pready = Int32(0)
+            # consume
+            full = np_ - nc == D
+            if full | ((pm == 0) & (np_ > nc)):
+                if full:
+                    cute.arch.cp_async_wait_group(D - 1)
+                else:
+                    cute.arch.cp_async_wait_group(0)
+                sl = rbase + Int64((nc % D) * SLOT)
+                for u in cutlass.range_constexpr(U):
+                    a = acc[None, u]
+                    a.store(a.load() + smem_vec(dtype, sl + u * 512, VEC).load().to(Float32))
+                nc = nc + 1
+                cj = _ctz(cm)
+                cc = cc + 1
+                if cc == cute.arch.shuffle_sync(lenreg, cj):
+                    dst = pa + Int64(i0 + cj) * ROWB
+                    for u in cutlass.range_constexpr(U):
+                        ch = cseg * SEGC + (u * 32) + lane
+                        if cutlass.const_expr(CLAMP):
+                            ch = cutlass.min(ch, Int32(NC - 1))
+                        vec_tensor(dtype, dst + Int64(ch) * 16, VEC).store(acc[None, u].load().to(dtype))
+                    acc.fill(0.0)
+                    cc = Int32(0)
+                    cseg = cseg + 1
+                    if cseg == NSEG:
+                        cseg = Int32(0)
+                        cm = cm & (cm - 1)
+            # walker step with the pointer loaded above (not if it was just restarted)
+            if (wcur >= 0) & (wcur == wl):
+                wnode = cutlass.select_(lane == wc, wcur, wnode)
+                wc = wc + 1
+                wcur = cutlass.select_((wnx >= 0) & (wnx < NVS) & (wc < CM), wnx, Int32(-1))
 
 
 @cute.kernel
@@ -280,10 +323,10 @@ def _gather_kernel(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
 @cute.jit
 def _presum_launch(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.Tensor,
                    presum: cute.Tensor, stream, NVS: Constexpr[int], ROWB: Constexpr[int],
-                   dtype: Constexpr, NCTA: Constexpr[int]):
-    _presum_kernel(rows, row_primary, row_next, presum, NVS, ROWB, dtype, NCTA, _NT_PRESUM,
-                   _U_PRESUM, _CHAIN_MAX, _NB_PRESUM).launch(
-        grid=(NCTA, 1, 1), block=(_NT_PRESUM, 1, 1), stream=stream)
+                   dtype: Constexpr, NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int],
+                   D: Constexpr[int]):
+    _presum_kernel(rows, row_primary, row_next, presum, NVS, ROWB, dtype, NCTA, NT, U, D,
+                   _CHAIN_MAX).launch(grid=(NCTA, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
 @cute.jit
@@ -306,14 +349,15 @@ def _gather_launch(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
 # ------------------------------------------------------------------------------------------------
 # compile cache
 # ------------------------------------------------------------------------------------------------
-def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int):
+def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _NT_PRESUM,
+                    u: int = _U_PRESUM, d: int = _D_PRESUM):
     dt = ROW_DTYPES[dtype]
 
     def build():
         return cute.compile(_presum_launch, fake(dt, NVS * H), fake(Int32, NVS, 4), fake(Int32, NVS, 4),
-                            fake(dt, NVS * H), fake_stream(), NVS, H * dtype.itemsize, dt, ncta,
-                            options="--enable-tvm-ffi")
-    return compiled(("presum", NVS, H, dtype, ncta), build)
+                            fake(dt, NVS * H), fake_stream(), NVS, H * dtype.itemsize, dt, ncta, nt,
+                            u, d, options="--enable-tvm-ffi")
+    return compiled(("presum", NVS, H, dtype, ncta, nt, u, d), build)
 
 
 def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int):

@@ -1,35 +1,47 @@
-"""Dispatch data movement as CuTe DSL CUDA kernels: push token rows into the peers' receive buffers,
-then duplicate them locally. No barrier inside: the caller runs a cross-rank barrier between the two.
+"""Dispatch data movement as CuTe DSL CUDA kernels, pull-based. `dispatch_meta` publishes this
+rank's token rows in a local staging buffer (`send_rows`, symmetric: the peers read it) and writes
+the row metadata into the destination ranks' buffers; after a cross-rank barrier (run by the
+caller) `dispatch_pull` reads every token row this rank receives once (over NVLink when it comes
+from a peer) and writes it to all of that token's rows here. No row data crosses the link in
+`dispatch_meta`; in `dispatch_pull` each token crosses to each destination rank once.
 
 Semantics (S tokens, K top-k, R ranks, NvS receive rows, G = epn+B groups; plan tables [S, K] int32
 `dst_rank`, `dst_row`, `primary_row` as in `moonep_ops/planning.py`):
 
-  dispatch_push   for every (s, k) with d = dst_rank[s, k], r = dst_row[s, k], on rank d:
+  dispatch_meta   for every (s, k) with d = dst_rank[s, k], r = dst_row[s, k], on rank d:
                     w[r] = route_w[s, k], primary[r] = primary_row[s, k],
                     next[r] = dst_row[s, k'] of the next k' > k with dst_rank[s, k'] == d, else -1,
-                    rows[r] = x[s] iff r == primary_row[s, k] (the token crosses to each rank once);
-                  and this rank's own padding rows (past each group's real rows, and past the last
-                  group end): rows 0, w 0, primary -1, next -1 (local writes).
-  dispatch_finish local, after the barrier: out_rows[i] = recv_rows[recv_primary[i]] if
-                  recv_primary[i] >= 0 else recv_rows[i]; out_w / out_primary / out_next = copies.
+                    src[r] = rank * S + s;
+                  this rank's own padding rows (past each group's real rows, and past the last
+                  group end): w 0, primary -1, next -1, src -1 (local writes);
+                  send_rows[s] = x[s] (local copy).
+  dispatch_pull   local writes, remote reads, after the barrier: for every row p with
+                  primary[p] == p and a valid src: (r, s) = divmod(src[p], S), and row s of rank r's
+                  send_rows is written to out_rows at p, next[p], next[next[p]], ... (the chain of
+                  the token's rows here); rows with primary outside [0, NvS) (padding) get zeros;
+                  out_w / out_primary / out_next = copies of w / primary / next.
+                  Together: the outputs equal the old push + finish outputs bit for bit.
 
 Peer arguments are int64 [R] tensors holding the device address of the same (16-byte aligned) buffer
-on every rank. Rows move as 16-byte vectors (any row dtype with H * itemsize a multiple of 16):
-each warp moves whole rows, lanes striding 16-byte chunks, U chunks per lane in flight per segment.
+on every rank. Rows move as 16-byte vectors (any row dtype with H * itemsize a multiple of 16).
 Entries with a destination rank outside [0, R) or a row outside [0, NvS) (a failed plan, flagged in
-the plan's status word) are skipped.
+the plan's status word) are skipped; chains are followed for at most 32 rows and stop at a row
+outside [0, NvS); a head row whose src is outside [0, R*S) is zeroed (its chain is not followed).
 
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
 static key):
-  push    one warp per token (grid-stride): lanes < K hold the token's k entries; match.any on the
+  meta    one warp per token (grid-stride): lanes < K hold the token's k entries; match.any on the
           destination rank finds each entry's next row (the lowest higher lane with the same rank);
-          a ballot of the carriers (dst_row == primary_row); each segment of x[s] is loaded once and
-          stored to every carrier's row. Then the warps stride over this rank's padding rows (the
-          padding ranges of 32 groups at a time, found by a ballot).
-  finish  one warp per 32 rows: the lanes copy the metadata of 32 rows, then the warp copies the 32
-          rows, each from its primary row.
+          scalar stores of w / primary / next / src to the destination rank. Then the threads stride
+          over this rank's padding rows (the padding ranges of 32 groups at a time, found by a
+          ballot), then copy x to send_rows (U 16-byte chunks per thread in flight, grid-stride).
+  pull    one warp per 32 rows (grid-stride): the lanes copy the rows' metadata (coalesced), a
+          ballot finds the padding rows (zero stores only) and the chain heads; the lanes walk the
+          heads' chains in lockstep into a per-warp node table in shared memory (32 x 32 int32),
+          then per head and segment of U chunks per lane the source row is loaded once (32 * U * 16
+          bytes in flight per warp) and stored to every row of its chain.
 
-Host wrappers: `dispatch_push`, `dispatch_finish`; `compile_all_for_check` for CI (see compile_check).
+Host wrappers: `dispatch_meta`, `dispatch_pull`; `compile_all_for_check` for CI (see compile_check).
 """
 
 # (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
@@ -44,8 +56,11 @@ from cutlass import Constexpr, Float32, Int32, Int64
 
 from .plan import _ctz, _lanemask_lt, _match_any
 
-_NT = 512          # threads per CTA (16 warps)
-_U = 8             # 16-byte chunks per lane per segment (a warp keeps 4 KiB in flight)
+_NT = 512          # threads per CTA (16 warps), both kernels
+_U_META = 8        # 16-byte chunks per thread in flight in meta's x copy
+_U_PULL = 16       # 16-byte chunks per lane per segment in pull (8 KiB per warp in flight)
+_CM = 32           # longest chain followed (a token has at most K <= 32 rows on a rank)
+_U = 8             # default chunks per lane per segment of the shared row helpers
 DEFAULT_NUM_CTAS = 32
 _ARCH_KEY = "sm_90a"
 
@@ -74,11 +89,12 @@ def lanemask_gt(lane):
 
 def chunk_offsets(c0, lane, U: int, NC: int, clamp: bool):
     """Byte offsets (Int64) of this lane's U chunks of the segment starting at chunk c0."""
+    if not clamp:  # one 64-bit base; the constant steps fold into the load/store offsets
+        base = Int64(c0 + lane) * 16
+        return [base + u * 512 for u in range(U)]
     offs = []
     for u in range(U):
-        c = c0 + u * 32 + lane
-        if clamp:
-            c = cutlass.min(c, Int32(NC - 1))
+        c = cutlass.min(c0 + u * 32 + lane, Int32(NC - 1))
         offs.append(Int64(c) * 16)
     return offs
 
@@ -125,29 +141,30 @@ def addr_of(t: cute.Tensor):
 # kernels
 # ------------------------------------------------------------------------------------------------
 @cute.kernel
-def _push_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
-                 primary_row: cute.Tensor, peer_rows: cute.Tensor, peer_w: cute.Tensor,
-                 peer_primary: cute.Tensor, peer_next: cute.Tensor, recv_rows: cute.Tensor,
-                 recv_w: cute.Tensor, recv_primary: cute.Tensor, recv_next: cute.Tensor,
-                 cu: cute.Tensor, grows: cute.Tensor, rank: Int32,
+def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+                 primary_row: cute.Tensor, peer_w: cute.Tensor, peer_primary: cute.Tensor,
+                 peer_next: cute.Tensor, peer_src: cute.Tensor, recv_w: cute.Tensor,
+                 recv_primary: cute.Tensor, recv_next: cute.Tensor, recv_src: cute.Tensor,
+                 send_rows: cute.Tensor, cu: cute.Tensor, grows: cute.Tensor, rank: Int32,
                  S: Constexpr[int], K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
                  G: Constexpr[int], ROWB: Constexpr[int], NCTA: Constexpr[int], NT: Constexpr[int],
                  U: Constexpr[int]):
     NW = NT // 32
     W = NCTA * NW
-    NC, nfull, UT, clamp = row_geometry(ROWB, U)
+    T = W * 32
+    NCH = S * ROWB // 16
     tidx, _, _ = cute.arch.thread_idx()
     bx, _, _ = cute.arch.block_idx()
     warp = tidx // 32
     lane = cute.arch.lane_idx()
     gw = bx * NW + warp
     gt = lanemask_gt(lane)
-    xa = addr_of(x)
-    l_rows = addr_of(recv_rows)
     l_w = addr_of(recv_w)
     l_pr = addr_of(recv_primary)
     l_nx = addr_of(recv_next)
+    l_src = addr_of(recv_src)
     kl = cutlass.min(lane, Int32(K - 1))
+    src0 = rank * S
 
     # 1. tokens: one warp per token
     for s in cutlass.range(gw, S, W):
@@ -161,41 +178,17 @@ def _push_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
         later = m & gt
         nr = cute.arch.shuffle_sync(r, _ctz(cutlass.select_(later != 0, later, Int32(1))))
         nxt = cutlass.select_(later != 0, nr, Int32(-1))
-        dc = cutlass.select_(ok, d, Int32(0))
-        here = dc == rank
-        a_rows = cutlass.select_(here, l_rows, peer_rows[dc])
-        r64 = Int64(cutlass.select_(ok, r, Int32(0)))
         if ok:
-            a_w = cutlass.select_(here, l_w, peer_w[dc])
-            a_pr = cutlass.select_(here, l_pr, peer_primary[dc])
-            a_nx = cutlass.select_(here, l_nx, peer_next[dc])
-            store_scalar(Float32, a_w + r64 * 4, w)
-            store_scalar(Int32, a_pr + r64 * 4, pr)
-            store_scalar(Int32, a_nx + r64 * 4, nxt)
-        car = cute.arch.vote_ballot_sync(ok & (r == pr))
-        ncar = cute.arch.popc(car)
-        dst = a_rows + r64 * ROWB
-        src = xa + Int64(s) * ROWB
-        if ncar > 0:
-            for seg in cutlass.range(nfull):
-                offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
-                vals = load_chunks(src, offs)
-                mm = car
-                for _j in cutlass.range(ncar):
-                    lj = _ctz(mm)
-                    mm = mm & (mm - 1)
-                    store_chunks(cute.arch.shuffle_sync(dst, lj), offs, vals)
-            if cutlass.const_expr(UT > 0):
-                offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
-                vals = load_chunks(src, offs)
-                mm = car
-                for _j in cutlass.range(ncar):
-                    lj = _ctz(mm)
-                    mm = mm & (mm - 1)
-                    store_chunks(cute.arch.shuffle_sync(dst, lj), offs, vals)
+            here = d == rank
+            r64 = Int64(r) * 4
+            store_scalar(Float32, cutlass.select_(here, l_w, peer_w[d]) + r64, w)
+            store_scalar(Int32, cutlass.select_(here, l_pr, peer_primary[d]) + r64, pr)
+            store_scalar(Int32, cutlass.select_(here, l_nx, peer_next[d]) + r64, nxt)
+            store_scalar(Int32, cutlass.select_(here, l_src, peer_src[d]) + r64, src0 + s)
 
     # 2. this rank's padding rows: group g's rows [start_g + group_rows[g], cu[g]) and, as pseudo
-    # group G, [cu[G-1], NvS); row i goes to the warp gw == i mod W
+    # group G, [cu[G-1], NvS); row i goes to the thread gw * 32 + lane == i mod T
+    t = gw * 32 + lane
     last_end = cu[G - 1]
     for g0 in cutlass.range(0, G + 1, 32):
         g = g0 + lane
@@ -213,26 +206,31 @@ def _push_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
             pm = pm & (pm - 1)
             al = cute.arch.shuffle_sync(a, lj)
             bl = cute.arch.shuffle_sync(b, lj)
-            off = gw - al % W
-            off = cutlass.select_(off < 0, off + W, off)
-            for i in cutlass.range(al + off, bl, W):
-                dst = l_rows + Int64(i) * ROWB
-                for seg in cutlass.range(nfull):
-                    zero_segment(dst, seg * (32 * U), lane, U, NC, False)
-                if cutlass.const_expr(UT > 0):
-                    zero_segment(dst, Int32(nfull * 32 * U), lane, UT, NC, clamp)
-                if lane == 0:
-                    recv_w[i] = Float32(0.0)
-                    recv_primary[i] = Int32(-1)
-                    recv_next[i] = Int32(-1)
+            off = t - al % T
+            off = cutlass.select_(off < 0, off + T, off)
+            for i in cutlass.range(al + off, bl, T):
+                recv_w[i] = Float32(0.0)
+                recv_primary[i] = Int32(-1)
+                recv_next[i] = Int32(-1)
+                recv_src[i] = Int32(-1)
+
+    # 3. x -> send_rows, U chunks per thread in flight (the last step's excess chunks repeat the
+    # last chunk: the same bytes loaded and stored again)
+    th = bx * NT + tidx
+    TT = NCTA * NT
+    xa = addr_of(x)
+    sa = addr_of(send_rows)
+    for c0 in cutlass.range(th, NCH, TT * U):
+        offs = [Int64(cutlass.min(c0 + u * TT, Int32(NCH - 1))) * 16 for u in range(U)]
+        store_chunks(sa, offs, load_chunks(xa, offs))
 
 
 @cute.kernel
-def _finish_kernel(recv_rows: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute.Tensor,
-                   recv_next: cute.Tensor, out_rows: cute.Tensor, out_w: cute.Tensor,
-                   out_primary: cute.Tensor, out_next: cute.Tensor,
-                   NVS: Constexpr[int], ROWB: Constexpr[int], NCTA: Constexpr[int],
-                   NT: Constexpr[int], U: Constexpr[int]):
+def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute.Tensor,
+                 recv_next: cute.Tensor, recv_src: cute.Tensor, out_rows: cute.Tensor,
+                 out_w: cute.Tensor, out_primary: cute.Tensor, out_next: cute.Tensor,
+                 S: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
+                 NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], CM: Constexpr[int]):
     NW = NT // 32
     W = NCTA * NW
     NC, nfull, UT, clamp = row_geometry(ROWB, U)
@@ -241,52 +239,97 @@ def _finish_kernel(recv_rows: cute.Tensor, recv_w: cute.Tensor, recv_primary: cu
     warp = tidx // 32
     lane = cute.arch.lane_idx()
     gw = bx * NW + warp
-    ra = addr_of(recv_rows)
+    smem = cutlass.utils.SmemAllocator()
+    nodes = smem.allocate_tensor(Int32, cute.make_layout(NW * CM * 32), byte_alignment=16)
+    nb = warp * (CM * 32)
     oa = addr_of(out_rows)
     for i0 in cutlass.range(gw * 32, NVS, W * 32):
         i = i0 + lane
-        ok = i < NVS
+        inb = i < NVS
         ic = cutlass.min(i, Int32(NVS - 1))
         p = recv_primary[ic]
         w = recv_w[ic]
         n = recv_next[ic]
-        if ok:
+        sv = recv_src[ic]
+        if inb:
             out_w[i] = w
             out_primary[i] = p
             out_next[i] = n
-        src = cutlass.select_((p >= 0) & (p < NVS), p, ic)
-        src_a = ra + Int64(src) * ROWB
-        for j in cutlass.range(cutlass.min(Int32(32), NVS - i0)):
-            sa = cute.arch.shuffle_sync(src_a, j)
-            da = oa + Int64(i0 + j) * ROWB
+        srcok = (sv >= 0) & (sv < R * S)
+        svc = cutlass.select_(srcok, sv, Int32(0))
+        rr = svc // S
+        srca = peer_send[rr] + Int64(svc - rr * S) * ROWB
+        pad = inb & ((p < 0) | (p >= NVS) | ((p == i) & ((sv < 0) | (sv >= R * S))))
+        # padding rows: zeros (stores only)
+        pm = cute.arch.vote_ballot_sync(pad)
+        for _j in cutlass.range(cute.arch.popc(pm)):
+            lj = _ctz(pm)
+            pm = pm & (pm - 1)
+            dst = oa + Int64(i0 + lj) * ROWB
             for seg in cutlass.range(nfull):
-                copy_segment(sa, da, seg * (32 * U), lane, U, NC, False)
+                zero_segment(dst, seg * (32 * U), lane, U, NC, False)
             if cutlass.const_expr(UT > 0):
-                copy_segment(sa, da, Int32(nfull * 32 * U), lane, UT, NC, clamp)
+                zero_segment(dst, Int32(nfull * 32 * U), lane, UT, NC, clamp)
+        # chain heads: walk all chains of this batch in lockstep (lane j: head j's chain; its row c
+        # goes to the warp's node table at c*32 + j), then one head at a time: per segment the
+        # source row's U chunks per lane are loaded once and stored to every row of the chain
+        head = inb & (p == i) & srcok
+        hm = cute.arch.vote_ballot_sync(head)
+        cur = cutlass.select_(head, i, Int32(-1))
+        ln = Int32(0)
+        c = Int32(0)
+        act = hm
+        while act != 0:
+            if cur >= 0:
+                nodes[nb + c * 32 + lane] = cur
+                ln = c + 1
+                nx = recv_next[cur]
+                cur = cutlass.select_((nx >= 0) & (nx < NVS) & (c + 1 < CM), nx, Int32(-1))
+            c = c + 1
+            act = cute.arch.vote_ballot_sync(cur >= 0)
+        cute.arch.sync_warp()
+        for _j in cutlass.range(cute.arch.popc(hm)):
+            lj = _ctz(hm)
+            hm = hm & (hm - 1)
+            lenj = cute.arch.shuffle_sync(ln, lj)
+            sa = cute.arch.shuffle_sync(srca, lj)
+            for seg in cutlass.range(nfull):
+                offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
+                v = load_chunks(sa, offs)
+                for j in cutlass.range(lenj):
+                    store_chunks(oa + Int64(nodes[nb + j * 32 + lj]) * ROWB, offs, v)
+            if cutlass.const_expr(UT > 0):
+                offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
+                v = load_chunks(sa, offs)
+                for j in cutlass.range(lenj):
+                    store_chunks(oa + Int64(nodes[nb + j * 32 + lj]) * ROWB, offs, v)
+        cute.arch.sync_warp()
 
 
 @cute.jit
-def _push_launch(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
-                 primary_row: cute.Tensor, peer_rows: cute.Tensor, peer_w: cute.Tensor,
-                 peer_primary: cute.Tensor, peer_next: cute.Tensor, recv_rows: cute.Tensor,
-                 recv_w: cute.Tensor, recv_primary: cute.Tensor, recv_next: cute.Tensor,
-                 cu: cute.Tensor, grows: cute.Tensor, rank: Int32, stream,
+def _meta_launch(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+                 primary_row: cute.Tensor, peer_w: cute.Tensor, peer_primary: cute.Tensor,
+                 peer_next: cute.Tensor, peer_src: cute.Tensor, recv_w: cute.Tensor,
+                 recv_primary: cute.Tensor, recv_next: cute.Tensor, recv_src: cute.Tensor,
+                 send_rows: cute.Tensor, cu: cute.Tensor, grows: cute.Tensor, rank: Int32, stream,
                  S: Constexpr[int], K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
-                 G: Constexpr[int], ROWB: Constexpr[int], NCTA: Constexpr[int]):
-    _push_kernel(x, route_w, dst_rank, dst_row, primary_row, peer_rows, peer_w, peer_primary,
-                 peer_next, recv_rows, recv_w, recv_primary, recv_next, cu, grows, rank,
-                 S, K, R, NVS, G, ROWB, NCTA, _NT, _U).launch(
-        grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
+                 G: Constexpr[int], ROWB: Constexpr[int], NCTA: Constexpr[int], NT: Constexpr[int],
+                 U: Constexpr[int]):
+    _meta_kernel(x, route_w, dst_rank, dst_row, primary_row, peer_w, peer_primary, peer_next,
+                 peer_src, recv_w, recv_primary, recv_next, recv_src, send_rows, cu, grows, rank,
+                 S, K, R, NVS, G, ROWB, NCTA, NT, U).launch(
+        grid=(NCTA, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
 @cute.jit
-def _finish_launch(recv_rows: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute.Tensor,
-                   recv_next: cute.Tensor, out_rows: cute.Tensor, out_w: cute.Tensor,
-                   out_primary: cute.Tensor, out_next: cute.Tensor, stream,
-                   NVS: Constexpr[int], ROWB: Constexpr[int], NCTA: Constexpr[int]):
-    _finish_kernel(recv_rows, recv_w, recv_primary, recv_next, out_rows, out_w, out_primary,
-                   out_next, NVS, ROWB, NCTA, _NT, _U).launch(
-        grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
+def _pull_launch(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute.Tensor,
+                 recv_next: cute.Tensor, recv_src: cute.Tensor, out_rows: cute.Tensor,
+                 out_w: cute.Tensor, out_primary: cute.Tensor, out_next: cute.Tensor, stream,
+                 S: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
+                 NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
+    _pull_kernel(peer_send, recv_w, recv_primary, recv_next, recv_src, out_rows, out_w, out_primary,
+                 out_next, S, R, NVS, ROWB, NCTA, NT, U, _CM).launch(
+        grid=(NCTA, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,30 +358,34 @@ def compiled(key: tuple, build):
     return fn
 
 
-def _compile_push(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch.dtype, ncta: int):
+def _compile_meta(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch.dtype, ncta: int,
+                  nt: int = _NT, u: int = _U_META):
     dt = ROW_DTYPES[dtype]
     rowb = H * dtype.itemsize
 
     def build():
         return cute.compile(
-            _push_launch, fake(dt, S * H), fake(Float32, S * K, 4), fake(Int32, S * K, 4),
+            _meta_launch, fake(dt, S * H), fake(Float32, S * K, 4), fake(Int32, S * K, 4),
             fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(Int64, R, 8), fake(Int64, R, 8),
-            fake(Int64, R, 8), fake(Int64, R, 8), fake(dt, NVS * H), fake(Float32, NVS, 4),
-            fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(Int32, G, 4), fake(Int32, G, 4), Int32(0),
-            fake_stream(), S, K, R, NVS, G, rowb, ncta, options="--enable-tvm-ffi")
-    return compiled(("push", S, H, K, R, NVS, G, dtype, ncta), build)
+            fake(Int64, R, 8), fake(Int64, R, 8), fake(Float32, NVS, 4), fake(Int32, NVS, 4),
+            fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(dt, S * H), fake(Int32, G, 4),
+            fake(Int32, G, 4), Int32(0), fake_stream(), S, K, R, NVS, G, rowb, ncta, nt, u,
+            options="--enable-tvm-ffi")
+    return compiled(("meta", S, H, K, R, NVS, G, dtype, ncta, nt, u), build)
 
 
-def _compile_finish(NVS: int, H: int, dtype: torch.dtype, ncta: int):
+def _compile_pull(S: int, H: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, nt: int = _NT,
+                  u: int = _U_PULL):
     dt = ROW_DTYPES[dtype]
     rowb = H * dtype.itemsize
 
     def build():
         return cute.compile(
-            _finish_launch, fake(dt, NVS * H), fake(Float32, NVS, 4), fake(Int32, NVS, 4),
-            fake(Int32, NVS, 4), fake(dt, NVS * H), fake(Float32, NVS, 4), fake(Int32, NVS, 4),
-            fake(Int32, NVS, 4), fake_stream(), NVS, rowb, ncta, options="--enable-tvm-ffi")
-    return compiled(("finish", NVS, H, dtype, ncta), build)
+            _pull_launch, fake(Int64, R, 8), fake(Float32, NVS, 4), fake(Int32, NVS, 4),
+            fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(dt, NVS * H), fake(Float32, NVS, 4),
+            fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake_stream(), S, R, NVS, rowb, ncta, nt, u,
+            options="--enable-tvm-ffi")
+    return compiled(("pull", S, H, R, NVS, dtype, ncta, nt, u), build)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -416,29 +463,33 @@ def need_plan(dst_rank, dst_row, primary_row=None, device=None):
     return S, K
 
 
-def check_fits(S: int, K: int, NVS: int):
-    if S * K >= 2 ** 31 - 1 or NVS >= 2 ** 31 - 32:
-        raise ValueError(f"S*K={S * K} and NvS={NVS} must fit int32")
+def check_fits(S: int, K: int, NVS: int, R: int = 1, rowb: int = 16):
+    """Indices the kernels keep in int32: S*K entries, NvS rows, R*S source ids, S*rowb/16 chunks."""
+    if (S * K >= 2 ** 31 - 1 or NVS >= 2 ** 31 - 32 or R * S >= 2 ** 31 - 1
+            or S * rowb // 16 >= 2 ** 30):
+        raise ValueError(f"S*K={S * K}, NvS={NVS}, R*S={R * S} and S*H*itemsize/16={S * rowb // 16} "
+                         "must fit int32")
 
 
 # ------------------------------------------------------------------------------------------------
 # public API
 # ------------------------------------------------------------------------------------------------
-def dispatch_push(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor,
-                  dst_row: torch.Tensor, primary_row: torch.Tensor, peer_rows: torch.Tensor,
-                  peer_w: torch.Tensor, peer_primary: torch.Tensor, peer_next: torch.Tensor,
-                  recv_rows: torch.Tensor, recv_w: torch.Tensor, recv_primary: torch.Tensor,
-                  recv_next: torch.Tensor, cu_seqlens: torch.Tensor, group_rows: torch.Tensor,
-                  rank: int, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
-    """Push this rank's token rows and row metadata into every destination rank's receive buffers
-    and reset this rank's own padding rows (see the module docstring). Returns nothing; launches on
-    torch's current stream; the caller runs a cross-rank barrier before `dispatch_finish`.
+def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor,
+                  dst_row: torch.Tensor, primary_row: torch.Tensor, peer_w: torch.Tensor,
+                  peer_primary: torch.Tensor, peer_next: torch.Tensor, peer_src: torch.Tensor,
+                  recv_w: torch.Tensor, recv_primary: torch.Tensor, recv_next: torch.Tensor,
+                  recv_src: torch.Tensor, send_rows: torch.Tensor, cu_seqlens: torch.Tensor,
+                  group_rows: torch.Tensor, rank: int, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """Write this rank's row metadata into every destination rank's buffers, reset this rank's own
+    padding rows' metadata and copy x into this rank's staging buffer `send_rows` (see the module
+    docstring). Returns nothing; launches on torch's current stream; the caller runs a cross-rank
+    barrier before `dispatch_pull`.
 
     x [S, H] bf16/fp16/fp32; route_w [S, K] f32; dst_rank, dst_row, primary_row [S, K] int32;
-    peer_rows / peer_w / peer_primary / peer_next int64 [R]: addresses of every rank's recv_rows
-    [NvS, H] (x's dtype) / recv_w [NvS] f32 / recv_primary [NvS] int32 / recv_next [NvS] int32;
-    recv_* this rank's buffers; cu_seqlens, group_rows int32 [G] (this rank's padded group ends and
-    real rows per group)."""
+    peer_w / peer_primary / peer_next / peer_src int64 [R]: addresses of every rank's recv_w [NvS]
+    f32 / recv_primary / recv_next / recv_src [NvS] int32; recv_* this rank's buffers; send_rows
+    [S, H] (x's dtype, this rank's symmetric staging buffer); cu_seqlens, group_rows int32 [G] (this
+    rank's padded group ends and real rows per group)."""
     need_rows("x", x)
     dev = x.device
     S, H = x.shape
@@ -446,14 +497,16 @@ def dispatch_push(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
     if S2 != S:
         raise ValueError(f"dst_rank must be [S, K] with S={S} (x's rows), got {tuple(dst_rank.shape)}")
     need_tensor("route_w", route_w, (torch.float32,), shape=(S, K), device=dev)
-    R = need_peers("peer_rows", peer_rows, device=dev)
-    for n, t in (("peer_w", peer_w), ("peer_primary", peer_primary), ("peer_next", peer_next)):
+    R = need_peers("peer_w", peer_w, device=dev)
+    for n, t in (("peer_primary", peer_primary), ("peer_next", peer_next), ("peer_src", peer_src)):
         need_peers(n, t, R, dev)
-    need_rows("recv_rows", recv_rows, x.dtype, (None, H), dev)
-    NVS = recv_rows.shape[0]
-    need_tensor("recv_w", recv_w, (torch.float32,), shape=(NVS,), device=dev)
-    need_tensor("recv_primary", recv_primary, (torch.int32,), shape=(NVS,), device=dev)
-    need_tensor("recv_next", recv_next, (torch.int32,), shape=(NVS,), device=dev)
+    need_tensor("recv_w", recv_w, (torch.float32,), ndim=1, device=dev)
+    NVS = recv_w.shape[0]
+    if NVS < 1:
+        raise ValueError("recv_w must hold at least one row")
+    for n, t in (("recv_primary", recv_primary), ("recv_next", recv_next), ("recv_src", recv_src)):
+        need_tensor(n, t, (torch.int32,), shape=(NVS,), device=dev)
+    need_rows("send_rows", send_rows, x.dtype, (S, H), dev)
     need_tensor("cu_seqlens", cu_seqlens, (torch.int32,), ndim=1, device=dev)
     G = cu_seqlens.numel()
     if G < 1:
@@ -461,35 +514,42 @@ def dispatch_push(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
     need_tensor("group_rows", group_rows, (torch.int32,), shape=(G,), device=dev)
     rank = need_int("rank", rank, 0)
     if rank >= R:
-        raise ValueError(f"rank must be in [0, R={R}) (R = peer_rows.numel()), got {rank}")
+        raise ValueError(f"rank must be in [0, R={R}) (R = peer_w.numel()), got {rank}")
     num_ctas = need_int("num_ctas", num_ctas)
-    check_fits(S, K, NVS)
-    fn = _compile_push(S, H, K, R, NVS, G, x.dtype, num_ctas)
+    check_fits(S, K, NVS, R, H * x.element_size())
+    fn = _compile_meta(S, H, K, R, NVS, G, x.dtype, num_ctas)
     fn(x.view(-1), route_w.view(-1), dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1),
-       peer_rows, peer_w, peer_primary, peer_next, recv_rows.view(-1), recv_w, recv_primary,
-       recv_next, cu_seqlens, group_rows, rank)
+       peer_w, peer_primary, peer_next, peer_src, recv_w, recv_primary, recv_next, recv_src,
+       send_rows.view(-1), cu_seqlens, group_rows, rank)
 
 
-def dispatch_finish(recv_rows: torch.Tensor, recv_w: torch.Tensor, recv_primary: torch.Tensor,
-                    recv_next: torch.Tensor, out_rows: torch.Tensor, out_w: torch.Tensor,
-                    out_primary: torch.Tensor, out_next: torch.Tensor,
-                    num_ctas: int = DEFAULT_NUM_CTAS) -> None:
-    """Local, after the barrier: out_rows[i] = recv_rows[recv_primary[i]] if recv_primary[i] >= 0
-    else recv_rows[i]; out_w / out_primary / out_next = copies of recv_w / recv_primary / recv_next.
-    Shapes: rows [NvS, H] (same dtype), w [NvS] f32, primary / next [NvS] int32."""
-    need_rows("recv_rows", recv_rows)
-    dev = recv_rows.device
-    NVS, H = recv_rows.shape
-    need_rows("out_rows", out_rows, recv_rows.dtype, (NVS, H), dev)
+def dispatch_pull(peer_send_rows: torch.Tensor, recv_w: torch.Tensor, recv_primary: torch.Tensor,
+                  recv_next: torch.Tensor, recv_src: torch.Tensor, out_rows: torch.Tensor,
+                  out_w: torch.Tensor, out_primary: torch.Tensor, out_next: torch.Tensor, S: int,
+                  num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """After the barrier: every token row this rank receives is read once from its source rank's
+    send_rows and written to all of the token's rows here; padding rows get zeros; out_w /
+    out_primary / out_next = copies of recv_w / recv_primary / recv_next (see the module docstring).
+
+    peer_send_rows int64 [R]: addresses of every rank's send_rows [S, H] (out_rows' dtype);
+    recv_w f32, recv_primary / recv_next / recv_src int32 [NvS] (this rank's, filled by every rank's
+    dispatch_meta); out_rows [NvS, H] bf16/fp16/fp32, out_w f32, out_primary / out_next int32 [NvS];
+    S: tokens per rank."""
+    need_rows("out_rows", out_rows)
+    dev = out_rows.device
+    NVS, H = out_rows.shape
+    R = need_peers("peer_send_rows", peer_send_rows, device=dev)
     for n, t, dt in (("recv_w", recv_w, torch.float32), ("recv_primary", recv_primary, torch.int32),
-                     ("recv_next", recv_next, torch.int32), ("out_w", out_w, torch.float32),
-                     ("out_primary", out_primary, torch.int32), ("out_next", out_next, torch.int32)):
+                     ("recv_next", recv_next, torch.int32), ("recv_src", recv_src, torch.int32),
+                     ("out_w", out_w, torch.float32), ("out_primary", out_primary, torch.int32),
+                     ("out_next", out_next, torch.int32)):
         need_tensor(n, t, (dt,), shape=(NVS,), device=dev)
+    S = need_int("S", S)
     num_ctas = need_int("num_ctas", num_ctas)
-    check_fits(1, 1, NVS)
-    fn = _compile_finish(NVS, H, recv_rows.dtype, num_ctas)
-    fn(recv_rows.view(-1), recv_w, recv_primary, recv_next, out_rows.view(-1), out_w, out_primary,
-       out_next)
+    check_fits(S, 1, NVS, R, H * out_rows.element_size())
+    fn = _compile_pull(S, H, R, NVS, out_rows.dtype, num_ctas)
+    fn(peer_send_rows, recv_w, recv_primary, recv_next, recv_src, out_rows.view(-1), out_w,
+       out_primary, out_next)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -508,15 +568,15 @@ DEFAULT_CHECK_CONFIGS = [
 
 
 def compile_all_for_check(configs: list[dict] | None = None, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
-    """Compile push and finish for each config; on a machine without a CUDA driver each compile stops
+    """Compile meta and pull for each config; on a machine without a CUDA driver each compile stops
     at loading (caught: exactly DSLRuntimeError from CudaDriverDependencyError)."""
     from csrc_cute.compile_check import expect_no_driver
 
     for cfg in configs or DEFAULT_CHECK_CONFIGS:
         S, H, K, R, G, NVS = (cfg[k] for k in ("S", "H", "K", "R", "G", "NVS"))
         dt = getattr(torch, cfg.get("dtype", "bfloat16"))
-        for name, build in (("push", lambda: _compile_push(S, H, K, R, NVS, G, dt, num_ctas)),
-                            ("finish", lambda: _compile_finish(NVS, H, dt, num_ctas))):
+        for name, build in (("meta", lambda: _compile_meta(S, H, K, R, NVS, G, dt, num_ctas)),
+                            ("pull", lambda: _compile_pull(S, H, R, NVS, dt, num_ctas))):
             with expect_no_driver() as st:
                 build()
             print(f"compiled {name} S={S} H={H} K={K} R={R} G={G} NvS={NVS} {dt}: "

@@ -158,8 +158,8 @@ class _ExpertsFFN(torch.autograd.Function):
                   + ops.group_gemm_dgrad(g_up, w_up, pool_up, cu, P).float()).to(rows.dtype)
         ops.group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
         ops.group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
-        home = ops.reduce_grad(etc, reduce_gate, reduce_up, reduce_down, w_gate.shape[0], ctrl, group_name)
-        dws = tuple((dw + h).to(w.dtype) for dw, h, w in zip((dw_gate, dw_up, dw_down), home, (w_gate, w_up, w_down)))
+        ops.reduce_grad(etc, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ctrl, group_name)
+        dws = tuple(dw.to(w.dtype) for dw, w in zip((dw_gate, dw_up, dw_down), (w_gate, w_up, w_down)))
         return (g_rows, g_row_w) + dws + (None,) * 11
 
 

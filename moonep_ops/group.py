@@ -121,16 +121,23 @@ class EPGroup:
         """send_rows, recv_w, recv_primary, recv_next, recv_src (the persistent buffers of dispatch)."""
         return self.send_rows, self.recv_w, self.recv_primary, self.recv_next, self.recv_src
 
+    def alloc_weight_buffers(self) -> None:
+        """Allocate the copy slots (bf16 [B, H, F] x2, [B, F, H]) shared by every layer and the fp32
+        gradients of the copies; symmetric on CUDA (collective: every rank calls it, as MoEExperts does).
+        A user of the communication ops alone never pays for them."""
+        if self._pools is not None:
+            return
+        c = self.cfg
+        shapes = ((c.B, c.H, c.F), (c.B, c.H, c.F), (c.B, c.F, c.H))
+        self._pools = tuple(self._buffer(*shape) for shape in shapes)
+        self._reduce = tuple(self._buffer(*shape, dtype=torch.float32) for shape in shapes)
+        if self._symmetric:
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+
     def _weight_buffers(self):
-        # copy slots, shared by every layer, and the fp32 gradients of the copies (allocated on first use)
         if self._pools is None:
-            c = self.cfg
-
-            def buf(*shape, dtype=self.dtype):
-                return torch.zeros(shape, dtype=dtype, device=self.device)
-
-            self._pools = (buf(c.B, c.H, c.F), buf(c.B, c.H, c.F), buf(c.B, c.F, c.H))
-            self._reduce = tuple(buf(*p.shape, dtype=torch.float32) for p in self._pools)
+            raise RuntimeError("EPGroup: call alloc_weight_buffers() first (MoEExperts does it)")
         return self._pools, self._reduce
 
     @property
@@ -152,6 +159,8 @@ class EPGroup:
             if t is not None:
                 _PEERS.pop(t.data_ptr(), None)
             setattr(self, name, None)
+        for t in (self._pools or ()) + (self._reduce or ()):
+            _PEERS.pop(t.data_ptr(), None)
         self._pools = self._reduce = None
         self._handles.clear()
 

@@ -22,6 +22,7 @@ class MoEExperts(nn.Module):
         super().__init__()
         c = ep.cfg
         self.ep = ep
+        ep.alloc_weight_buffers()
         dtype = dtype or ep.dtype
         self.w_gate = nn.Parameter(torch.empty(c.epn, c.H, c.F, dtype=dtype, device=ep.device))
         self.w_up = nn.Parameter(torch.empty(c.epn, c.H, c.F, dtype=dtype, device=ep.device))

@@ -323,8 +323,8 @@ def _group_gemm_wgrad_cuda(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: T
 def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_copy: Tensor,
                      pool_gate: Tensor, pool_up: Tensor, pool_down: Tensor, ctrl: Tensor, group_name: str) -> None:
     """Fill this rank's slot pools with the planned copies (gate, up, down) from their home ranks; empty
-    slots are zero. The pools are shared by every layer: the GEMMs read them in place, and a layer's
-    backward prefetches its copies again."""
+    slots keep what they held (no GEMM reads them). The pools are shared by every layer: the GEMMs read
+    them in place, and a layer's backward prefetches its copies again."""
     meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
                                               ctrl)
     group = resolve_group("prefetch_weights", group_name, experts_to_copy.shape[0])
@@ -332,39 +332,69 @@ def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_co
     mine = experts_to_copy[torch.distributed.get_rank(group)].long()
     used = torch.nonzero(mine >= 0).flatten()
     for w, pool in ((w_gate, pool_gate), (w_up, pool_up), (w_down, pool_down)):
-        pool.zero_()
         pool[used] = pull(w, mine[used] // epn, mine[used] % epn, group)
 
 
 prefetch_weights.register_fake(meta.prefetch_weights.prefetch_weights)
 
 
+@prefetch_weights.register_kernel("cuda")
+def _prefetch_weights_cuda(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name):
+    meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
+                                              ctrl)
+    from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
+
+    ep = group_of("prefetch_weights", ctrl)
+    _barrier(ep, ctrl)  # every rank's GEMMs are done with the copies the pools held
+    weights.prefetch_push(w_gate, w_up, w_down, experts_to_copy, peers("prefetch_weights", "pool_gate", pool_gate),
+                          peers("prefetch_weights", "pool_up", pool_up),
+                          peers("prefetch_weights", "pool_down", pool_down), ep.rank, num_ctas=ep.comm_sms)
+    _barrier(ep, ctrl)  # every copy has landed
+    _debug_check(ep, "prefetch_weights")
+
+
 # --------------------------------------------------------------------------------------- reduce_grad
-@custom_op("moonep::reduce_grad", mutates_args=("reduce_gate", "reduce_up", "reduce_down", "ctrl"),
+@custom_op("moonep::reduce_grad",
+           mutates_args=("reduce_gate", "reduce_up", "reduce_down", "home_gate", "home_up", "home_down", "ctrl"),
            device_types="cpu")
-def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor, reduce_down: Tensor, epn: int,
-                ctrl: Tensor, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor, reduce_down: Tensor,
+                home_gate: Tensor, home_up: Tensor, home_down: Tensor, ctrl: Tensor, group_name: str) -> None:
     """Fold the copies' weight gradients home. The reduce buffers hold, per slot, the fp32 gradient of
-    the copy this rank computed (the wgrad GEMMs accumulate into them). Each home rank reads its
-    experts' copy gradients from every rank, in rank then slot order (bitwise deterministic), into fresh
-    fp32 home gradients [epn, ...]; the consumed buffers are zeroed for the next layer/micro-batch."""
-    reduce_bufs = (reduce_gate, reduce_up, reduce_down)
-    meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, epn, ctrl)
+    the copy this rank computed (the wgrad GEMMs accumulate into them). Each home rank adds its experts'
+    copy gradients from every rank, in rank order (bitwise deterministic), into its fp32 home gradients
+    [epn, ...]; then every rank zeroes the slots it used, ready for the next layer or micro-batch."""
+    reduce_bufs, homes = (reduce_gate, reduce_up, reduce_down), (home_gate, home_up, home_down)
+    meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
     group = resolve_group("reduce_grad", group_name, experts_to_copy.shape[0])
     me = torch.distributed.get_rank(group)
+    epn = home_gate.shape[0]
     copies = experts_to_copy.long()
     ranks, slots = torch.nonzero((copies >= 0) & (copies // epn == me), as_tuple=True)  # row-major: rank, slot
-    outs = []
-    for buf in reduce_bufs:
+    for buf, home in zip(reduce_bufs, homes):
         got = pull(buf, ranks, slots, group)
-        home = torch.zeros((epn,) + tuple(buf.shape[1:]), dtype=torch.float32)
         for i, e in enumerate(copies[ranks, slots].tolist()):
             home[e - me * epn] += got[i]
-        outs.append(home)
     # `pull` returned only after every peer's read of these buffers was served; now they can be zeroed
+    used = torch.nonzero(copies[me] >= 0).flatten()
     for buf in reduce_bufs:
-        buf.zero_()
-    return tuple(outs)
+        buf[used] = 0
 
 
 reduce_grad.register_fake(meta.reduce_grad.reduce_grad)
+
+
+@reduce_grad.register_kernel("cuda")
+def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home_gate, home_up, home_down, ctrl,
+                      group_name):
+    reduce_bufs, homes = (reduce_gate, reduce_up, reduce_down), (home_gate, home_up, home_down)
+    meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
+    from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
+
+    ep = group_of("reduce_grad", ctrl)
+    _barrier(ep, ctrl)  # every rank's wgrad GEMMs have accumulated into its reduce buffers
+    weights.reduce_pull(experts_to_copy, *(peers("reduce_grad", n, b) for n, b in
+                                           zip(("reduce_gate", "reduce_up", "reduce_down"), reduce_bufs)),
+                        *homes, ep.rank, num_ctas=ep.comm_sms)
+    _barrier(ep, ctrl)  # every home rank has read its copies' gradients
+    weights.reduce_zero(experts_to_copy, *reduce_bufs, ep.rank, num_ctas=ep.comm_sms)
+    _debug_check(ep, "reduce_grad")

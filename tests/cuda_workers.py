@@ -307,3 +307,64 @@ def _next_rows(dst_rank: torch.Tensor, dst_row: torch.Tensor) -> torch.Tensor:
             hit = (dst_rank[:, k2] == dst_rank[:, k]) & (out[:, k] == -1)
             out[:, k] = torch.where(hit, dst_row[:, k2], out[:, k])
     return out
+
+
+# ------------------------------------------------------------------------------------------ MoELayer
+def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled: bool):
+    """The whole MoELayer on the GPU (plan, dispatch, prefetch, grouped GEMMs, combine, reduce_grad):
+    forward and every gradient, with the dense fp32 reference of this rank's tokens (routing fixed to
+    the ids the layer chose, route weights recomputed in fp32 so the router gradient is checked);
+    two runs bitwise equal; optionally torch.compile(fullgraph=True) equal to eager."""
+    import ep_workers
+    from moonep_ops import MoELayer
+    from moonep_ops.routing import route
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    x_all, router, w_gate, w_up, w_down, grad_out = ep_workers.global_weights(cfg, skew)
+    bf = torch.bfloat16
+    router, w_gate, w_up, w_down = (t.to(bf) for t in (router, w_gate, w_up, w_down))
+    ep = EPGroup(cfg, device="cuda")
+    layer = MoELayer(ep)
+    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        layer.experts.w_gate.copy_(w_gate[mine])
+        layer.experts.w_up.copy_(w_up[mine])
+        layer.experts.w_down.copy_(w_down[mine])
+    x0 = x_all[tokens].to(bf).cuda()
+    g = grad_out[tokens].to(bf).cuda()
+
+    def run(fn):
+        layer.zero_grad()
+        x = x0.clone().requires_grad_()
+        y = fn(x)
+        y.backward(g)
+        torch.cuda.synchronize()
+        return [t.detach().float().cpu() for t in (y, x.grad, layer.router.weight.grad, layer.experts.w_gate.grad,
+                                                   layer.experts.w_up.grad, layer.experts.w_down.grad)]
+
+    first = run(layer)
+    second = run(layer)
+    out = dict(names=["y", "x", "router", "gate", "up", "down"], got=first,
+               bitwise=all(torch.equal(a, b) for a, b in zip(first, second)), counts=layer.last_counts.cpu())
+    if compiled:
+        out["compiled"] = run(torch.compile(layer, fullgraph=True))
+    ep.check("moe layer")
+
+    # reference: ids as the layer chose them (bf16 logits), weights and experts in fp32 autograd
+    with torch.no_grad():
+        _, ids = route(layer.router(x0), cfg.K)
+    leaves = [t.float().cuda().requires_grad_() for t in (x0, router, w_gate, w_up, w_down)]
+    x, rw, wg, wu, wd = leaves
+    probs = torch.softmax(x @ rw.t(), -1)
+    wts = probs.gather(1, ids)
+    wts = wts / wts.sum(1, keepdim=True)
+    y = 0
+    for k in range(cfg.K):
+        e = ids[:, k]
+        h = torch.nn.functional.silu(torch.bmm(x[:, None], wg[e])) * torch.bmm(x[:, None], wu[e])
+        y = y + torch.bmm(h, wd[e])[:, 0] * wts[:, k:k + 1]
+    y.backward(g.float())
+    out["ref"] = [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
+    ep.destroy()
+    return out

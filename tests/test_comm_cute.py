@@ -3,11 +3,12 @@
 CPU (CI): every kernel compiles for sm_90a (no GPU needed), ptxas reports registers and no spills;
 host-side validation errors.
 GPU (skipped without CUDA): R in {1, 2, 4} ranks simulated on one GPU (per-rank ordinary tensors and
-peer address tables), plans from the CPU reference `moonep_ops.planning`; push on every rank, then
-finish on every rank, compared bit for bit with an independent torch reimplementation (rows carry
-their token and source rank exactly in bf16); combine_presum + combine_pull against fp32 torch sums
-(exact with small integers); gather_pull exact; skewed routings and K duplicates on one rank; rows
-crossing the link per token <= min(K, R); CUDA-graph capture + replay.
+peer address tables), plans from the CPU reference `moonep_ops.planning`; dispatch_meta on every rank,
+then dispatch_pull on every rank, compared bit for bit with an independent torch reimplementation
+(rows carry their token and source rank exactly in bf16); combine_presum + combine_pull against fp32
+torch sums (exact with small integers); gather_pull exact; skewed routings and K duplicates on one
+rank; rows crossing the link per token <= min(K, R); CUDA-graph capture + replay; broken plan
+entries; opt-in timing at the benchmark shape (MOONEP_BENCH_COMM=1) with a tuning sweep.
 """
 
 import os
@@ -36,7 +37,7 @@ GARBAGE_I = -99
 # (a) CPU: compile for sm_90a, ptxas statistics
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("module,kernels", [
-    ("dispatch", ("_push_kernel", "_finish_kernel")),
+    ("dispatch", ("_meta_kernel", "_pull_kernel")),
     ("combine", ("_presum_kernel", "_pull_kernel", "_gather_kernel")),
 ])
 def test_comm_kernels_compile_sm90a(module, kernels):
@@ -68,27 +69,42 @@ def test_host_validation_errors():
     i32, i64, f32, bf = torch.int32, torch.int64, torch.float32, torch.bfloat16
     S, K, H, R, N, G = 4, 2, 64, 2, 32, 3
 
-    def push_args(**over):
+    def meta_args(**over):
         a = dict(x=torch.zeros(S, H, dtype=bf), route_w=torch.zeros(S, K, dtype=f32),
                  dst_rank=torch.zeros(S, K, dtype=i32), dst_row=torch.zeros(S, K, dtype=i32),
-                 primary_row=torch.zeros(S, K, dtype=i32), peer_rows=torch.zeros(R, dtype=i64),
-                 peer_w=torch.zeros(R, dtype=i64), peer_primary=torch.zeros(R, dtype=i64),
-                 peer_next=torch.zeros(R, dtype=i64), recv_rows=torch.zeros(N, H, dtype=bf),
-                 recv_w=torch.zeros(N, dtype=f32), recv_primary=torch.zeros(N, dtype=i32),
-                 recv_next=torch.zeros(N, dtype=i32), cu_seqlens=torch.zeros(G, dtype=i32),
-                 group_rows=torch.zeros(G, dtype=i32), rank=0)
+                 primary_row=torch.zeros(S, K, dtype=i32), peer_w=torch.zeros(R, dtype=i64),
+                 peer_primary=torch.zeros(R, dtype=i64), peer_next=torch.zeros(R, dtype=i64),
+                 peer_src=torch.zeros(R, dtype=i64), recv_w=torch.zeros(N, dtype=f32),
+                 recv_primary=torch.zeros(N, dtype=i32), recv_next=torch.zeros(N, dtype=i32),
+                 recv_src=torch.zeros(N, dtype=i32), send_rows=torch.zeros(S, H, dtype=bf),
+                 cu_seqlens=torch.zeros(G, dtype=i32), group_rows=torch.zeros(G, dtype=i32), rank=0)
         a.update(over)
         return a
 
+    def pull_args(**over):
+        a = dict(peer_send_rows=torch.zeros(R, dtype=i64), recv_w=torch.zeros(N, dtype=f32),
+                 recv_primary=torch.zeros(N, dtype=i32), recv_next=torch.zeros(N, dtype=i32),
+                 recv_src=torch.zeros(N, dtype=i32), out_rows=torch.zeros(N, H, dtype=bf),
+                 out_w=torch.zeros(N, dtype=f32), out_primary=torch.zeros(N, dtype=i32),
+                 out_next=torch.zeros(N, dtype=i32), S=S)
+        a.update(over)
+        return a
+
+    # combine_pull / gather_pull without nvs use a row bound that must pass the int32 checks
+    D.check_fits(S, K, C._NO_NVS)
+    with pytest.raises(ValueError, match="must fit int32"):
+        D.check_fits(S, K, 2 ** 31)
     # CPU-only checks (caught before any device check)
     with pytest.raises(ValueError, match="x must have dtype"):
-        D.dispatch_push(**push_args(x=torch.zeros(S, H, dtype=i32)))
+        D.dispatch_meta(**meta_args(x=torch.zeros(S, H, dtype=i32)))
     with pytest.raises(ValueError, match="x: a row must be a positive multiple of 16 bytes"):
-        D.dispatch_push(**push_args(x=torch.zeros(S, 4, dtype=bf)))
+        D.dispatch_meta(**meta_args(x=torch.zeros(S, 4, dtype=bf)))
     with pytest.raises(ValueError, match="x must be on a CUDA device"):
-        D.dispatch_push(**push_args())
-    with pytest.raises(ValueError, match="recv_rows must have dtype"):
-        D.dispatch_finish(torch.zeros(N, H, dtype=i64), *(torch.zeros(1),) * 7)
+        D.dispatch_meta(**meta_args())
+    with pytest.raises(ValueError, match="out_rows must have dtype"):
+        D.dispatch_pull(**pull_args(out_rows=torch.zeros(N, H, dtype=i64)))
+    with pytest.raises(ValueError, match="out_rows must be on a CUDA device"):
+        D.dispatch_pull(**pull_args())
     with pytest.raises(ValueError, match="rows must have dtype"):
         C.combine_presum(torch.zeros(N, H, dtype=i32), torch.zeros(N, dtype=i32),
                          torch.zeros(N, dtype=i32), torch.zeros(N, H, dtype=i32))
@@ -101,28 +117,39 @@ def test_host_validation_errors():
                       torch.zeros(S, K, dtype=i32), torch.zeros(S, K, dtype=f32))
     if not HAS_CUDA:
         return
-    a = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in push_args().items()}
+    a = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in meta_args().items()}
+    q = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in pull_args().items()}
     cuda = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=DEV)  # noqa: E731
     with pytest.raises(ValueError, match="dst_row must have dtype"):
-        D.dispatch_push(**dict(a, dst_row=cuda(S, K, dtype=i64)))
+        D.dispatch_meta(**dict(a, dst_row=cuda(S, K, dtype=i64)))
     with pytest.raises(ValueError, match=r"primary_row must have shape \(4, 2\)"):
-        D.dispatch_push(**dict(a, primary_row=cuda(S, K + 1, dtype=i32)))
+        D.dispatch_meta(**dict(a, primary_row=cuda(S, K + 1, dtype=i32)))
     with pytest.raises(ValueError, match="K must be <= 32"):
-        D.dispatch_push(**dict(a, dst_rank=cuda(S, 33, dtype=i32)))
+        D.dispatch_meta(**dict(a, dst_rank=cuda(S, 33, dtype=i32)))
     with pytest.raises(ValueError, match="rank must be in"):
-        D.dispatch_push(**dict(a, rank=R))
-    with pytest.raises(ValueError, match="recv_rows must have shape"):
-        D.dispatch_push(**dict(a, recv_rows=cuda(N, H + 8, dtype=bf)))
-    with pytest.raises(ValueError, match="peer_w must have shape"):
-        D.dispatch_push(**dict(a, peer_w=cuda(R + 1, dtype=i64)))
+        D.dispatch_meta(**dict(a, rank=R))
+    with pytest.raises(ValueError, match="send_rows must have shape"):
+        D.dispatch_meta(**dict(a, send_rows=cuda(S, H + 8, dtype=bf)))
+    with pytest.raises(ValueError, match="send_rows must have dtype"):
+        D.dispatch_meta(**dict(a, send_rows=cuda(S, H, dtype=f32)))
+    with pytest.raises(ValueError, match="recv_src must have shape"):
+        D.dispatch_meta(**dict(a, recv_src=cuda(N + 1, dtype=i32)))
+    with pytest.raises(ValueError, match="peer_src must have shape"):
+        D.dispatch_meta(**dict(a, peer_src=cuda(R + 1, dtype=i64)))
     with pytest.raises(ValueError, match="group_rows must have shape"):
-        D.dispatch_push(**dict(a, group_rows=cuda(G + 1, dtype=i32)))
+        D.dispatch_meta(**dict(a, group_rows=cuda(G + 1, dtype=i32)))
     with pytest.raises(ValueError, match="num_ctas must be >= 1"):
-        D.dispatch_push(**dict(a, num_ctas=0))
+        D.dispatch_meta(**dict(a, num_ctas=0))
     with pytest.raises(ValueError, match="out_rows must be contiguous"):
-        D.dispatch_finish(cuda(N, H, dtype=bf), cuda(N, dtype=f32), cuda(N, dtype=i32),
-                          cuda(N, dtype=i32), cuda(H, N, dtype=bf).t(), cuda(N, dtype=f32),
-                          cuda(N, dtype=i32), cuda(N, dtype=i32))
+        D.dispatch_pull(**dict(q, out_rows=cuda(H, N, dtype=bf).t()))
+    with pytest.raises(ValueError, match="recv_src must have dtype"):
+        D.dispatch_pull(**dict(q, recv_src=cuda(N, dtype=i64)))
+    with pytest.raises(ValueError, match="out_next must have shape"):
+        D.dispatch_pull(**dict(q, out_next=cuda(N - 1, dtype=i32)))
+    with pytest.raises(ValueError, match="peer_send_rows must have dtype"):
+        D.dispatch_pull(**dict(q, peer_send_rows=cuda(R, dtype=i32)))
+    with pytest.raises(ValueError, match="S must be >= 1"):
+        D.dispatch_pull(**dict(q, S=0))
     with pytest.raises(ValueError, match="out must have dtype"):
         C.gather_pull(cuda(R, dtype=i64), cuda(S, K, dtype=i32), cuda(S, K, dtype=i32),
                       cuda(S, K, dtype=bf))
@@ -214,7 +241,8 @@ def token_rows(src, S, H, dtype, salt=0):
 
 
 def dispatch_reference(case, xs, ws):
-    """Independent torch reimplementation: per rank (rows, w, primary, next, carrier mask)."""
+    """Independent torch reimplementation: per rank (rows, w, primary, next, src, carrier mask);
+    src[r] = source rank * S + token for every real row, -1 for padding."""
     R, N = case.R, case.NVS
     H = xs[0].shape[1]
     out = []
@@ -223,6 +251,7 @@ def dispatch_reference(case, xs, ws):
         w = torch.zeros(N, dtype=torch.float32)
         pr = torch.full((N,), -1, dtype=torch.int32)
         nx = torch.full((N,), -1, dtype=torch.int32)
+        sv = torch.full((N,), -1, dtype=torch.int32)
         hits = torch.zeros(N, dtype=torch.int32)
         carrier = torch.zeros(N, dtype=torch.bool)
         for src in range(R):
@@ -234,11 +263,12 @@ def dispatch_reference(case, xs, ws):
             w[r] = ws[src][m]
             pr[r] = t.primary_row[m]
             nx[r] = case.next_rows(src)[m]
+            sv[r] = (src * case.S + s).int()
             hits.index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
             carrier[r] = (t.dst_row == t.primary_row)[m]
         # the plan covers exactly the real rows, each once
         assert torch.equal(hits > 0, case.real[d]) and int(hits.max()) <= 1
-        out.append((rows, w, pr, nx, carrier))
+        out.append((rows, w, pr, nx, sv, carrier))
     return out
 
 
@@ -288,10 +318,11 @@ class Sim:
         self.primary = [case.tok[r].primary_row.to(dev).contiguous() for r in range(R)]
         self.cu = [case.cu[r].to(dev) for r in range(R)]
         self.grows = [case.group_rows[r].to(dev) for r in range(R)]
-        self.recv_rows = [torch.empty(N, H, dtype=dtype, device=dev) for _ in range(R)]
+        self.send_rows = [torch.empty(S, H, dtype=dtype, device=dev) for _ in range(R)]
         self.recv_w = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
         self.recv_pr = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
         self.recv_nx = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
+        self.recv_src = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
         self.out_rows = [torch.empty(N, H, dtype=dtype, device=dev) for _ in range(R)]
         self.out_w = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
         self.out_pr = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
@@ -301,16 +332,17 @@ class Sim:
         self.comb = [torch.empty(S, H, dtype=dtype, device=dev) for _ in range(R)]
         self.vals = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
         self.gath = [torch.empty(S, K, dtype=torch.float32, device=dev) for _ in range(R)]
-        self.p_rows, self.p_w = peer_table(self.recv_rows), peer_table(self.recv_w)
+        self.p_send, self.p_w = peer_table(self.send_rows), peer_table(self.recv_w)
         self.p_pr, self.p_nx = peer_table(self.recv_pr), peer_table(self.recv_nx)
+        self.p_src = peer_table(self.recv_src)
         self.p_presum, self.p_vals = peer_table(self.presum), peer_table(self.vals)
         self.poison()
 
     def poison(self):
-        for lst, v in ((self.recv_rows, GARBAGE_ROW), (self.recv_w, GARBAGE_W), (self.recv_pr, GARBAGE_I),
-                       (self.recv_nx, GARBAGE_I), (self.out_rows, GARBAGE_ROW), (self.out_w, GARBAGE_W),
-                       (self.out_pr, GARBAGE_I), (self.out_nx, GARBAGE_I), (self.presum, GARBAGE_ROW),
-                       (self.comb, GARBAGE_ROW), (self.gath, GARBAGE_W)):
+        for lst, v in ((self.send_rows, GARBAGE_ROW), (self.recv_w, GARBAGE_W), (self.recv_pr, GARBAGE_I),
+                       (self.recv_nx, GARBAGE_I), (self.recv_src, GARBAGE_I), (self.out_rows, GARBAGE_ROW),
+                       (self.out_w, GARBAGE_W), (self.out_pr, GARBAGE_I), (self.out_nx, GARBAGE_I),
+                       (self.presum, GARBAGE_ROW), (self.comb, GARBAGE_ROW), (self.gath, GARBAGE_W)):
             for t in lst:
                 t.fill_(v)
 
@@ -333,20 +365,22 @@ class Sim:
             self.y[d].copy_(y.to(self.dtype))
             self.vals[d].copy_(torch.randn(c.NVS, generator=g))
 
-    def push(self):
-        from csrc_cute.dispatch import dispatch_push
+    def meta(self):
+        from csrc_cute.dispatch import dispatch_meta
 
         for r in range(self.c.R):
-            dispatch_push(self.x[r], self.w[r], self.dst_rank[r], self.dst_row[r], self.primary[r],
-                          self.p_rows, self.p_w, self.p_pr, self.p_nx, self.recv_rows[r], self.recv_w[r],
-                          self.recv_pr[r], self.recv_nx[r], self.cu[r], self.grows[r], r, self.ncta)
+            dispatch_meta(self.x[r], self.w[r], self.dst_rank[r], self.dst_row[r], self.primary[r],
+                          self.p_w, self.p_pr, self.p_nx, self.p_src, self.recv_w[r], self.recv_pr[r],
+                          self.recv_nx[r], self.recv_src[r], self.send_rows[r], self.cu[r], self.grows[r],
+                          r, self.ncta)
 
-    def finish(self):
-        from csrc_cute.dispatch import dispatch_finish
+    def pull(self):
+        from csrc_cute.dispatch import dispatch_pull
 
         for r in range(self.c.R):
-            dispatch_finish(self.recv_rows[r], self.recv_w[r], self.recv_pr[r], self.recv_nx[r],
-                            self.out_rows[r], self.out_w[r], self.out_pr[r], self.out_nx[r], self.ncta)
+            dispatch_pull(self.p_send, self.recv_w[r], self.recv_pr[r], self.recv_nx[r], self.recv_src[r],
+                          self.out_rows[r], self.out_w[r], self.out_pr[r], self.out_nx[r], self.c.S,
+                          self.ncta)
 
     def combine(self):
         from csrc_cute.combine import combine_presum, combine_pull, gather_pull
@@ -360,25 +394,21 @@ class Sim:
                         nvs=self.c.NVS)
 
     # ---- checks -------------------------------------------------------------------------------
-    def check_push(self, ref):
-        """After push only: carriers hold their token's row, duplicates are still garbage (they did
-        not cross the link), padding is zero; metadata complete."""
-        c = self.c
-        for d in range(c.R):
-            rows, w, pr, nx, carrier = ref[d]
-            got = self.recv_rows[d].cpu()
-            pad = ~c.real[d]
-            dup = c.real[d] & ~carrier
-            _eq(got[carrier], rows[carrier], f"rank {d} carrier rows")
-            _eq(got[pad], torch.zeros_like(got[pad]), f"rank {d} padding rows")
-            _eq(got[dup], torch.full_like(got[dup], GARBAGE_ROW), f"rank {d} duplicate rows (not pushed)")
+    def check_meta(self, ref):
+        """After meta only: complete metadata on every rank, send_rows = x, no output written."""
+        for d in range(self.c.R):
+            _, w, pr, nx, sv, _ = ref[d]
             _eq(self.recv_w[d].cpu(), w, f"rank {d} w")
             _eq(self.recv_pr[d].cpu(), pr, f"rank {d} primary")
             _eq(self.recv_nx[d].cpu(), nx, f"rank {d} next")
+            _eq(self.recv_src[d].cpu(), sv, f"rank {d} src")
+            _eq(self.send_rows[d].cpu(), self.x[d].cpu(), f"rank {d} send_rows")
+            got = self.out_rows[d].cpu()
+            _eq(got, torch.full_like(got, GARBAGE_ROW), f"rank {d} out rows untouched by meta")
 
-    def check_finish(self, ref):
+    def check_pull(self, ref):
         for d in range(self.c.R):
-            rows, w, pr, nx, _ = ref[d]
+            rows, w, pr, nx, _, _ = ref[d]
             _eq(self.out_rows[d].cpu(), rows, f"rank {d} out rows")
             _eq(self.out_w[d].cpu(), w, f"rank {d} out w")
             _eq(self.out_pr[d].cpu(), pr, f"rank {d} out primary")
@@ -480,12 +510,12 @@ def test_dispatch_combine_simulated(cfg):
         xs = [t.cpu() for t in sim.x]
         ws = [t.cpu() for t in sim.w]
         ref = dispatch_reference(case, xs, ws)
-        sim.push()
+        sim.meta()
         torch.cuda.synchronize()
-        sim.check_push(ref)
-        sim.finish()
+        sim.check_meta(ref)
+        sim.pull()
         torch.cuda.synchronize()
-        sim.check_finish(ref)
+        sim.check_pull(ref)
         for exact in (True, False):
             sim.set_expert_outputs(salt=ki + 10 * exact, exact=exact)
             for t in sim.presum + sim.comb:
@@ -500,14 +530,15 @@ def test_dispatch_combine_simulated(cfg):
 @needs_cuda
 def test_invalid_plan_entries_are_skipped():
     """Entries with a rank or row outside the plan (a failed plan) are skipped, never written or read
-    out of bounds: gather gives 0 there, combine sums only the valid carriers."""
+    out of bounds: gather gives 0 there, combine sums only the valid carriers; dispatch_meta and
+    dispatch_pull run on the broken tables without faults."""
     R, S, K, E, B, P, H, dtype = 2, 40, 4, 8, 4, 8, 64, torch.bfloat16
     gen = torch.Generator().manual_seed(5)
     case = Case(R, S, K, E, B, P, make_ids("random", R, S, K, E, gen))
     sim = Sim(case, H, dtype, 4)
     sim.set_inputs(salt=1)
-    sim.push()
-    sim.finish()
+    sim.meta()
+    sim.pull()
     sim.set_expert_outputs(salt=2, exact=True)
     for r in range(R):
         dr, row = sim.dst_rank[r], sim.dst_row[r]
@@ -520,6 +551,17 @@ def test_invalid_plan_entries_are_skipped():
     for r in range(R):
         assert bool((sim.gath[r][:4] == 0).all())
         assert bool((sim.comb[r][:4] == 0).all())
+    # dispatch with the same broken tables: no fault; a chain head whose src is out of range is zeroed
+    sim.meta()
+    torch.cuda.synchronize()
+    pr0 = sim.recv_pr[0].cpu()
+    h = int(torch.nonzero(pr0 == torch.arange(case.NVS, dtype=pr0.dtype))[0])
+    sim.recv_src[0][h] = R * S + 5
+    for t in sim.out_rows:
+        t.fill_(GARBAGE_ROW)
+    sim.pull()
+    torch.cuda.synchronize()
+    assert bool((sim.out_rows[0][h] == 0).all())
 
 
 @needs_cuda
@@ -530,14 +572,14 @@ def test_cuda_graph_capture_replay():
     sim = Sim(case, H, dtype, ncta)
     sim.set_inputs(salt=0)
     sim.set_expert_outputs(salt=0, exact=True)
-    sim.push()
-    sim.finish()
+    sim.meta()
+    sim.pull()
     sim.combine()  # warm up: compiles outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        sim.push()
-        sim.finish()
+        sim.meta()
+        sim.pull()
         sim.combine()
     for salt in (5, 6):
         sim.poison()
@@ -546,13 +588,13 @@ def test_cuda_graph_capture_replay():
         g.replay()
         torch.cuda.synchronize()
         ref = dispatch_reference(case, [t.cpu() for t in sim.x], [t.cpu() for t in sim.w])
-        sim.check_finish(ref)
+        sim.check_pull(ref)
         sim.check_combine(exact=True)
 
 
 @needs_cuda
 @pytest.mark.skipif(not os.environ.get("MOONEP_BENCH_COMM"), reason="set MOONEP_BENCH_COMM=1 to time")
-def test_time_default_shape():
+def test_timing_default_shape():
     """Timing at the benchmark shape (S=8192, H=7168, K=8, R=2, E=96, B=48, P=128) with both ranks
     on one GPU (the 'remote' traffic is local HBM traffic here): per-rank kernel times."""
     R, S, K, E, B, P, H, dtype = 2, 8192, 8, 96, 48, 128, 7168, torch.bfloat16
@@ -576,20 +618,64 @@ def test_time_default_shape():
         torch.cuda.synchronize()
         return a.elapsed_time(b) / n / R * 1e3  # us per rank
 
-    from csrc_cute.combine import combine_presum, combine_pull, gather_pull
+    from csrc_cute import combine as KC
+    from csrc_cute import dispatch as KD
 
-    t_push = timed(sim.push)
-    t_fin = timed(sim.finish)
-    t_pre = timed(lambda: [combine_presum(sim.y[d], sim.out_pr[d], sim.out_nx[d], sim.presum[d], ncta)
+    N = case.NVS
+    t_meta = timed(sim.meta)
+    t_dpull = timed(sim.pull)
+    t_pre = timed(lambda: [KC.combine_presum(sim.y[d], sim.out_pr[d], sim.out_nx[d], sim.presum[d], ncta)
                            for d in range(R)])
-    t_pull = timed(lambda: [combine_pull(sim.p_presum, sim.dst_rank[r], sim.dst_row[r], sim.primary[r],
-                                         sim.comb[r], ncta) for r in range(R)])
-    t_gat = timed(lambda: [gather_pull(sim.p_vals, sim.dst_rank[r], sim.dst_row[r], sim.gath[r], ncta)
+    t_pull = timed(lambda: [KC.combine_pull(sim.p_presum, sim.dst_rank[r], sim.dst_row[r], sim.primary[r],
+                                            sim.comb[r], ncta) for r in range(R)])
+    t_gat = timed(lambda: [KC.gather_pull(sim.p_vals, sim.dst_rank[r], sim.dst_row[r], sim.gath[r], ncta)
                            for r in range(R)])
     n_real = S * K
-    print(f"\n[comm timing, {ncta} CTAs, per rank] NvS={case.NVS} carriers/rank={ncar // R}")
-    print(f"  push    {t_push:8.1f} us  {(ncar // R) * rowb / t_push / 1e3:7.1f} GB/s of rows written")
-    print(f"  finish  {t_fin:8.1f} us  {2 * case.NVS * rowb / t_fin / 1e3:7.1f} GB/s (read + write)")
-    print(f"  presum  {t_pre:8.1f} us  {(n_real + ncar // R) * rowb / t_pre / 1e3:7.1f} GB/s (read + write)")
-    print(f"  pull    {t_pull:8.1f} us  {(ncar // R + S) * rowb / t_pull / 1e3:7.1f} GB/s (read + write)")
-    print(f"  gather  {t_gat:8.1f} us")
+    nc = ncar // R
+    print(f"\n[comm timing, {ncta} CTAs, per rank, both ranks simulated on one GPU] NvS={N} "
+          f"carriers/rank={nc}")
+    print(f"  dispatch_meta  {t_meta:8.1f} us  {2 * S * rowb / t_meta / 1e3:7.1f} GB/s (x copy read + write)")
+    print(f"  dispatch_pull  {t_dpull:8.1f} us  {(nc + N) * rowb / t_dpull / 1e3:7.1f} GB/s (reads + writes)"
+          f"  {N * rowb / t_dpull / 1e3:7.1f} GB/s of rows written")
+    print(f"  dispatch total {t_meta + t_dpull:8.1f} us")
+    print(f"  combine_presum {t_pre:8.1f} us  {n_real * rowb / t_pre / 1e3:7.1f} GB/s read "
+          f"{(n_real + nc) * rowb / t_pre / 1e3:7.1f} GB/s read + write")
+    print(f"  combine_pull   {t_pull:8.1f} us  {(nc + S) * rowb / t_pull / 1e3:7.1f} GB/s (read + write)")
+    print(f"  gather_pull    {t_gat:8.1f} us")
+
+    # tuning sweep through the private compile hooks; every variant must give the same bits
+    if os.environ.get("MOONEP_BENCH_SWEEP", "1") == "0":
+        return
+    ref_rows = [t.clone() for t in sim.out_rows]
+    ref_pre = [t.clone() for t in sim.presum]
+    for nct in sorted({ncta, 66, 132}):
+        for nt, u in ((512, 8), (512, 4), (512, 16)):
+            fn = KD._compile_meta(S, H, K, R, N, case.G, dtype, nct, nt, u)
+            t = timed(lambda: [fn(sim.x[r].view(-1), sim.w[r].view(-1), sim.dst_rank[r].view(-1),
+                                  sim.dst_row[r].view(-1), sim.primary[r].view(-1), sim.p_w, sim.p_pr,
+                                  sim.p_nx, sim.p_src, sim.recv_w[r], sim.recv_pr[r], sim.recv_nx[r],
+                                  sim.recv_src[r], sim.send_rows[r].view(-1), sim.cu[r], sim.grows[r], r)
+                               for r in range(R)])
+            print(f"  meta   ctas={nct:3d} nt={nt} u={u}:        {t:8.1f} us")
+        for nt, u in ((512, 16), (512, 8), (256, 16)):
+            for o in sim.out_rows:
+                o.fill_(GARBAGE_ROW)
+            fn = KD._compile_pull(S, H, R, N, dtype, nct, nt, u)
+            t = timed(lambda: [fn(sim.p_send, sim.recv_w[r], sim.recv_pr[r], sim.recv_nx[r], sim.recv_src[r],
+                                  sim.out_rows[r].view(-1), sim.out_w[r], sim.out_pr[r], sim.out_nx[r])
+                               for r in range(R)])
+            same = all(torch.equal(a, b) for a, b in zip(sim.out_rows, ref_rows))
+            print(f"  pull   ctas={nct:3d} nt={nt} u={u}:        {t:8.1f} us  "
+                  f"{N * rowb / t / 1e3:7.1f} GB/s written  same={same}")
+            assert same
+        for nt, u, dd in ((512, 4, 6), (512, 4, 7), (256, 4, 12), (512, 2, 12), (512, 8, 3), (256, 8, 6)):
+            for o in sim.presum:
+                o.fill_(GARBAGE_ROW)
+            fn = KC._compile_presum(N, H, dtype, nct, nt, u, dd)
+            t = timed(lambda: [fn(sim.y[d].view(-1), sim.out_pr[d], sim.out_nx[d], sim.presum[d].view(-1))
+                               for d in range(R)])
+            heads = [pr == torch.arange(N, device=pr.device, dtype=pr.dtype) for pr in sim.out_pr]
+            same = all(torch.equal(a[h], b[h]) for a, b, h in zip(sim.presum, ref_pre, heads))
+            print(f"  presum ctas={nct:3d} nt={nt} u={u} d={dd:2d}: {t:8.1f} us  "
+                  f"{n_real * rowb / t / 1e3:7.1f} GB/s read  same={same}")
+            assert same

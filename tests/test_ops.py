@@ -52,7 +52,9 @@ def op_cases(group):
         "prefetch_weights": (ops.prefetch_weights.default, (w_home, w_home.clone(), wd_home, etc, *pools, ep.ctrl,
                                                             group)),
         "reduce_grad": (ops.reduce_grad.default, (etc, torch.randn(c.B, c.H, c.F), torch.randn(c.B, c.H, c.F),
-                                                  torch.randn(c.B, c.F, c.H), c.epn, ep.ctrl, group)),
+                                                  torch.randn(c.B, c.F, c.H), torch.randn(c.epn, c.H, c.F),
+                                                  torch.randn(c.epn, c.H, c.F), torch.randn(c.epn, c.F, c.H),
+                                                  ep.ctrl, group)),
     }
 
 

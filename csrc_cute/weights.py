@@ -1,0 +1,283 @@
+"""The weight path of the copied experts as CuTe DSL CUDA kernels: prefetch and gradient reduce.
+
+Semantics (R ranks, B slots, epn home experts per rank, `experts_to_copy` [R, B] int32, -1 = empty):
+  prefetch_push  for every slot (d, j) whose expert e has this rank as home: the gate, up and down
+                 weights of e (this rank's w[e - rank*epn]) are written into slot j of rank d's pools
+                 (remote writes over NVLink, 16-byte vectors). Empty slots are left as they are.
+  reduce_pull    for every home expert i of this rank and every rank d (ascending) that holds a copy
+                 of it in slot j: home[i] += rank d's reduce[j] (fp32, remote reads). One thread owns
+                 a chunk for all copies, so the sum order is fixed: bitwise deterministic.
+  reduce_zero    this rank zeroes its used reduce slots (after every home rank has read them).
+The caller runs the cross-rank barriers around these kernels (moonep_ops/ops.py).
+
+Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
+static key): work items are (slot or expert, projection, segment of 32*U 16-byte chunks), one warp
+per item, grid-stride; items that are not this rank's are skipped after one table read.
+"""
+
+# (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Float32, Int32, Int64
+
+from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream,
+                       need_int, need_tensor, row_geometry, vec_tensor, zero_segment)
+
+_NT = 256  # threads per CTA
+_U = 8     # 16-byte chunks per lane per segment
+DEFAULT_NUM_CTAS = 32
+
+
+def _pick(t, a0, a1, a2):
+    """a0, a1 or a2 by the projection index t (0 gate, 1 up, 2 down)."""
+    return cutlass.select_(t == 0, a0, cutlass.select_(t == 1, a1, a2))
+
+
+@cute.kernel
+def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w_down: cute.Tensor,
+                     peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, rank: Int32,
+                     R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
+                     NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
+    NC, nfull, UT, clamp = row_geometry(EB, U)
+    NSEG = nfull + (1 if UT > 0 else 0)
+    NW = NT // 32
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    gw = bx * NW + tidx // 32
+    bases = (addr_of(w_gate), addr_of(w_up), addr_of(w_down))
+    for item in cutlass.range(gw, R * B * 3 * NSEG, NCTA * NW):
+        p = item // (3 * NSEG)
+        rest = item - p * (3 * NSEG)
+        t = rest // NSEG
+        seg = rest - t * NSEG
+        e = etc[p]
+        if (e >= 0) & (e // EPN == rank):
+            d = p // B
+            src = _pick(t, *bases) + Int64(e - rank * EPN) * EB
+            dst = _pick(t, peer_gate[d], peer_up[d], peer_down[d]) + Int64(p - d * B) * EB
+            if seg < nfull:
+                copy_segment(src, dst, seg * (32 * U), lane, U, NC, False)
+            else:
+                copy_segment(src, dst, nfull * (32 * U), lane, UT, NC, clamp)
+
+
+@cute.kernel
+def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor,
+                        home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor, rank: Int32,
+                        R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
+                        NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
+    NC, nfull, UT, clamp = row_geometry(EB, U)
+    NSEG = nfull + (1 if UT > 0 else 0)
+    NW = NT // 32
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    gw = bx * NW + tidx // 32
+    # slot_of[i * R + d]: the slot of rank d holding a copy of home expert i, or -1 (one per rank at most)
+    smem = cutlass.utils.SmemAllocator()
+    slot_of = smem.allocate_tensor(Int32, cute.make_layout(EPN * R), byte_alignment=16)
+    for i in cutlass.range(tidx, EPN * R, NT):
+        slot_of[i] = -1
+    cute.arch.sync_threads()
+    for p in cutlass.range(tidx, R * B, NT):
+        e = etc[p]
+        if (e >= 0) & (e // EPN == rank):
+            d = p // B
+            slot_of[(e - rank * EPN) * R + d] = p - d * B
+    cute.arch.sync_threads()
+    homes = (addr_of(home_gate), addr_of(home_up), addr_of(home_down))
+    for item in cutlass.range(gw, EPN * 3 * NSEG, NCTA * NW):
+        i = item // (3 * NSEG)
+        rest = item - i * (3 * NSEG)
+        t = rest // NSEG
+        seg = rest - t * NSEG
+        home = _pick(t, *homes) + Int64(i) * EB
+        for d in cutlass.range(R):
+            j = slot_of[i * R + d]
+            if j >= 0:
+                src = _pick(t, peer_gate[d], peer_up[d], peer_down[d]) + Int64(j) * EB
+                if seg < nfull:
+                    _add_segment(src, home, seg * (32 * U), lane, U, NC, False)
+                else:
+                    _add_segment(src, home, nfull * (32 * U), lane, UT, NC, clamp)
+
+
+def _add_segment(src, dst, c0, lane, U: int, NC: int, clamp: bool):
+    """dst += src over this lane's U 16-byte chunks of fp32 (4 values each)."""
+    offs = chunk_offsets(c0, lane, U, NC, clamp)
+    got = [vec_tensor(Float32, src + o, 4).load() for o in offs]
+    for o, g in zip(offs, got):
+        acc = vec_tensor(Float32, dst + o, 4)
+        acc.store(acc.load() + g)
+
+
+@cute.kernel
+def _reduce_zero_kernel(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Tensor, red_down: cute.Tensor,
+                        rank: Int32, B: Constexpr[int], EB: Constexpr[int], NCTA: Constexpr[int],
+                        NT: Constexpr[int], U: Constexpr[int]):
+    NC, nfull, UT, clamp = row_geometry(EB, U)
+    NSEG = nfull + (1 if UT > 0 else 0)
+    NW = NT // 32
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    gw = bx * NW + tidx // 32
+    bufs = (addr_of(red_gate), addr_of(red_up), addr_of(red_down))
+    for item in cutlass.range(gw, B * 3 * NSEG, NCTA * NW):
+        j = item // (3 * NSEG)
+        rest = item - j * (3 * NSEG)
+        t = rest // NSEG
+        seg = rest - t * NSEG
+        if etc[rank * B + j] >= 0:
+            dst = _pick(t, *bufs) + Int64(j) * EB
+            if seg < nfull:
+                zero_segment(dst, seg * (32 * U), lane, U, NC, False)
+            else:
+                zero_segment(dst, nfull * (32 * U), lane, UT, NC, clamp)
+
+
+@cute.jit
+def _prefetch_launch(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w_down: cute.Tensor,
+                     peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, rank: Int32, stream,
+                     R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
+                     NCTA: Constexpr[int]):
+    _prefetch_kernel(etc, w_gate, w_up, w_down, peer_gate, peer_up, peer_down, rank, R, B, EPN, EB, NCTA, _NT,
+                     _U).launch(grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
+
+
+@cute.jit
+def _reduce_pull_launch(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor,
+                        home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor, rank: Int32, stream,
+                        R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
+                        NCTA: Constexpr[int]):
+    _reduce_pull_kernel(etc, peer_gate, peer_up, peer_down, home_gate, home_up, home_down, rank, R, B, EPN, EB,
+                        NCTA, _NT, _U).launch(grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
+
+
+@cute.jit
+def _reduce_zero_launch(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Tensor, red_down: cute.Tensor,
+                        rank: Int32, stream, B: Constexpr[int], EB: Constexpr[int], NCTA: Constexpr[int]):
+    _reduce_zero_kernel(etc, red_gate, red_up, red_down, rank, B, EB, NCTA, _NT, _U).launch(
+        grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# compile cache and host wrappers
+# ------------------------------------------------------------------------------------------------
+def _compile_prefetch(R, B, epn, HF, dtype, ncta):
+    dt, EB = ROW_DTYPES[dtype], HF * dtype.itemsize
+
+    def build():
+        w = [fake(dt, epn * HF) for _ in range(3)]
+        peers = [fake(Int64, R, 8) for _ in range(3)]
+        return cute.compile(_prefetch_launch, fake(Int32, R * B, 4), *w, *peers, Int32(0), fake_stream(),
+                            R, B, epn, EB, ncta, options="--enable-tvm-ffi")
+    return compiled(("prefetch", R, B, epn, HF, dtype, ncta), build)
+
+
+def _compile_reduce(R, B, epn, HF, ncta):
+    EB = HF * 4
+
+    def build():
+        peers = [fake(Int64, R, 8) for _ in range(3)]
+        homes = [fake(Float32, epn * HF) for _ in range(3)]
+        return cute.compile(_reduce_pull_launch, fake(Int32, R * B, 4), *peers, *homes, Int32(0), fake_stream(),
+                            R, B, epn, EB, ncta, options="--enable-tvm-ffi")
+    return compiled(("reduce_pull", R, B, epn, HF, ncta), build)
+
+
+def _compile_zero(R, B, HF, ncta):
+    EB = HF * 4
+
+    def build():
+        bufs = [fake(Float32, B * HF) for _ in range(3)]
+        return cute.compile(_reduce_zero_launch, fake(Int32, R * B, 4), *bufs, Int32(0), fake_stream(), B, EB,
+                            ncta, options="--enable-tvm-ffi")
+    return compiled(("reduce_zero", R, B, HF, ncta), build)
+
+
+def _check_weights(name, tensors, dtypes, lead, device):
+    """Three [lead, H, F] / [lead, H, F] / [lead, F, H] tensors (gate, up, down); returns H*F."""
+    g, u, d = (need_tensor(f"{name}_{p}", t, dtypes, ndim=3, device=device)
+               for p, t in zip(("gate", "up", "down"), tensors))
+    _, H, F = g.shape
+    for p, t, shape in (("gate", g, (lead, H, F)), ("up", u, (lead, H, F)), ("down", d, (lead, F, H))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}_{p} must have shape {list(shape)}, got {list(t.shape)}")
+    if H * F * g.dtype.itemsize % 16:
+        raise ValueError(f"{name}: H*F*itemsize must be a multiple of 16 bytes, got H={H}, F={F}")
+    return H * F
+
+
+def _check_table(experts_to_copy, peers, device):
+    etc = need_tensor("experts_to_copy", experts_to_copy, (torch.int32,), ndim=2, device=device)
+    R, B = etc.shape
+    for name, t in peers.items():
+        need_tensor(name, t, (torch.int64,), shape=(R,), device=device)
+    return R, B
+
+
+def prefetch_push(w_gate, w_up, w_down, experts_to_copy, peer_pool_gate, peer_pool_up, peer_pool_down, rank: int,
+                  num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """Push this rank's planned expert copies into the destination ranks' slot pools."""
+    dev = w_gate.device
+    R, B = _check_table(experts_to_copy, dict(peer_pool_gate=peer_pool_gate, peer_pool_up=peer_pool_up,
+                                              peer_pool_down=peer_pool_down), dev)
+    epn = w_gate.shape[0] if w_gate.dim() == 3 else 0
+    HF = _check_weights("w", (w_gate, w_up, w_down), tuple(ROW_DTYPES), epn, dev)
+    rank, num_ctas = need_int("rank", rank, 0), need_int("num_ctas", num_ctas)
+    if rank >= R:
+        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    fn = _compile_prefetch(R, B, epn, HF, w_gate.dtype, num_ctas)
+    fn(experts_to_copy.view(-1), w_gate.view(-1), w_up.view(-1), w_down.view(-1), peer_pool_gate, peer_pool_up,
+       peer_pool_down, rank)
+
+
+def reduce_pull(experts_to_copy, peer_reduce_gate, peer_reduce_up, peer_reduce_down, home_gate, home_up, home_down,
+                rank: int, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """home[i] += every copy of home expert i's fp32 gradient, read from the ranks that computed it."""
+    dev = home_gate.device
+    R, B = _check_table(experts_to_copy, dict(peer_reduce_gate=peer_reduce_gate, peer_reduce_up=peer_reduce_up,
+                                              peer_reduce_down=peer_reduce_down), dev)
+    epn = home_gate.shape[0] if home_gate.dim() == 3 else 0
+    HF = _check_weights("home", (home_gate, home_up, home_down), (torch.float32,), epn, dev)
+    rank, num_ctas = need_int("rank", rank, 0), need_int("num_ctas", num_ctas)
+    if rank >= R:
+        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    if 4 * epn * R > 48 * 1024:
+        raise ValueError(f"epn*R={epn * R}: the slot table must fit 48 KiB of shared memory")
+    fn = _compile_reduce(R, B, epn, HF, num_ctas)
+    fn(experts_to_copy.view(-1), peer_reduce_gate, peer_reduce_up, peer_reduce_down, home_gate.view(-1),
+       home_up.view(-1), home_down.view(-1), rank)
+
+
+def reduce_zero(experts_to_copy, reduce_gate, reduce_up, reduce_down, rank: int,
+                num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """Zero this rank's used reduce slots."""
+    dev = reduce_gate.device
+    R, B = _check_table(experts_to_copy, {}, dev)
+    HF = _check_weights("reduce", (reduce_gate, reduce_up, reduce_down), (torch.float32,), B, dev)
+    rank, num_ctas = need_int("rank", rank, 0), need_int("num_ctas", num_ctas)
+    if rank >= R:
+        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    fn = _compile_zero(R, B, HF, num_ctas)
+    fn(experts_to_copy.view(-1), reduce_gate.view(-1), reduce_up.view(-1), reduce_down.view(-1), rank)
+
+
+def compile_all_for_check(configs=None, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """Compile the weight kernels for each (R, B, epn, H, F) without a GPU (see compile_check.py)."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    for R, B, epn, H, F in configs or [(2, 48, 48, 7168, 2048), (8, 4, 8, 64, 40)]:
+        for kind, build in (("prefetch", lambda: _compile_prefetch(R, B, epn, H * F, torch.bfloat16, num_ctas)),
+                            ("reduce_pull", lambda: _compile_reduce(R, B, epn, H * F, num_ctas)),
+                            ("reduce_zero", lambda: _compile_zero(R, B, H * F, num_ctas))):
+            with expect_no_driver() as st:
+                build()
+            print(f"compiled {kind} R={R} B={B} epn={epn} H={H} F={F}: "
+                  f"{'load failed: no CUDA driver (expected on CPU)' if st['driver_missing'] else 'no load error'}",
+                  flush=True)
