@@ -46,7 +46,7 @@ def test_host_validation():
         dev = "cuda"
         wc, ec, pc = w.to(dev), etc.to(dev), peers.to(dev)
         with pytest.raises(ValueError, match="w_down must have shape"):
-            weights.prefetch_push(wc, wc, wc[:, :4], ec, pc, pc, pc, 0)
+            weights.prefetch_push(wc, wc, wc[:, :4].contiguous(), ec, pc, pc, pc, 0)
         with pytest.raises(ValueError, match="rank must be in"):
             weights.prefetch_push(wc, wc, wc, ec, pc, pc, pc, 2)
         with pytest.raises(ValueError, match="peer_pool_up"):
