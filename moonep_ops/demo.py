@@ -2,8 +2,10 @@
 
     python -m moonep_ops.demo [--ranks 2] [--steps 40] [--device auto|cpu|cuda]
 
-On a CPU-only machine it spawns `--ranks` gloo processes and runs the reference ops. With >= 2 GPUs
-and the moonep CUDA kernels registered it runs on the GPUs over NCCL (`--device auto` picks that).
+It spawns `--ranks` gloo processes and runs the reference ops on the CPU; `--device cuda` runs the
+CuTe DSL kernels on `--ranks` GPUs over NCCL and symmetric memory (bf16, P=64). `--device auto` stays
+on the CPU for now: the GPU demo has not been run on a GPU machine yet (the GPU MoE layer itself is
+tested in tests/test_ep_cuda.py).
 The student MoE learns to imitate a fixed teacher MoE; its router starts biased towards a few
 experts, so the plan copies experts to keep the ranks balanced.
 """
@@ -33,7 +35,8 @@ def make_teacher(cfg: EPConfig, seed: int = 7):
 def train(rank: int, world_size: int, cfg_kwargs: dict, steps: int, device: str, lr: float):
     cfg = EPConfig(R=world_size, **cfg_kwargs)
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
-    ep = EPGroup(cfg, dtype=torch.float32, device=dev)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the CUDA grouped GEMM is bf16
+    ep = EPGroup(cfg, dtype=dtype, device=dev)
     torch.manual_seed(0)  # same router init everywhere; experts differ per rank through their slice
     layer = MoELayer(ep)
     with torch.no_grad():  # skew: feature 0 of every token is large, and pushes towards the last experts
@@ -47,8 +50,8 @@ def train(rank: int, world_size: int, cfg_kwargs: dict, steps: int, device: str,
         x[:, 0] = x[:, 0].abs() + 1
         with torch.no_grad():
             target = dense_moe(x, *teacher, K=cfg.K)
-        x, target = x.to(dev), target.to(dev)
-        loss = torch.nn.functional.mse_loss(layer(x), target)
+        x, target = x.to(dev, dtype), target.to(dev)
+        loss = torch.nn.functional.mse_loss(layer(x).float(), target)
         opt.zero_grad()
         loss.backward()
         # the router is replicated (data parallel): average its gradient; experts are EP-sharded
@@ -83,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not gpu_ready:
         ap.error(f"--device cuda needs {args.ranks} GPUs and the moonep CUDA kernels "
                  f"(GPUs: {torch.cuda.device_count()}, kernels registered: {cuda_kernels_available()})")
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and gpu_ready) else "cpu"
+    device = "cuda" if args.device == "cuda" else "cpu"
     cfg_kwargs = dict(S=128, H=32, K=4, E=8 * args.ranks, F=32, P=16)
+    if device == "cuda":  # the CUDA grouped GEMM tiles 64 rows: groups padded to P=64
+        cfg_kwargs = dict(S=256, H=128, K=4, E=8 * args.ranks, F=64, P=64)
     print(f"moonep_ops demo: {args.ranks} ranks on {device} ({'NCCL' if device == 'cuda' else 'gloo'}), "
           f"S={cfg_kwargs['S']} K={cfg_kwargs['K']} E={cfg_kwargs['E']}: every rank computes exactly "
           f"S*K={cfg_kwargs['S'] * cfg_kwargs['K']} rows", flush=True)
