@@ -42,6 +42,7 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
+from .host_checks import need_int, need_tensor
 from .dispatch import (
     DEFAULT_NUM_CTAS,
     ROW_DTYPES,
@@ -52,11 +53,9 @@ from .dispatch import (
     compiled,
     fake,
     fake_stream,
-    need_int,
     need_peers,
     need_plan,
     need_rows,
-    need_tensor,
     row_geometry,
     vec_tensor,
 )
@@ -234,6 +233,28 @@ def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
                 wcur = cutlass.select_((wnx >= 0) & (wnx < NVS) & (wc < CM), wnx, Int32(-1))
 
 
+@cute.jit
+def _pull_segment(acc: cute.Tensor, src: Int64, car: Int32, ncar: Int32, dst: Int64, c0: Int32, lane: Int32,
+                  U: Constexpr[int], NC: Constexpr[int], clamp: Constexpr[bool], dtype: Constexpr,
+                  VEC: Constexpr[int], NB: Constexpr[int]):
+    """One segment of a token's output row: the fp32 sum, in k order, of the presummed rows of its
+    carriers (lanes of `car`; each lane's `src` is its row's address), NB rows' loads in flight."""
+    offs = chunk_offsets(c0, lane, U, NC, clamp)
+    acc.fill(0.0)
+    mm = car
+    for _q in cutlass.range(ncar // NB):
+        srcs, mm = next_lanes(src, mm, NB)
+        acc_add_rows(acc, srcs, offs, dtype, VEC)
+    if cutlass.const_expr(NB >= 4):
+        if cute.arch.popc(mm) >= 2:
+            srcs, mm = next_lanes(src, mm, 2)
+            acc_add_rows(acc, srcs, offs, dtype, VEC)
+    if mm != 0:
+        srcs, mm = next_lanes(src, mm, 1)
+        acc_add_rows(acc, srcs, offs, dtype, VEC)
+    acc_store(acc, dst, offs, dtype, VEC)
+
+
 @cute.kernel
 def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
                  primary_row: cute.Tensor, out: cute.Tensor, S: Constexpr[int], K: Constexpr[int],
@@ -263,35 +284,9 @@ def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
                + Int64(cutlass.select_(ok, r, Int32(0))) * ROWB)
         dst = oa + Int64(s) * ROWB
         for seg in cutlass.range(nfull):
-            offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
-            acc.fill(0.0)
-            mm = car
-            for _q in cutlass.range(ncar // NB):
-                srcs, mm = next_lanes(src, mm, NB)
-                acc_add_rows(acc, srcs, offs, dtype, VEC)
-            if cutlass.const_expr(NB >= 4):
-                if cute.arch.popc(mm) >= 2:
-                    srcs, mm = next_lanes(src, mm, 2)
-                    acc_add_rows(acc, srcs, offs, dtype, VEC)
-            if mm != 0:
-                srcs, mm = next_lanes(src, mm, 1)
-                acc_add_rows(acc, srcs, offs, dtype, VEC)
-            acc_store(acc, dst, offs, dtype, VEC)
+            _pull_segment(acc, src, car, ncar, dst, seg * (32 * U), lane, U, NC, False, dtype, VEC, NB)
         if cutlass.const_expr(UT > 0):
-            offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
-            acc.fill(0.0)
-            mm = car
-            for _q in cutlass.range(ncar // NB):
-                srcs, mm = next_lanes(src, mm, NB)
-                acc_add_rows(acc, srcs, offs, dtype, VEC)
-            if cutlass.const_expr(NB >= 4):
-                if cute.arch.popc(mm) >= 2:
-                    srcs, mm = next_lanes(src, mm, 2)
-                    acc_add_rows(acc, srcs, offs, dtype, VEC)
-            if mm != 0:
-                srcs, mm = next_lanes(src, mm, 1)
-                acc_add_rows(acc, srcs, offs, dtype, VEC)
-            acc_store(acc, dst, offs, dtype, VEC)
+            _pull_segment(acc, src, car, ncar, dst, Int32(nfull * 32 * U), lane, UT, NC, clamp, dtype, VEC, NB)
 
 
 @cute.kernel

@@ -44,6 +44,7 @@ from cutlass import Boolean, Constexpr, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .host_checks import need_int, need_tensor
 from .status import (  # the status bits the kernels set
     STATUS_BAD_COUNTS,
     STATUS_BAD_EXPERT_ID,
@@ -752,34 +753,10 @@ def _compile_tokens(S: int, K: int, E: int, R: int, B: int, id_dtype: torch.dtyp
 # ------------------------------------------------------------------------------------------------
 # host-side validation
 # ------------------------------------------------------------------------------------------------
-def _need_int(name: str, v, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name} must be an int, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {v}")
-    return v
-
-
-def _need_tensor(name: str, t, dtypes, ndim, device=None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if t.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} (same device as the other inputs), got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    return t
-
-
 def _status_tensor(status, device) -> torch.Tensor:
     if status is None:
         return torch.zeros(1, dtype=torch.int32, device=device)
-    _need_tensor("status", status, (torch.int32,), 1, device)
+    need_tensor("status", status, (torch.int32,), ndim=1, device=device)
     if status.numel() != 1:
         raise ValueError(f"status must hold exactly 1 int32 element, got {status.numel()}")
     return status
@@ -818,8 +795,8 @@ def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = 
 
     Ids outside [0, E) are not counted and set STATUS_BAD_EXPERT_ID in `status` (int32 [1], OR-ed).
     `out`, if given, receives the counts (e.g. this rank's row of the symmetric count matrix)."""
-    E = _need_int("E", E)
-    _need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), (2, 3))
+    E = need_int("E", E)
+    need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=(2, 3))
     if topk_ids.numel() == 0:
         raise ValueError("topk_ids must not be empty")
     status = _status_tensor(status, topk_ids.device)
@@ -832,7 +809,7 @@ def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = 
     if out is None:
         counts = torch.zeros(shape, dtype=torch.int32, device=topk_ids.device)
     else:
-        counts = _need_tensor("out", out, (torch.int32,), len(shape), topk_ids.device)
+        counts = need_tensor("out", out, (torch.int32,), ndim=len(shape), device=topk_ids.device)
         if tuple(out.shape) != shape:
             raise ValueError(f"out must have shape {list(shape)}, got {list(out.shape)}")
         counts.zero_()
@@ -844,8 +821,8 @@ def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = 
 def plan_global_cuda(counts: torch.Tensor, S: int, K: int, B: int, P: int,
                      status: torch.Tensor | None = None):
     """counts int32 [R, E] on the GPU -> (GPUGlobalPlan, status); equal to planning.plan_global."""
-    S, K, B, P = (_need_int(n, v) for n, v in (("S", S), ("K", K), ("B", B), ("P", P)))
-    _need_tensor("counts", counts, (torch.int32,), 2)
+    S, K, B, P = (need_int(n, v) for n, v in (("S", S), ("K", K), ("B", B), ("P", P)))
+    need_tensor("counts", counts, (torch.int32,), ndim=2)
     R, E = counts.shape
     if R < 1 or E < 1:
         raise ValueError(f"counts must be [R, E] with R, E >= 1, got {tuple(counts.shape)}")
@@ -867,16 +844,16 @@ def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.
                      experts_to_copy: torch.Tensor, cu_seqlens: torch.Tensor, rank: int,
                      status: torch.Tensor | None = None):
     """Destinations of rank `rank`'s routed rows -> (GPUTokenPlan, status); equal to planning.plan_tokens."""
-    _need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2)
+    need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2)
     dev = topk_ids.device
-    _need_tensor("counts", counts, (torch.int32,), 2, dev)
+    need_tensor("counts", counts, (torch.int32,), ndim=2, device=dev)
     R, E = counts.shape
     S, K = topk_ids.shape
     if S < 1 or K < 1:
         raise ValueError(f"topk_ids must be [S, K] with S, K >= 1, got {tuple(topk_ids.shape)}")
-    _need_tensor("alloc", alloc, (torch.int32,), 2, dev)
-    _need_tensor("experts_to_copy", experts_to_copy, (torch.int32,), 2, dev)
-    _need_tensor("cu_seqlens", cu_seqlens, (torch.int32,), 2, dev)
+    need_tensor("alloc", alloc, (torch.int32,), ndim=2, device=dev)
+    need_tensor("experts_to_copy", experts_to_copy, (torch.int32,), ndim=2, device=dev)
+    need_tensor("cu_seqlens", cu_seqlens, (torch.int32,), ndim=2, device=dev)
     if E % R != 0:
         raise ValueError(f"counts: E={E} must be a positive multiple of R={R}")
     if tuple(alloc.shape) != (E, R):
@@ -887,7 +864,7 @@ def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.
     epn = E // R
     if tuple(cu_seqlens.shape) != (R, epn + B):
         raise ValueError(f"cu_seqlens must be [R, epn+B] = [{R}, {epn + B}], got {tuple(cu_seqlens.shape)}")
-    rank = _need_int("rank", rank, 0)
+    rank = need_int("rank", rank, 0)
     if rank >= R:
         raise ValueError(f"rank must be in [0, R={R}), got {rank}")
     _check_plan_shapes(R, E, B, S, K)
@@ -917,20 +894,20 @@ def plan_simulated(topk_ids_per_rank: torch.Tensor | None = None, counts: torch.
     if (topk_ids_per_rank is None) == (counts is None):
         raise ValueError("pass exactly one of topk_ids_per_rank [R, S, K] and counts [R, E]")
     if topk_ids_per_rank is not None:
-        _need_tensor("topk_ids_per_rank", topk_ids_per_rank, (torch.int32, torch.int64), 3)
+        need_tensor("topk_ids_per_rank", topk_ids_per_rank, (torch.int32, torch.int64), ndim=3)
         R, S_, K_ = topk_ids_per_rank.shape
         if S is not None and S != S_ or K is not None and K != K_:
             raise ValueError(f"S, K must match topk_ids_per_rank's shape {tuple(topk_ids_per_rank.shape)}")
         S, K = S_, K_
         if E is None:
             raise ValueError("E must be given with topk_ids_per_rank")
-        E = _need_int("E", E)
+        E = need_int("E", E)
         if E % R != 0:
             raise ValueError(f"E={E} must be a positive multiple of R={R} (topk_ids_per_rank.shape[0])")
         status = _status_tensor(status, topk_ids_per_rank.device)
         counts, status = count_experts(topk_ids_per_rank, E, status)
     else:
-        _need_tensor("counts", counts, (torch.int32,), 2)
+        need_tensor("counts", counts, (torch.int32,), ndim=2)
         if S is None or K is None:
             raise ValueError("S and K must be given with counts")
         if E is not None and E != counts.shape[1]:

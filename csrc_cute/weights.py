@@ -23,12 +23,36 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 
-from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream,
-                       need_int, need_tensor, row_geometry, vec_tensor, zero_segment)
+from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream, row_geometry,
+                       vec_tensor, zero_segment)
+from .host_checks import need_int, need_tensor
 
 _NT = 256  # threads per CTA
 _U = 8     # 16-byte chunks per lane per segment
 DEFAULT_NUM_CTAS = 32
+
+
+def _geometry(EB: int, U: int):
+    """An expert tensor of EB bytes as segments of 32*U 16-byte chunks: (NC, nfull, UT, clamp, NSEG)
+    (see dispatch.row_geometry; NSEG counts the tail segment of UT chunks per lane, if any)."""
+    NC, nfull, UT, clamp = row_geometry(EB, U)
+    return NC, nfull, UT, clamp, nfull + (1 if UT > 0 else 0)
+
+
+def _warp_grid(NT: int, NCTA: int):
+    """(lane, this warp's index in the grid, warps in the grid): one work item per warp, grid-stride."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    NW = NT // 32
+    return cute.arch.lane_idx(), bx * NW + tidx // 32, NCTA * NW
+
+
+def _split(item, NSEG: int):
+    """A work item -> (slot or expert, projection 0..2, segment)."""
+    outer = item // (3 * NSEG)
+    rest = item - outer * (3 * NSEG)
+    t = rest // NSEG
+    return outer, t, rest - t * NSEG
 
 
 def _pick(t, a0, a1, a2):
@@ -41,19 +65,11 @@ def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w
                      peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, rank: Int32,
                      R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
                      NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
-    NC, nfull, UT, clamp = row_geometry(EB, U)
-    NSEG = nfull + (1 if UT > 0 else 0)
-    NW = NT // 32
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    gw = bx * NW + tidx // 32
+    NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
+    lane, gw, nwarps = _warp_grid(NT, NCTA)
     bases = (addr_of(w_gate), addr_of(w_up), addr_of(w_down))
-    for item in cutlass.range(gw, R * B * 3 * NSEG, NCTA * NW):
-        p = item // (3 * NSEG)
-        rest = item - p * (3 * NSEG)
-        t = rest // NSEG
-        seg = rest - t * NSEG
+    for item in cutlass.range(gw, R * B * 3 * NSEG, nwarps):
+        p, t, seg = _split(item, NSEG)
         e = etc[p]
         if (e >= 0) & (e // EPN == rank):
             d = p // B
@@ -70,13 +86,9 @@ def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.
                         home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor, rank: Int32,
                         R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
                         NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
-    NC, nfull, UT, clamp = row_geometry(EB, U)
-    NSEG = nfull + (1 if UT > 0 else 0)
-    NW = NT // 32
+    NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
+    lane, gw, nwarps = _warp_grid(NT, NCTA)
     tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    gw = bx * NW + tidx // 32
     # slot_of[i * R + d]: the slot of rank d holding a copy of home expert i, or -1 (one per rank at most)
     smem = cutlass.utils.SmemAllocator()
     slot_of = smem.allocate_tensor(Int32, cute.make_layout(EPN * R), byte_alignment=16)
@@ -90,11 +102,8 @@ def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.
             slot_of[(e - rank * EPN) * R + d] = p - d * B
     cute.arch.sync_threads()
     homes = (addr_of(home_gate), addr_of(home_up), addr_of(home_down))
-    for item in cutlass.range(gw, EPN * 3 * NSEG, NCTA * NW):
-        i = item // (3 * NSEG)
-        rest = item - i * (3 * NSEG)
-        t = rest // NSEG
-        seg = rest - t * NSEG
+    for item in cutlass.range(gw, EPN * 3 * NSEG, nwarps):
+        i, t, seg = _split(item, NSEG)
         home = _pick(t, *homes) + Int64(i) * EB
         for d in cutlass.range(R):
             j = slot_of[i * R + d]
@@ -119,19 +128,11 @@ def _add_segment(src, dst, c0, lane, U: int, NC: int, clamp: bool):
 def _reduce_zero_kernel(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Tensor, red_down: cute.Tensor,
                         rank: Int32, B: Constexpr[int], EB: Constexpr[int], NCTA: Constexpr[int],
                         NT: Constexpr[int], U: Constexpr[int]):
-    NC, nfull, UT, clamp = row_geometry(EB, U)
-    NSEG = nfull + (1 if UT > 0 else 0)
-    NW = NT // 32
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    gw = bx * NW + tidx // 32
+    NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
+    lane, gw, nwarps = _warp_grid(NT, NCTA)
     bufs = (addr_of(red_gate), addr_of(red_up), addr_of(red_down))
-    for item in cutlass.range(gw, B * 3 * NSEG, NCTA * NW):
-        j = item // (3 * NSEG)
-        rest = item - j * (3 * NSEG)
-        t = rest // NSEG
-        seg = rest - t * NSEG
+    for item in cutlass.range(gw, B * 3 * NSEG, nwarps):
+        j, t, seg = _split(item, NSEG)
         if etc[rank * B + j] >= 0:
             dst = _pick(t, *bufs) + Int64(j) * EB
             if seg < nfull:
@@ -250,6 +251,9 @@ def reduce_pull(experts_to_copy, peer_reduce_gate, peer_reduce_up, peer_reduce_d
         raise ValueError(f"rank must be in [0, R={R}), got {rank}")
     if 4 * epn * R > 48 * 1024:
         raise ValueError(f"epn*R={epn * R}: the slot table must fit 48 KiB of shared memory")
+    if HF % 128:
+        raise ValueError(f"home: H*F must be a multiple of 128 (fp32 gradients are added in whole 32-lane "
+                         f"steps of 16-byte chunks), got H*F={HF}")
     fn = _compile_reduce(R, B, epn, HF, num_ctas)
     fn(experts_to_copy.view(-1), peer_reduce_gate, peer_reduce_up, peer_reduce_down, home_gate.view(-1),
        home_up.view(-1), home_down.view(-1), rank)

@@ -607,16 +607,10 @@ def test_timing_default_shape():
     rowb = H * 2
     ncar = sum(int((t.dst_row == t.primary_row).sum()) for t in case.tok)
 
-    def timed(fn, n=5):
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / n / R * 1e3  # us per rank
+    from benchmarks.common import cuda_time_ms
+
+    def timed(fn):
+        return cuda_time_ms(fn, iters=5, repeats=3, warmup=1) / R * 1e3  # us per rank
 
     from csrc_cute import combine as KC
     from csrc_cute import dispatch as KD
