@@ -10,8 +10,8 @@ from . import autograd, ops, planning  # noqa: F401  (registers the moonep ops a
 from .config import EPConfig
 from .dense import dense_moe
 from .group import EPGroup
-from .layers import MoEExperts, MoELayer
+from .layers import MoEBlock, MoEExperts, MoELayer, MoEModel
 from .routing import route
 from .status import MoEStatusError, check_status
 
-__all__ = ["EPConfig", "EPGroup", "MoEExperts", "MoELayer", "dense_moe", "route", "check_status", "MoEStatusError", "ops", "planning", "autograd"]
+__all__ = ["EPConfig", "EPGroup", "MoEBlock", "MoEExperts", "MoELayer", "MoEModel", "dense_moe", "route", "check_status", "MoEStatusError", "ops", "planning", "autograd"]

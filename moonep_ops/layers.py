@@ -74,3 +74,37 @@ class MoELayer(nn.Module):
         if not torch.compiler.is_compiling():
             self.last_counts = counts
         return out.view(x.shape).to(x.dtype)
+
+
+class MoEBlock(nn.Module):
+    """A transformer-like residual block without attention: x + mix(norm(x)), then x + MoE(norm(x)).
+    `mix` is a dense token-wise projection standing in for attention (same on every rank)."""
+
+    def __init__(self, ep: EPGroup, dtype: torch.dtype | None = None):
+        super().__init__()
+        c = ep.cfg
+        dtype = dtype or ep.dtype
+        self.norm1 = nn.RMSNorm(c.H, dtype=dtype, device=ep.device)
+        self.mix = nn.Linear(c.H, c.H, bias=False, dtype=dtype, device=ep.device)
+        self.norm2 = nn.RMSNorm(c.H, dtype=dtype, device=ep.device)
+        self.moe = MoELayer(ep, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+class MoEModel(nn.Module):
+    """`n_layers` MoE blocks sharing one EPGroup: every layer uses the same receive buffers, slot pools
+    and reduce buffers (the memory of the copies does not grow with depth)."""
+
+    def __init__(self, ep: EPGroup, n_layers: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        if n_layers < 1:
+            raise ValueError(f"MoEModel: n_layers must be >= 1, got {n_layers}")
+        self.blocks = nn.ModuleList(MoEBlock(ep, dtype) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

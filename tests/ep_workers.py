@@ -150,3 +150,37 @@ def baseline_forward_backward(rank: int, R: int, cfg_kwargs: dict, skew: str):
     y.backward(grad_out[tokens])
     return dict(y=y.detach(), x=leaves[0].grad, router=leaves[1].grad, gate=leaves[2].grad, up=leaves[3].grad,
                 down=leaves[4].grad)
+
+
+def model_weights(cfg: EPConfig, n_layers: int):
+    """Per layer: (mix [H, H], router, w_gate, w_up, w_down), identical on every rank; inputs of every
+    rank and the output gradient."""
+    layers = []
+    for i in range(n_layers):
+        _, router, w_gate, w_up, w_down, _ = global_weights(cfg, "extreme", seed=10 + i)
+        mix = torch.randn(cfg.H, cfg.H, generator=torch.Generator().manual_seed(50 + i)) / cfg.H ** 0.5
+        layers.append((mix, router, w_gate, w_up, w_down))
+    x_all, _, _, _, _, grad_out = global_weights(cfg, "extreme", seed=1)
+    return layers, x_all, grad_out
+
+
+def model_forward_backward(rank: int, R: int, cfg_kwargs: dict, n_layers: int):
+    """A MoEModel of n_layers blocks sharing one EPGroup: output and every gradient on this rank."""
+    from moonep_ops import MoEModel
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    model = MoEModel(EPGroup(cfg, dtype=torch.float32), n_layers)
+    layers, x_all, grad_out = model_weights(cfg, n_layers)
+    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
+    with torch.no_grad():
+        for block, (mix, router, w_gate, w_up, w_down) in zip(model.blocks, layers):
+            block.mix.weight.copy_(mix)
+            block.moe.router.weight.copy_(router)
+            block.moe.experts.w_gate.copy_(w_gate[mine])
+            block.moe.experts.w_up.copy_(w_up[mine])
+            block.moe.experts.w_down.copy_(w_down[mine])
+    x = x_all[tokens].clone().requires_grad_()
+    y = model(x)
+    y.backward(grad_out[tokens])
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return dict(y=y.detach(), x=x.grad, grads=grads)
