@@ -55,6 +55,7 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 
 from .host_checks import need_int, need_placement, need_tensor
+from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 from .plan import _ctz, _lanemask_lt, _match_any
 
 _NT = 512          # threads per CTA (16 warps), both kernels
@@ -62,7 +63,6 @@ _U_META = 8        # 16-byte chunks per thread in flight in meta's x copy
 _U_PULL = 16       # 16-byte chunks per lane per segment in pull (8 KiB per warp in flight)
 _CM = 32           # longest chain followed (a token has at most K <= 32 rows on a rank)
 _U = 8             # default chunks per lane per segment of the shared row helpers
-DEFAULT_NUM_CTAS = 32
 _ARCH_KEY = "sm_90a"
 
 ROW_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}

@@ -33,6 +33,8 @@ MESSAGES = {
 #                                  counts this rank is still copying out.
 STATUS_WORD = 0
 EPOCH_WORD = 1
+DEFAULT_TIMEOUT_S = 30.0   # how long a cross-rank wait spins before it reports STATUS_TIMEOUT
+DEFAULT_COMM_SMS = 32      # CTAs (one per SM) of the communication kernels
 SIGNAL_BASE = 32
 
 

@@ -27,10 +27,10 @@ from cutlass import Constexpr, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .status import EPOCH_WORD, SIGNAL_BASE, STATUS_TIMEOUT, STATUS_WORD, control_words, counts_base
+from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, SIGNAL_BASE, STATUS_TIMEOUT, STATUS_WORD, control_words,
+                     counts_base)
 
 _NT = 256  # threads of the one-CTA sync kernels
-DEFAULT_TIMEOUT_S = 30.0
 
 
 @dsl_user_op

@@ -26,10 +26,10 @@ from cutlass import Constexpr, Float32, Int32, Int64
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
 from .host_checks import need_int, need_tensor
+from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 
 _NT = 256  # threads per CTA
 _U = 8     # 16-byte chunks per lane per segment
-DEFAULT_NUM_CTAS = 32
 
 
 def _geometry(EB: int, U: int):

@@ -17,13 +17,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from csrc_cute.status import STATUS_WORD, control_words
+from csrc_cute.status import DEFAULT_COMM_SMS, DEFAULT_TIMEOUT_S, STATUS_WORD, control_words
 
 from .config import EPConfig
 from .status import check_status
 
-DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_COMM_SMS = 32
 
 # data_ptr of a symmetric buffer -> (its owning EPGroup, int64 [R] peer addresses); data_ptr of a
 # control block -> its EPGroup. Weak values: a destroyed group leaves no entry behind.
