@@ -101,8 +101,8 @@ class EPGroup:
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         handle = symm_mem.rendezvous(t, self.group)
         self._handles.append(handle)
-        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
-        _PEERS[t.data_ptr()] = (weakref.ref(self), peers)
+        addrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        _PEERS[t.data_ptr()] = (weakref.ref(self), addrs)
         return t
 
     @property
