@@ -54,7 +54,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 
-from .host_checks import need_int, need_placement, need_tensor
+from .host_checks import need_int, need_peers, need_placement, need_rank, need_tensor
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 from .plan import _ctz, _lanemask_lt, _match_any
 
@@ -407,13 +407,6 @@ def need_rows(name: str, t, dtype=None, shape=None, device=None) -> torch.Tensor
     return t
 
 
-def need_peers(name: str, t, R=None, device=None) -> int:
-    need_tensor(name, t, (torch.int64,), shape=None if R is None else (R,), ndim=1, device=device)
-    if t.numel() < 1:
-        raise ValueError(f"{name} must hold at least one peer address")
-    return t.numel()
-
-
 def need_plan(dst_rank, dst_row, primary_row=None, device=None):
     """dst_rank / dst_row (/ primary_row) int32 [S, K] with K <= 32 -> (S, K)."""
     need_tensor("dst_rank", dst_rank, (torch.int32,), ndim=2, device=device)
@@ -477,9 +470,7 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
     if G < 1:
         raise ValueError("cu_seqlens must hold at least one group end")
     need_tensor("group_rows", group_rows, (torch.int32,), shape=(G,), device=dev)
-    rank = need_int("rank", rank, 0)
-    if rank >= R:
-        raise ValueError(f"rank must be in [0, R={R}) (R = peer_w.numel()), got {rank}")
+    rank = need_rank(rank, R)
     num_ctas = need_int("num_ctas", num_ctas)
     check_fits(S, K, NVS, R, H * x.element_size())
     fn = _compile_meta(S, H, K, R, NVS, G, x.dtype, num_ctas)

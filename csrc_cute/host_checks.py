@@ -41,3 +41,19 @@ def need_placement(name: str, t: torch.Tensor, device=None) -> None:
         raise ValueError(f"{name} must be on {device} (the device of the other inputs), got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def need_rank(rank, R: int) -> int:
+    """A rank index in [0, R)."""
+    rank = need_int("rank", rank, 0)
+    if rank >= R:
+        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    return rank
+
+
+def need_peers(name: str, t, R=None, device=None) -> int:
+    """An int64 [R] CUDA tensor of the same buffer's address on every rank -> R."""
+    need_tensor(name, t, (torch.int64,), shape=None if R is None else (R,), ndim=1, device=device)
+    if t.numel() < 1:
+        raise ValueError(f"{name} must hold at least one peer address")
+    return t.numel()

@@ -44,7 +44,7 @@ from cutlass import Boolean, Constexpr, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .host_checks import need_int, need_tensor
+from .host_checks import need_int, need_rank, need_tensor
 from .status import (  # the status bits the kernels set
     STATUS_BAD_COUNTS,
     STATUS_BAD_EXPERT_ID,
@@ -864,9 +864,7 @@ def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.
     epn = E // R
     if tuple(cu_seqlens.shape) != (R, epn + B):
         raise ValueError(f"cu_seqlens must be [R, epn+B] = [{R}, {epn + B}], got {tuple(cu_seqlens.shape)}")
-    rank = need_int("rank", rank, 0)
-    if rank >= R:
-        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    rank = need_rank(rank, R)
     _check_plan_shapes(R, E, B, S, K)
     if 4 * E > _SMEM_LIMIT:
         raise ValueError(f"E={E}: plan_tokens keeps E int32 per warp in 48 KiB of shared memory")

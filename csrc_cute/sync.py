@@ -27,6 +27,7 @@ from cutlass import Constexpr, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .host_checks import need_peers, need_rank, need_tensor
 from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, SIGNAL_BASE, STATUS_TIMEOUT, STATUS_WORD, control_words,
                      counts_base)
 
@@ -141,15 +142,9 @@ def _compile(kind: str, R: int, E: int):
 
 
 def _check(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int) -> int:
-    if peer_ctrl.dtype != torch.int64 or peer_ctrl.dim() != 1 or not peer_ctrl.is_cuda:
-        raise ValueError(f"peer_ctrl must be a CUDA int64 [R] tensor of peer addresses, got "
-                         f"{peer_ctrl.dtype} {list(peer_ctrl.shape)} on {peer_ctrl.device}")
-    R = peer_ctrl.shape[0]
-    if ctrl.dtype != torch.int32 or tuple(ctrl.shape) != (control_words(R, E),) or not ctrl.is_cuda:
-        raise ValueError(f"ctrl must be the CUDA int32 control block [{control_words(R, E)}] of R={R}, "
-                         f"E={E}, got {ctrl.dtype} {list(ctrl.shape)} on {ctrl.device}")
-    if not 0 <= rank < R:
-        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    R = need_peers("peer_ctrl", peer_ctrl)
+    need_tensor("ctrl", ctrl, (torch.int32,), shape=(control_words(R, E),), device=peer_ctrl.device)
+    need_rank(rank, R)
     return R
 
 
@@ -169,14 +164,10 @@ def barrier(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int,
 def exchange_counts(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, counts: torch.Tensor, rank: int,
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """counts int32 [R, E] holding this rank's row -> every rank's rows (NVLink, then a barrier)."""
-    if counts.dtype != torch.int32 or counts.dim() != 2 or not counts.is_contiguous() or \
-            counts.device != ctrl.device:
-        raise ValueError(f"counts must be a contiguous int32 [R, E] tensor on {ctrl.device}, got "
-                         f"{counts.dtype} {list(counts.shape)} on {counts.device}")
+    R = need_peers("peer_ctrl", peer_ctrl)
+    need_tensor("counts", counts, (torch.int32,), shape=(R, None), device=peer_ctrl.device)
     E = counts.shape[1]
-    R = _check(peer_ctrl, ctrl, rank, E)
-    if counts.shape[0] != R:
-        raise ValueError(f"counts must have R={R} rows, got {counts.shape[0]}")
+    _check(peer_ctrl, ctrl, rank, E)
     _compile("exchange", R, E)(peer_ctrl, ctrl, counts.view(-1), rank, _timeout_ns(timeout_s))
 
 

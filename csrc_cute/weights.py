@@ -25,7 +25,7 @@ from cutlass import Constexpr, Float32, Int32, Int64
 
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
-from .host_checks import need_int, need_tensor
+from .host_checks import need_int, need_peers, need_rank, need_tensor
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 
 _NT = 256  # threads per CTA
@@ -202,23 +202,22 @@ def _compile_zero(R, B, HF, ncta):
 
 
 def _check_weights(name, tensors, dtypes, lead, device):
-    """Three [lead, H, F] / [lead, H, F] / [lead, F, H] tensors (gate, up, down); returns H*F."""
-    g, u, d = (need_tensor(f"{name}_{p}", t, dtypes, ndim=3, device=device)
-               for p, t in zip(("gate", "up", "down"), tensors))
-    _, H, F = g.shape
-    for p, t, shape in (("gate", g, (lead, H, F)), ("up", u, (lead, H, F)), ("down", d, (lead, F, H))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}_{p} must have shape {list(shape)}, got {list(t.shape)}")
+    """Three [lead, H, F] / [lead, H, F] / [lead, F, H] tensors (gate, up, down); lead None: the gate's.
+    Returns (lead, H*F)."""
+    g = need_tensor(f"{name}_gate", tensors[0], dtypes, shape=(lead, None, None), device=device)
+    lead, H, F = g.shape
+    need_tensor(f"{name}_up", tensors[1], (g.dtype,), shape=(lead, H, F), device=device)
+    need_tensor(f"{name}_down", tensors[2], (g.dtype,), shape=(lead, F, H), device=device)
     if H * F * g.dtype.itemsize % 16:
         raise ValueError(f"{name}: H*F*itemsize must be a multiple of 16 bytes, got H={H}, F={F}")
-    return H * F
+    return lead, H * F
 
 
 def _check_table(experts_to_copy, peers, device):
     etc = need_tensor("experts_to_copy", experts_to_copy, (torch.int32,), ndim=2, device=device)
     R, B = etc.shape
     for name, t in peers.items():
-        need_tensor(name, t, (torch.int64,), shape=(R,), device=device)
+        need_peers(name, t, R, device)
     return R, B
 
 
@@ -228,11 +227,8 @@ def prefetch_push(w_gate, w_up, w_down, experts_to_copy, peer_pool_gate, peer_po
     dev = w_gate.device
     R, B = _check_table(experts_to_copy, dict(peer_pool_gate=peer_pool_gate, peer_pool_up=peer_pool_up,
                                               peer_pool_down=peer_pool_down), dev)
-    epn = w_gate.shape[0] if w_gate.dim() == 3 else 0
-    HF = _check_weights("w", (w_gate, w_up, w_down), tuple(ROW_DTYPES), epn, dev)
-    rank, num_ctas = need_int("rank", rank, 0), need_int("num_ctas", num_ctas)
-    if rank >= R:
-        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    epn, HF = _check_weights("w", (w_gate, w_up, w_down), tuple(ROW_DTYPES), None, dev)
+    rank, num_ctas = need_rank(rank, R), need_int("num_ctas", num_ctas)
     fn = _compile_prefetch(R, B, epn, HF, w_gate.dtype, num_ctas)
     fn(experts_to_copy.view(-1), w_gate.view(-1), w_up.view(-1), w_down.view(-1), peer_pool_gate, peer_pool_up,
        peer_pool_down, rank)
@@ -244,11 +240,8 @@ def reduce_pull(experts_to_copy, peer_reduce_gate, peer_reduce_up, peer_reduce_d
     dev = home_gate.device
     R, B = _check_table(experts_to_copy, dict(peer_reduce_gate=peer_reduce_gate, peer_reduce_up=peer_reduce_up,
                                               peer_reduce_down=peer_reduce_down), dev)
-    epn = home_gate.shape[0] if home_gate.dim() == 3 else 0
-    HF = _check_weights("home", (home_gate, home_up, home_down), (torch.float32,), epn, dev)
-    rank, num_ctas = need_int("rank", rank, 0), need_int("num_ctas", num_ctas)
-    if rank >= R:
-        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    epn, HF = _check_weights("home", (home_gate, home_up, home_down), (torch.float32,), None, dev)
+    rank, num_ctas = need_rank(rank, R), need_int("num_ctas", num_ctas)
     if 4 * epn * R > 48 * 1024:
         raise ValueError(f"epn*R={epn * R}: the slot table must fit 48 KiB of shared memory")
     if HF % 128:
@@ -264,10 +257,8 @@ def reduce_zero(experts_to_copy, reduce_gate, reduce_up, reduce_down, rank: int,
     """Zero this rank's used reduce slots."""
     dev = reduce_gate.device
     R, B = _check_table(experts_to_copy, {}, dev)
-    HF = _check_weights("reduce", (reduce_gate, reduce_up, reduce_down), (torch.float32,), B, dev)
-    rank, num_ctas = need_int("rank", rank, 0), need_int("num_ctas", num_ctas)
-    if rank >= R:
-        raise ValueError(f"rank must be in [0, R={R}), got {rank}")
+    _, HF = _check_weights("reduce", (reduce_gate, reduce_up, reduce_down), (torch.float32,), B, dev)
+    rank, num_ctas = need_rank(rank, R), need_int("num_ctas", num_ctas)
     fn = _compile_zero(R, B, HF, num_ctas)
     fn(experts_to_copy.view(-1), reduce_gate.view(-1), reduce_up.view(-1), reduce_down.view(-1), rank)
 
