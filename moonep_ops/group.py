@@ -10,6 +10,7 @@ csrc_cute/status.py) holds the status word, the barrier epoch, the signal slots 
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 import weakref
@@ -27,6 +28,9 @@ from .status import check_status
 # control block -> its EPGroup. Weak values: a destroyed group leaves no entry behind.
 _PEERS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 _GROUP_OF_CTRL: dict[int, weakref.ref] = {}
+# EPGroup.key -> the group: how the backward ops (which take no buffer, see docs/design-notes.md) find it
+_GROUP_OF_KEY: dict[str, weakref.ref] = {}
+_SERIAL = itertools.count()
 
 
 class EPGroup:
@@ -64,6 +68,8 @@ class EPGroup:
         self.debug = os.environ.get("MOONEP_DEBUG", "0") not in ("", "0") if debug is None else bool(debug)
         self.rank = dist.get_rank(self.group)
         self.group_name = self.group.group_name
+        self.key = f"{self.group_name}/{next(_SERIAL)}"  # names this EPGroup in the backward ops' schemas
+        _GROUP_OF_KEY[self.key] = weakref.ref(self)
         self._symmetric = device.type == "cuda"
         self._handles = []  # symmetric-memory handles, kept alive with the buffers
         c = cfg
@@ -101,6 +107,9 @@ class EPGroup:
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         handle = symm_mem.rendezvous(t, self.group)
         self._handles.append(handle)
+        # a fixed address for the compiler: CUDA graphs (mode="reduce-overhead") then use the buffer
+        # itself instead of copying it into a graph-owned input (a copy would not be symmetric memory)
+        torch._dynamo.mark_static_address(t)
         addrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         _PEERS[t.data_ptr()] = (weakref.ref(self), addrs)
         return t
@@ -161,6 +170,7 @@ class EPGroup:
             _PEERS.pop(t.data_ptr(), None)
         self._pools = self._reduce = None
         self._handles.clear()
+        _GROUP_OF_KEY.pop(self.key, None)
 
 
 def peers(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +188,15 @@ def group_of(op: str, ctrl: torch.Tensor) -> EPGroup:
     ep = ref() if ref is not None else None
     if ep is None:
         raise ValueError(f"moonep.{op}: ctrl must be the control block of a live CUDA EPGroup (EPGroup.ctrl)")
+    return ep
+
+
+def group_by_key(op: str, key: str) -> EPGroup:
+    """The live EPGroup whose `key` is `key`."""
+    ref = _GROUP_OF_KEY.get(key)
+    ep = ref() if ref is not None else None
+    if ep is None or ep.ctrl is None:
+        raise ValueError(f"moonep.{op}: ep_key={key!r} names no live EPGroup (pass EPGroup.key)")
     return ep
 
 

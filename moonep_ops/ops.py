@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+import meta.backward
 import meta.combine
 import meta.dispatch
 import meta.gather_row_weights
@@ -22,7 +23,7 @@ import meta.reduce_grad
 
 from . import planning
 from .comm import exchange, pull, resolve_group
-from .group import group_of, peers
+from .group import group_by_key, group_of, peers
 
 Tensor = torch.Tensor
 
@@ -398,3 +399,84 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
     _barrier(ep, ctrl)  # every home rank has read its copies' gradients
     weights.reduce_zero(experts_to_copy, *reduce_bufs, ep.rank, num_ctas=ep.comm_sms)
     _debug_check(ep, "reduce_grad")
+
+
+# ------------------------------------------------------------------------------------- backward ops
+# Backward takes no persistent buffer as an argument. AOTAutograd functionalises every mutation in a
+# backward graph, and Inductor then clones each mutated buffer and copies it back (whole slot pools,
+# receive tables, reduce buffers: gigabytes per layer at DESIGN.md's shape; and a clone of `ctrl` that
+# is not the symmetric block would break the barriers). So each autograd Function's backward is one
+# op that finds its EPGroup by `ep_key` and runs the forward ops on the group's own buffers inside;
+# to the compiler it is functional, and the backward ops of a layer are ordered by their data
+# dependencies (combine_backward -> experts_ffn_backward -> dispatch_backward). docs/design-notes.md.
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up in fp32, stored in gate's dtype."""
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def swiglu_backward(gate: Tensor, up: Tensor, g_hidden: Tensor) -> tuple[Tensor, Tensor]:
+    g, u, dh = gate.float(), up.float(), g_hidden.float()
+    sig = torch.sigmoid(g)
+    g_up = dh * g * sig
+    g_gate = dh * u * sig * (1 + g * (1 - sig))
+    return g_gate.to(gate.dtype), g_up.to(up.dtype)
+
+
+@custom_op("moonep::combine_backward", mutates_args=())
+def combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor, cu_seqlens: Tensor,
+                     group_rows: Tensor, ep_key: str) -> Tensor:
+    """Gradient of combine: the token gradients [S, H] dispatched to the rows [NvS, H] (unit weights)."""
+    ep = group_by_key("combine_backward", ep_key)
+    meta.backward.check_combine_backward_args(g_out, dst_rank, ep.cfg)
+    unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=g_out.device)
+    return dispatch(g_out, unit_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
+                    ep.ctrl, ep.group_name)[0]
+
+
+combine_backward.register_fake(meta.backward.combine_backward)
+
+
+@custom_op("moonep::dispatch_backward", mutates_args=())
+def dispatch_backward(g_rows: Tensor, g_row_w: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tensor,
+                      dst_row: Tensor, primary_row: Tensor, ep_key: str) -> tuple[Tensor, Tensor]:
+    """Gradient of dispatch: (token gradients [S, H] = combine of the row gradients, route-weight
+    gradients [S, K] = the per-row values read back)."""
+    ep = group_by_key("dispatch_backward", ep_key)
+    meta.backward.check_dispatch_backward_args(g_rows, g_row_w, ep.cfg)
+    gx = combine(g_rows, row_primary, row_next, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl, ep.group_name)
+    g_route_w = gather_row_weights(g_row_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl, ep.group_name)
+    return gx, g_route_w
+
+
+dispatch_backward.register_fake(meta.backward.dispatch_backward)
+
+
+@custom_op("moonep::experts_ffn_backward", mutates_args=())
+def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                         cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor, out: Tensor, P: int,
+                         ep_key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradient of one layer's SwiGLU experts (forward: y = route_w * swiglu(rows W_gate, rows W_up) W_down
+    with the copies in the slot pools): (g_rows, g_row_w, dw_gate, dw_up, dw_down). The pools hold another
+    layer's copies by now, so this prefetches the layer's copies again; the wgrad GEMMs accumulate the
+    copies' gradients into the reduce buffers and `reduce_grad` folds them into the home gradients."""
+    ep = group_by_key("experts_ffn_backward", ep_key)
+    meta.backward.check_experts_ffn_backward_args(g_y, rows, w_gate, ep.cfg)
+    pool_gate, pool_up, pool_down = ep.pools
+    reduce_gate, reduce_up, reduce_down = ep.reduce_buffers
+    prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ep.ctrl, ep.group_name)
+    g_y = g_y.float()
+    g_row_w = (g_y * out.float()).sum(1)
+    g_out = (g_y * row_w[:, None]).to(rows.dtype)
+    g_hidden = group_gemm_dgrad(g_out, w_down, pool_down, cu_seqlens, P)
+    dw_gate, dw_up, dw_down = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in (w_gate, w_up, w_down))
+    group_gemm_wgrad(swiglu(gate, up), g_out, cu_seqlens, dw_down, reduce_down, P)
+    g_gate, g_up = swiglu_backward(gate, up, g_hidden)
+    g_rows = (group_gemm_dgrad(g_gate, w_gate, pool_gate, cu_seqlens, P).float()
+              + group_gemm_dgrad(g_up, w_up, pool_up, cu_seqlens, P).float()).to(rows.dtype)
+    group_gemm_wgrad(rows, g_gate, cu_seqlens, dw_gate, reduce_gate, P)
+    group_gemm_wgrad(rows, g_up, cu_seqlens, dw_up, reduce_up, P)
+    reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl, ep.group_name)
+    return (g_rows, g_row_w, dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype))
+
+
+experts_ffn_backward.register_fake(meta.backward.experts_ffn_backward)

@@ -184,3 +184,33 @@ def model_forward_backward(rank: int, R: int, cfg_kwargs: dict, n_layers: int):
     y.backward(grad_out[tokens])
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return dict(y=y.detach(), x=x.grad, grads=grads)
+
+
+def dense_model_reference(cfg: EPConfig, n_layers: int) -> dict:
+    """The dense fp32 model that MoEModel must equal on all ranks' tokens: output, input gradient, and
+    every parameter's gradient by MoEModel parameter name (router, norms, mix: the full gradient, which
+    the data-parallel ranks' gradients sum to; experts: all E experts, which the ranks' home experts
+    concatenate to)."""
+    from moonep_ops import dense_moe
+
+    layers, x_all, grad_out = model_weights(cfg, n_layers)
+    x = x_all.clone().requires_grad_()
+    h, named = x, {}
+    for i, (mix, router, w_gate, w_up, w_down) in enumerate(layers):
+        norm1, norm2 = torch.nn.RMSNorm(cfg.H), torch.nn.RMSNorm(cfg.H)
+        leaves = [t.clone().requires_grad_() for t in (mix, router, w_gate, w_up, w_down)]
+        named.update({f"blocks.{i}.norm1.weight": norm1.weight, f"blocks.{i}.mix.weight": leaves[0],
+                      f"blocks.{i}.norm2.weight": norm2.weight, f"blocks.{i}.moe.router.weight": leaves[1],
+                      f"blocks.{i}.moe.experts.w_gate": leaves[2], f"blocks.{i}.moe.experts.w_up": leaves[3],
+                      f"blocks.{i}.moe.experts.w_down": leaves[4]})
+        h = h + norm1(h) @ leaves[0].t()
+        h = h + dense_moe(norm2(h), *leaves[1:], K=cfg.K)
+    h.backward(grad_out)
+    return dict(y=h.detach(), x=x.grad, grads={name: t.grad for name, t in named.items()})
+
+
+def gather_model_grads(per_rank: list[dict]) -> dict:
+    """Per-rank MoEModel gradients -> the dense model's: expert weights concatenate, the rest sum."""
+    names = per_rank[0].keys()
+    return {n: torch.cat([g[n] for g in per_rank]) if ".experts." in n else sum(g[n] for g in per_rank)
+            for n in names}
