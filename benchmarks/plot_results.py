@@ -81,8 +81,48 @@ def plot_comm(path: str) -> None:
     fig.savefig(path.replace(".json", ".png"), dpi=120)
 
 
+E2E_SERIES = (("ours_eager", "moonep eager", "o-"), ("ours_compiled", "moonep compiled", "s-"),
+              ("ours_graph", "moonep compiled + CUDA graph", "^-"), ("base_eager", "NCCL a2a baseline eager", "o--"),
+              ("base_compiled", "NCCL a2a baseline compiled (graph breaks)", "s--"))
+
+
+def plot_e2e(path: str) -> None:
+    """bench_e2e: forward+backward time and peak memory vs maxvio, per variant, for the layer and the model.
+    Missing points (OOM, skipped, CPU memory) are left out."""
+    d = json.load(open(path))
+    parts = [(k, t) for k, t in (("layer", "MoE layer"), ("model", f"{d.get('layers')}-layer MoE model"))
+             if d.get(k)]
+    fig, axes = plt.subplots(len(parts), 2, figsize=(12, 4.2 * len(parts)), squeeze=False)
+    for (key, title), (a, b) in zip(parts, axes):
+        rows = d[key]
+        for variant, label, style in E2E_SERIES:
+            for ax, field in ((a, "ms"), (b, "peak_gb")):
+                pts = [(r["maxvio"], r.get(f"{variant}_{field}")) for r in rows]
+                pts = [(x, y) for x, y in pts if isinstance(y, (int, float))]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=label)
+                oom = [r["maxvio"] for r in rows if r.get(f"{variant}_error") == "OOM"]
+                if oom and field == "ms":
+                    ax.plot(oom, [0] * len(oom), "x", color="red", label=f"{label}: OOM")
+        a.set_title(f"{title}: forward + backward", fontsize=9)
+        a.set_ylabel("ms")
+        b.set_title(f"{title}: peak memory (max_memory_allocated)", fontsize=9)
+        b.set_ylabel("GB")
+        for ax in (a, b):
+            ax.set_xlabel("maxvio")
+            ax.set_ylim(bottom=0)
+            if ax.lines:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"End to end, EP{d['R']}, S={d['S']} H={d['H']} F={d['F']} K={d['K']} epn={d['epn']} {d['dtype']}, "
+                 f"graph mode {d['graph_mode']}\n" + caption(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+
+
 if __name__ == "__main__":
     for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
-                       ("bench_comm.json", plot_comm)):
+                       ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e)):
         if os.path.exists(os.path.join(RESULTS, name)):
             plot(os.path.join(RESULTS, name))
