@@ -10,7 +10,15 @@ the gate/up projection (H -> F) and the down projection (F -> H), and for each o
   dgrad  dx = dy @ W_g^T             vs _grouped_mm(dy, W.transpose(-1, -2), offs)
   wgrad  dW_g += x_g^T @ dy_g (fp32) vs _grouped_mm(x.t(), dy, offs) (2d x 2d -> [G, Kd, Nd], bf16 out;
          ours reads and writes the fp32 gradient, 2x4 bytes per weight against 2)
-Fused SwiGLU is not measured.
+and the fused epilogues (same run, same shapes):
+  swiglu       h, gate, up = group_gemm_swiglu(x, W_gate, W_up) (one kernel, pre-activations stored for
+               backward) vs _grouped_mm gate + _grouped_mm up + F.silu(gate) * up ("unfused pair"), and
+               vs one _grouped_mm on [G, H, 2F] concatenated weights + the same activation ("cat 2F")
+  swiglu_h     the same kernel storing h only (inference)
+  row_scale    y = (h @ W_down_g) * row_w (fp32 scale in the epilogue) vs _grouped_mm(...).mul_(row_w)
+FLOPs are the GEMM FLOPs only (swiglu: 2 * N * H * 2F).
+
+    python benchmarks/bench_gemm.py --only swiglu,swiglu_h,row_scale   # writes bench_gemm_fused.json
 """
 
 from __future__ import annotations
@@ -43,8 +51,11 @@ def group_cases(P: int = 128):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated ops (fwd,dgrad,wgrad,swiglu,swiglu_h,row_scale)")
     args = ap.parse_args()
-    from csrc_cute.group_gemm import group_gemm_dgrad, group_gemm_fwd, group_gemm_wgrad
+    only = set(args.only.split(",")) if args.only else None
+    from csrc_cute.group_gemm import (group_gemm_dgrad, group_gemm_fwd, group_gemm_row_scale, group_gemm_swiglu,
+                                      group_gemm_wgrad)
 
     H, F, P = 7168, 2048, 128
     rows = []
@@ -73,6 +84,7 @@ def main() -> None:
                 "wgrad": (lambda: group_gemm_wgrad(x, dy, cu, dw_home, dw_slot, pad=P),
                           lambda: torch._grouped_mm(x_t, dy, offs=cu), lambda: torch.mm(x_t, dy)),
             }
+            variants = {k: v for k, v in variants.items() if only is None or k in only}
             for op, (ours_fn, base_fn, dense_fn) in variants.items():
                 # correctness first (wgrad: one call onto zeroed gradients), then timings
                 dw_home.zero_()
@@ -95,8 +107,76 @@ def main() -> None:
                 print(f"{name:42s} {proj:13s} {op:5s} ours {ours:7.3f} ms {row['ours_tflops']:6.1f} TF/s | "
                       f"_grouped_mm {base:7.3f} ms {row['grouped_mm_tflops']:6.1f} TF/s | dense "
                       f"{row['dense_tflops']:6.1f} TF/s | x{row['speedup']:.3f}", flush=True)
-    path = write_json("bench_gemm.json", dict(run_info(), results=rows), args.out)
+            if proj == "down F->H" and (only is None or "row_scale" in only):
+                rows.append(bench_row_scale(name, G, epn, n, x, w_home, w_slot, w_all, cu, P, group_gemm_row_scale))
+        if only is None or only & {"swiglu", "swiglu_h"}:
+            rows.extend(bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only))
+    fname = "bench_gemm.json" if only is None else "bench_gemm_fused.json"
+    path = write_json(fname, dict(run_info(), results=rows), args.out)
     print("wrote", path)
+
+
+def _report(row):
+    print(f"{row['case']:42s} {row['proj']:13s} {row['op']:9s} ours {row['ours_ms']:7.3f} ms "
+          f"{row['ours_tflops']:6.1f} TF/s | baseline {row['baseline_ms']:7.3f} ms {row['baseline_tflops']:6.1f} TF/s "
+          f"({row['baseline']}) | x{row['speedup']:.3f}" + ("" if row["matches_baseline"] else "  MISMATCH"),
+          flush=True)
+    return row
+
+
+def bench_row_scale(name, G, epn, n, h, wd_home, wd_slot, wd_all, cu, P, group_gemm_row_scale):
+    """Down projection with the route weights: the fp32 per-row scale in our epilogue vs a separate pass."""
+    row_w = torch.rand(n, device="cuda")
+    out = torch.empty(n, wd_home.shape[2], device="cuda", dtype=torch.bfloat16)
+    ours_fn = lambda: group_gemm_row_scale(h, wd_home, wd_slot, cu, row_w, pad=P, out=out)  # noqa: E731
+    base_fn = lambda: torch._grouped_mm(h, wd_all, offs=cu).mul_(row_w[:, None])  # noqa: E731
+    ours_fn()
+    ref = base_fn()
+    err = (out.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    ours, base = cuda_time_ms(ours_fn), cuda_time_ms(base_fn)
+    flops = 2.0 * n * h.shape[1] * wd_home.shape[2]
+    return _report(dict(case=name, proj="down F->H", op="row_scale", groups=G, rows=n, kd=h.shape[1],
+                        nd=wd_home.shape[2], ours_ms=ours, baseline_ms=base, baseline="_grouped_mm + mul_(row_w)",
+                        ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9, speedup=base / ours,
+                        matches_baseline=ok, max_abs_err=err))
+
+
+def bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only):
+    x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
+    wg = torch.randn(G, H, F, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    wu = torch.randn(G, H, F, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    wg_home, wg_slot, wu_home, wu_slot = wg[:epn], wg[epn:], wu[:epn], wu[epn:]
+    w_cat = torch.cat([wg, wu], dim=2)  # [G, H, 2F]: the stronger baseline, one GEMM for both
+    bufs = [torch.empty(n, F, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    silu = torch.nn.functional.silu
+
+    def pair():
+        return silu(torch._grouped_mm(x, wg, offs=cu)) * torch._grouped_mm(x, wu, offs=cu)
+
+    def cat2f():
+        gu = torch._grouped_mm(x, w_cat, offs=cu)
+        return silu(gu[:, :F]) * gu[:, F:]
+
+    flops = 2.0 * n * H * 2 * F
+    rows = []
+    for op, store in (("swiglu", True), ("swiglu_h", False)):
+        if only is not None and op not in only:
+            continue
+        ours_fn = lambda s=store: group_gemm_swiglu(x, wg_home, wg_slot, wu_home, wu_slot, cu, pad=P,  # noqa: E731
+                                                    store_preact=s, out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
+        ours_fn()
+        ref = pair()
+        err = (bufs[0].float() - ref.float()).abs().max().item()
+        ok = torch.allclose(bufs[0].float(), ref.float(), atol=5e-2, rtol=5e-2)
+        ours = cuda_time_ms(ours_fn)
+        for base_name, base_fn in (("_grouped_mm gate + up + silu*up", pair), ("_grouped_mm [H, 2F] + silu*up", cat2f)):
+            base = cuda_time_ms(base_fn)
+            rows.append(_report(dict(case=name, proj="gate/up H->F", op=op, groups=G, rows=n, kd=H, nd=F,
+                                     ours_ms=ours, baseline_ms=base, baseline=base_name,
+                                     ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9,
+                                     speedup=base / ours, matches_baseline=ok, max_abs_err=err)))
+    return rows
 
 
 if __name__ == "__main__":

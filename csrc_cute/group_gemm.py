@@ -51,6 +51,11 @@ import torch
 
 __all__ = [
     "group_gemm_fwd",
+    "group_gemm_swiglu",
+    "group_gemm_row_scale",
+    "select_swiglu_config",
+    "compile_group_gemm_swiglu",
+    "compile_group_gemm_row_scale",
     "group_gemm_dgrad",
     "group_gemm_wgrad",
     "GroupGemmConfig",
@@ -264,8 +269,10 @@ def _build_kernel_classes():
         ``b_k_major=True``: dgrad, ``op(W) = W^T`` (the reduction runs over ``Nd``, B K-major).
         """
 
-        def __init__(self, config: GroupGemmConfig, b_k_major: bool = False):
+        def __init__(self, config: GroupGemmConfig, b_k_major: bool = False, row_scale: bool = False):
             self.b_k_major = bool(b_k_major)
+            # Forward only: scale each output row by row_w[row] (fp32) before the bf16 convert.
+            self.row_scale = bool(row_scale)
             # B operand view (N, K, E) of the weights [E, Kd, Nd]: forward (Nd, Kd, E), dgrad (Kd, Nd, E).
             self.b_modes = [1, 2, 0] if self.b_k_major else [2, 1, 0]
             self.c_dtype = cutlass.BFloat16
@@ -298,6 +305,11 @@ def _build_kernel_classes():
             y: cute.Tensor,  # (N, out), out contiguous
             stream: cuda.CUstream,
         ):
+            self._launch(x, w_home, w_slot, cu_seqlens, y, None, stream)
+
+        @cute.jit
+        def _launch(self, x, w_home, w_slot, cu_seqlens, y, row_w, stream):
+            """Shared by the plain kernel (``row_w`` None) and the row-scaled one (``row_w`` (N,) fp32)."""
             self._setup()
             # B operand views (N, K, E) as wgmma sees B.
             b_home = cute.make_tensor(w_home.iterator, cute.select(w_home.layout, mode=self.b_modes))
@@ -352,6 +364,7 @@ def _build_kernel_classes():
                 tma_c,
                 mC,
                 cu_seqlens,
+                row_w,
                 self.tiled_mma,
                 self.a_smem_staged,
                 self.b_smem_staged,
@@ -377,6 +390,7 @@ def _build_kernel_classes():
             tma_c: cute.CopyAtom,
             mC: cute.Tensor,
             cu_seqlens: cute.Tensor,
+            row_w,  # None, or (N,) fp32: per-row output scale
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
@@ -509,6 +523,8 @@ def _build_kernel_classes():
                     read_state, release_state = self.mma_k_tiles(
                         mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
                     )
+                    if cutlass.const_expr(row_w is not None):
+                        self.scale_rows(tiled_mma, mma_tidx, acc, row_w, m_idx * self.tile_m)
 
                     # ---- epilogue ----
                     gC_tile = gC[(None, None, m_idx, n_idx)]
@@ -539,6 +555,41 @@ def _build_kernel_classes():
                     epi_count = epi_count + epi_tiles
                 if warp_idx == self.epi_store_warp:
                     store_pipe.producer_tail()
+
+        @cute.jit
+        def scale_rows(self, tiled_mma: cute.TiledMma, mma_tidx, acc: cute.Tensor, row_w: cute.Tensor,
+                       row0: cutlass.Int32):
+            """acc[i] *= row_w[row of acc[i]] (fp32), rows of the tile starting at ``row0``; rows past
+            the end of ``row_w`` (the tail of a partial last tile, never stored) read its last entry. The
+            rows come from the thread's slice of an identity tile (the same map the wgrad epilogue uses
+            and its coverage test checks)."""
+            coords = tiled_mma.get_slice(mma_tidx).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))
+            )
+            last = cute.size(row_w, mode=[0]) - 1
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                # clamped, branch-free: equal rows give equal addresses, so the loads are CSE'd
+                acc[i] = acc[i] * row_w[cutlass.min(row0 + coords[i][0], last)]
+
+    class GroupGemmRowScaleSm90(GroupGemmSm90):
+        """Forward with a per-row scale in the epilogue: ``y[r] = (x[r] @ W_g) * row_w[r]`` (fp32 scale
+        before the bf16 convert), e.g. the route weights in the down projection."""
+
+        def __init__(self, config: GroupGemmConfig):
+            super().__init__(config, b_k_major=False, row_scale=True)
+
+        @cute.jit
+        def __call__(
+            self,
+            x: cute.Tensor,  # (N, Kd)
+            w_home: cute.Tensor,  # (epn, Kd, Nd)
+            w_slot: cute.Tensor,  # (B, Kd, Nd)
+            cu_seqlens: cute.Tensor,  # (G,) int32
+            row_w: cute.Tensor,  # (N,) fp32
+            y: cute.Tensor,  # (N, Nd)
+            stream: cuda.CUstream,
+        ):
+            self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream)
 
     class GroupGemmWgradSm90(_GroupedGemmSm90Base):
         """Varlen-K grouped weight gradient ``dW_g += x_g^T @ dy_g`` (fp32, in place).
@@ -788,7 +839,390 @@ def _build_kernel_classes():
                                 tCcD, dims, full,
                             )
 
-    return GroupGemmSm90, GroupGemmWgradSm90
+    class GroupGemmSwigluSm90(_GroupedGemmSm90Base):
+        """Fused gate/up projection with a SwiGLU epilogue (see ``group_gemm_swiglu``).
+
+        Per output tile (``tile_m`` rows x ``tile_n`` columns of h) the producer loads, per k tile, the
+        A tile and the matching ``tile_n``-column tiles of *both* ``W_gate`` and ``W_up`` (two B rings
+        sharing one mbarrier per stage); the consumers keep two fp32 accumulators of identical layout
+        (gate and up of the same columns, so element i of one and of the other are the same (row,
+        column)) and the epilogue computes ``h = silu(gate) * up`` in fp32 from registers, converts to
+        bf16 and stores it through the stmatrix -> shared -> TMA path of the forward kernel. With
+        ``store_preact`` it also stores the bf16 pre-activations gate and up (what backward needs).
+        Same persistent M-major raster and device-side tile -> group lookup as the forward.
+        """
+
+        def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
+            self.store_preact = bool(store_preact)
+            self.c_dtype = cutlass.BFloat16
+            self.epi_tile = (config.tile_m, 32)
+            self.epi_stage = 4
+            epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
+            # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
+            self._init_common(
+                GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms),
+                LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
+                LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
+                epi_bytes,
+            )
+            self.tile_n = config.tile_n  # columns of h (and of gate, of up) per tile
+            self.c_layout = LayoutEnum.ROW_MAJOR
+            self.epi_store_warp = 4
+            self.b_modes = [2, 1, 0]
+
+        def _setup(self):
+            self._setup_mainloop()
+            self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
+                self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+            )
+
+        @cute.jit
+        def __call__(
+            self,
+            x: cute.Tensor,  # (N, H)
+            wg_home: cute.Tensor,  # (epn, H, F)
+            wg_slot: cute.Tensor,  # (B, H, F)
+            wu_home: cute.Tensor,  # (epn, H, F)
+            wu_slot: cute.Tensor,  # (B, H, F)
+            cu_seqlens: cute.Tensor,  # (G,) int32
+            h: cute.Tensor,  # (N, F)
+            gate: cute.Tensor,  # (N, F), written only with store_preact
+            up: cute.Tensor,  # (N, F), written only with store_preact
+            stream: cuda.CUstream,
+        ):
+            self._setup()
+            a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
+            b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
+            epi_smem = cute.slice_(self.epi_smem_staged, (None, None, 0))
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            b_tile = (self.tile_n, self.tile_k)
+            tma_a, mA = cpasync.make_tiled_tma_atom(g2s, x, a_smem, (self.tile_m, self.tile_k))
+            tma_gh, mGh = cpasync.make_tiled_tma_atom(
+                g2s, cute.make_tensor(wg_home.iterator, cute.select(wg_home.layout, mode=self.b_modes)), b_smem, b_tile
+            )
+            tma_gs, mGs = cpasync.make_tiled_tma_atom(
+                g2s, cute.make_tensor(wg_slot.iterator, cute.select(wg_slot.layout, mode=self.b_modes)), b_smem, b_tile
+            )
+            tma_uh, mUh = cpasync.make_tiled_tma_atom(
+                g2s, cute.make_tensor(wu_home.iterator, cute.select(wu_home.layout, mode=self.b_modes)), b_smem, b_tile
+            )
+            tma_us, mUs = cpasync.make_tiled_tma_atom(
+                g2s, cute.make_tensor(wu_slot.iterator, cute.select(wu_slot.layout, mode=self.b_modes)), b_smem, b_tile
+            )
+            tma_h, mH = cpasync.make_tiled_tma_atom(s2g, h, epi_smem, self.epi_tile)
+            tma_g, mG = cpasync.make_tiled_tma_atom(s2g, gate, epi_smem, self.epi_tile)
+            tma_u, mU = cpasync.make_tiled_tma_atom(s2g, up, epi_smem, self.epi_tile)
+
+            num_m_tiles = cute.ceil_div(cute.size(x, mode=[0]), self.tile_m)
+            num_n_tiles = cute.ceil_div(cute.size(h, mode=[1]), self.tile_n)
+            num_tiles = num_m_tiles * num_n_tiles
+            grid_x = cutlass.min(num_tiles, self.num_sms)
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
+                    self.buffer_align,
+                ]
+                sBg: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
+                    self.buffer_align,
+                ]
+                sBu: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
+                    self.buffer_align,
+                ]
+                sC: cute.struct.Align[
+                    cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)],
+                    self.buffer_align,
+                ]
+
+            self.shared_storage = SharedStorage
+
+            self.kernel(
+                tma_a, mA, tma_gh, mGh, tma_gs, mGs, tma_uh, mUh, tma_us, mUs,
+                tma_h, mH, tma_g, mG, tma_u, mU,
+                cu_seqlens,
+                self.tiled_mma,
+                self.a_smem_staged,
+                self.b_smem_staged,
+                self.epi_smem_staged,
+                num_n_tiles,
+                num_tiles,
+            ).launch(
+                grid=[grid_x, 1, 1],
+                block=[self.num_threads, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.jit
+        def load_k_tiles_gu(self, mainloop, prod_state, tma_a, tAgA, tAsA, tma_g, tGg, tGs, tma_u, tUg, tUs,
+                            k_count: cutlass.Int32):
+            """Producer: per k tile, A and the gate and up B tiles into one ring stage (one mbarrier)."""
+            for k in cutlass.range(k_count, unroll=1):
+                mainloop.producer_acquire(prod_state)
+                bar = mainloop.producer_get_barrier(prod_state)
+                idx = prod_state.index
+                cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, idx)], tma_bar_ptr=bar)
+                cute.copy(tma_g, tGg[(None, k)], tGs[(None, idx)], tma_bar_ptr=bar)
+                cute.copy(tma_u, tUg[(None, k)], tUs[(None, idx)], tma_bar_ptr=bar)
+                mainloop.producer_commit(prod_state)
+                prod_state.advance()
+            return prod_state
+
+        @cute.jit
+        def mma_k_tiles_gu(self, mainloop, read_state, release_state, tiled_mma: cute.TiledMma,
+                           acc_g: cute.Tensor, acc_u: cute.Tensor, tCrA: cute.Tensor, tCrG: cute.Tensor,
+                           tCrU: cute.Tensor, k_count: cutlass.Int32):
+            """Consumers: acc_g = A W_gate, acc_u = A W_up over k_count stages (one batch in flight)."""
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            acc_g.fill(0.0)
+            acc_u.fill(0.0)
+            warpgroup.fence()
+            n_pro = 1 if k_count > 0 else 0
+            for k in cutlass.range(n_pro, unroll=1):
+                mainloop.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    coord = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc_g, tCrA[coord], tCrG[coord], acc_g)
+                    cute.gemm(tiled_mma, acc_u, tCrA[coord], tCrU[coord], acc_u)
+                warpgroup.commit_group()
+                read_state.advance()
+            for k in cutlass.range(n_pro, k_count, unroll=1):
+                mainloop.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    coord = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc_g, tCrA[coord], tCrG[coord], acc_g)
+                    cute.gemm(tiled_mma, acc_u, tCrA[coord], tCrU[coord], acc_u)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+                read_state.advance()
+            warpgroup.wait_group(0)
+            for k in cutlass.range(n_pro, unroll=1):
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+            return read_state, release_state
+
+        @cute.jit
+        def store_subtile(self, tiled_copy_r2s, vals: cute.Tensor, tRS_sD: cute.Tensor, buf, epi_bar,
+                          warp_idx, store_pipe, tma_c, bSG_sD: cute.Tensor, bSG_gD_e: cute.Tensor):
+            """bf16 register sub-tile -> shared ring slot ``buf`` (stmatrix) -> global (TMA store)."""
+            cute.copy(tiled_copy_r2s, vals, tRS_sD[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_bar.arrive_and_wait()
+            if warp_idx == self.epi_store_warp:
+                cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD_e)
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_bar.arrive_and_wait()
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_a: cute.CopyAtom, mA: cute.Tensor,
+            tma_gh: cute.CopyAtom, mGh: cute.Tensor,
+            tma_gs: cute.CopyAtom, mGs: cute.Tensor,
+            tma_uh: cute.CopyAtom, mUh: cute.Tensor,
+            tma_us: cute.CopyAtom, mUs: cute.Tensor,
+            tma_h: cute.CopyAtom, mH: cute.Tensor,
+            tma_g: cute.CopyAtom, mG: cute.Tensor,
+            tma_u: cute.CopyAtom, mU: cute.Tensor,
+            cu_seqlens: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+            epi_smem_staged: cute.ComposedLayout,
+            num_n_tiles: cutlass.Int32,
+            num_tiles: cutlass.Int32,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_a)
+                cpasync.prefetch_descriptor(tma_gh)
+                cpasync.prefetch_descriptor(tma_gs)
+                cpasync.prefetch_descriptor(tma_uh)
+                cpasync.prefetch_descriptor(tma_us)
+                cpasync.prefetch_descriptor(tma_h)
+                if cutlass.const_expr(self.store_preact):
+                    cpasync.prefetch_descriptor(tma_g)
+                    cpasync.prefetch_descriptor(tma_u)
+
+            num_groups = cute.size(cu_seqlens, mode=[0])
+            num_home = cute.size(mGh, mode=[2])
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + 2 * cute.size_in_bytes(self.ab_dtype, b_smem)
+            mainloop = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.ab_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sBg = storage.sBg.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            sBu = storage.sBu.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+
+            tile_b = (self.tile_n, self.tile_k)
+            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+            gGh = cute.local_tile(mGh, tile_b, (None, None, None))
+            gGs = cute.local_tile(mGs, tile_b, (None, None, None))
+            gUh = cute.local_tile(mUh, tile_b, (None, None, None))
+            gUs = cute.local_tile(mUs, tile_b, (None, None, None))
+            tile_c = (self.tile_m, self.tile_n)
+            gH = cute.local_tile(mH, tile_c, (None, None))
+            gG = cute.local_tile(mG, tile_c, (None, None))
+            gU = cute.local_tile(mU, tile_c, (None, None))
+
+            one = cute.make_layout(1)
+            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            sBg2 = cute.group_modes(sBg, 0, 2)
+            sBu2 = cute.group_modes(sBu, 0, 2)
+            tGsh, tGgh = cpasync.tma_partition(tma_gh, 0, one, sBg2, cute.group_modes(gGh, 0, 2))
+            tGss, tGgs = cpasync.tma_partition(tma_gs, 0, one, sBg2, cute.group_modes(gGs, 0, 2))
+            tUsh, tUgh = cpasync.tma_partition(tma_uh, 0, one, sBu2, cute.group_modes(gUh, 0, 2))
+            tUss, tUgs = cpasync.tma_partition(tma_us, 0, one, sBu2, cute.group_modes(gUs, 0, 2))
+            k_tiles = cute.size(gA, mode=[3])
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            if wg_idx == 0:
+                # ---------------- producer warp group ----------------
+                cute.arch.setmaxregister_decrease(self.load_regs)
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                    for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                        m_idx = tile // num_n_tiles
+                        n_idx = tile % num_n_tiles
+                        g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                        if g < num_home:
+                            prod_state = self.load_k_tiles_gu(
+                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                tma_gh, tGgh[(None, n_idx, None, g)], tGsh,
+                                tma_uh, tUgh[(None, n_idx, None, g)], tUsh,
+                                k_tiles,
+                            )
+                        elif g < num_groups:
+                            prod_state = self.load_k_tiles_gu(
+                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                tma_gs, tGgs[(None, n_idx, None, g - num_home)], tGss,
+                                tma_us, tUgs[(None, n_idx, None, g - num_home)], tUss,
+                                k_tiles,
+                            )
+                    mainloop.producer_tail(prod_state)
+            else:
+                # ---------------- consumer warp groups ----------------
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                mma_tidx = tidx - self.threads_per_wg
+                wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+                tCrG = tiled_mma.make_fragment_B(thr_mma.partition_B(sBg))
+                tCrU = tiled_mma.make_fragment_B(thr_mma.partition_B(sBu))
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled per tile
+                acc_shape = thr_mma.partition_C(gH).shape[:3]
+                acc_g = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                acc_u = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+
+                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+
+                copy_atom_r2s = sm90_utils.get_smem_store_op(
+                    self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+                )
+                copy_atom_c = cute.make_copy_atom(
+                    cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+                )
+                tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+                thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+                tRS_sD = thr_copy_r2s.partition_D(sC)
+                tRS_rG = tiled_copy_r2s.retile(acc_g)
+                tRS_rU = tiled_copy_r2s.retile(acc_u)
+                rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+                tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+                tRS_rOut = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+                size_rD = cute.size(tRS_rOut)
+                epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+                store_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.epi_stage,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+                )
+                neg_log2e = cutlass.Float32(-1.4426950408889634)
+
+                epi_count = cutlass.Int32(0)
+                for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                    m_idx = tile // num_n_tiles
+                    n_idx = tile % num_n_tiles
+                    g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                    k_count = k_tiles if g < num_groups else 0  # past the last group: zeros
+                    read_state, release_state = self.mma_k_tiles_gu(
+                        mainloop, read_state, release_state, tiled_mma, acc_g, acc_u, tCrA, tCrG, tCrU, k_count
+                    )
+
+                    # ---- epilogue: h = silu(gate) * up (fp32), then gate and up ----
+                    gH_epi = cute.zipped_divide(gH[(None, None, m_idx, n_idx)], self.epi_tile)
+                    sC2 = cute.group_modes(sC, 0, 2)
+                    bSG_sD, bSG_gH = cpasync.tma_partition(tma_h, 0, one, sC2, gH_epi)
+                    epi_tiles = cute.size(gH_epi, mode=[1])
+                    epi_shape = gH_epi.shape[1]
+                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    for e in cutlass.range_constexpr(epi_tiles):
+                        for v in cutlass.range_constexpr(size_rD):
+                            a = tRS_rG[e * size_rD + v]
+                            sig = cute.arch.rcp_approx(1.0 + cute.arch.exp2(a * neg_log2e))
+                            tRS_rD[v] = a * sig * tRS_rU[e * size_rD + v]
+                        tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                        self.store_subtile(
+                            tiled_copy_r2s, tRS_rOut, tRS_sD, (epi_count + e) % self.epi_stage, epi_bar,
+                            warp_idx, store_pipe, tma_h, bSG_sD, bSG_gH[(None, epi_layout.get_hier_coord(e))],
+                        )
+                    epi_count = epi_count + epi_tiles
+                    if cutlass.const_expr(self.store_preact):
+                        _, bSG_gG = cpasync.tma_partition(
+                            tma_g, 0, one, sC2, cute.zipped_divide(gG[(None, None, m_idx, n_idx)], self.epi_tile)
+                        )
+                        _, bSG_gU = cpasync.tma_partition(
+                            tma_u, 0, one, sC2, cute.zipped_divide(gU[(None, None, m_idx, n_idx)], self.epi_tile)
+                        )
+                        for e in cutlass.range_constexpr(epi_tiles):
+                            for v in cutlass.range_constexpr(size_rD):
+                                tRS_rD[v] = tRS_rG[e * size_rD + v]
+                            tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                            self.store_subtile(
+                                tiled_copy_r2s, tRS_rOut, tRS_sD, (epi_count + 2 * e) % self.epi_stage, epi_bar,
+                                warp_idx, store_pipe, tma_g, bSG_sD, bSG_gG[(None, epi_layout.get_hier_coord(e))],
+                            )
+                            for v in cutlass.range_constexpr(size_rD):
+                                tRS_rD[v] = tRS_rU[e * size_rD + v]
+                            tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                            self.store_subtile(
+                                tiled_copy_r2s, tRS_rOut, tRS_sD, (epi_count + 2 * e + 1) % self.epi_stage,
+                                epi_bar, warp_idx, store_pipe, tma_u, bSG_sD,
+                                bSG_gU[(None, epi_layout.get_hier_coord(e))],
+                            )
+                        epi_count = epi_count + 2 * epi_tiles
+                if warp_idx == self.epi_store_warp:
+                    store_pipe.producer_tail()
+
+    return GroupGemmSm90, GroupGemmWgradSm90, GroupGemmRowScaleSm90, GroupGemmSwigluSm90
 
 
 _KERNEL_CLASSES = None
@@ -902,6 +1336,70 @@ def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
     return _compile_cached(key, build)
 
 
+def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile
+    computes 128 columns of gate *and* of up (two 64 x 128 fp32 accumulators per consumer warp group,
+    the register footprint of the forward's 128 x 256 tile)."""
+    base = select_config(pad, f, num_sms)
+    return GroupGemmConfig(base.tile_m, 128, num_sms)
+
+
+def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_preact: bool = True):
+    """The fused gate/up + SwiGLU kernel: takes (x [N, H], w_gate_home, w_gate_slot, w_up_home, w_up_slot
+    [*, H, F], cu_seqlens, h [N, F], gate [N, F], up [N, F]); gate/up are written only with
+    ``store_preact`` (otherwise pass any bf16 [N, F] tensor, e.g. h: it is never written)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    key = ("group_gemm_swiglu", bool(store_preact), int(hd), int(f), tuple(config), arch)
+
+    def build():
+        n, epn, nb, ng = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+        rt = cute.runtime
+        bf = cutlass.BFloat16
+
+        def rows(cols):
+            return rt.make_fake_compact_tensor(bf, (n, cols), stride_order=(1, 0), assumed_align=16)
+
+        def weights(e):
+            return rt.make_fake_compact_tensor(bf, (e, hd, f), stride_order=(2, 1, 0), assumed_align=16)
+
+        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
+        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
+        kernel = _kernel_classes()[3](config, store_preact=store_preact)
+        return cute.compile(kernel, rows(hd), weights(epn), weights(nb), weights(epn), weights(nb), cu_f,
+                            rows(f), rows(f), rows(f), stream, options="--enable-tvm-ffi")
+
+    return _compile_cached(key, build)
+
+
+def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig):
+    """Forward with the per-row scale epilogue: takes (x [N, Kd], w_home, w_slot, cu_seqlens,
+    row_w [N] fp32, y [N, Nd])."""
+    import cutlass
+    import cutlass.cute as cute
+
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    key = ("group_gemm_row_scale", int(kd), int(nd), tuple(config), arch)
+
+    def build():
+        n, epn, nb, ng = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+        rt = cute.runtime
+        bf = cutlass.BFloat16
+        a_f = rt.make_fake_compact_tensor(bf, (n, kd), stride_order=(1, 0), assumed_align=16)
+        wh_f = rt.make_fake_compact_tensor(bf, (epn, kd, nd), stride_order=(2, 1, 0), assumed_align=16)
+        ws_f = rt.make_fake_compact_tensor(bf, (nb, kd, nd), stride_order=(2, 1, 0), assumed_align=16)
+        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
+        rw_f = rt.make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=4)
+        c_f = rt.make_fake_compact_tensor(bf, (n, nd), stride_order=(1, 0), assumed_align=16)
+        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
+        kernel = _kernel_classes()[2](config)
+        return cute.compile(kernel, a_f, wh_f, ws_f, cu_f, rw_f, c_f, stream, options="--enable-tvm-ffi")
+
+    return _compile_cached(key, build)
+
+
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd; its k tile (64 rows) must divide P."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
@@ -921,9 +1419,18 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
 # ---------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1):
+def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1, w_names=("w_home", "w_slot"),
+                  check_device=True):
     """Checks of the row-grouped kernels; ``red_dim`` is the weight dim that x's columns match
-    (1 = Kd: forward, 2 = Nd: dgrad, with x = dy)."""
+    (1 = Kd: forward, 2 = Nd: dgrad, with x = dy); ``w_names`` name the weights in the errors;
+    ``check_device=False`` leaves out the device and alignment checks."""
+    if w_names != ("w_home", "w_slot"):
+        try:
+            return _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name, red_dim, check_device=check_device)
+        except ValueError as exc:  # name the caller's weights
+            msg = str(exc)
+            msg = msg.replace("w_home", "\0").replace("w_slot", w_names[1]).replace("\0", w_names[0])
+            raise ValueError(msg) from None
     for name, t in ((x_name, x), ("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -958,6 +1465,8 @@ def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1):
     if nd < 8 or nd % 8:
         raise ValueError(f"Nd (w_home.shape[2]) must be a positive multiple of 8, got {nd}")
     _check_cu(cu_seqlens, epn + nb)
+    if not check_device:
+        return n, kd, nd, epn, nb
     dev = x.device
     for name, t in (("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)):
         if t.device != dev:
@@ -1006,6 +1515,10 @@ def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
             )
         if op == "fwd":
             fn = compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
+        elif op == "row_scale":
+            fn = compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms))
+        elif op in ("swiglu", "swiglu_h_only"):
+            fn = compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu")
         elif op == "dgrad":
             fn = compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
         else:
@@ -1065,6 +1578,81 @@ def group_gemm_dgrad(
         w_slot = w_home  # never read (see group_gemm_fwd)
     fn(dy, w_home, w_slot, cu_seqlens, dx)
     return dx
+
+
+def group_gemm_row_scale(
+    x: torch.Tensor,
+    w_home: torch.Tensor,
+    w_slot: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    row_w: torch.Tensor,
+    pad: int = 128,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y[r] = (x[r] @ W_g) * row_w[r]``: the forward with a per-row fp32 scale applied to the fp32
+    accumulators before the bf16 convert (the route weights of the down projection). Rows past the last
+    group are zero. ``row_w`` is fp32 ``[N]``. No host sync."""
+    n, kd, nd, epn, nb = _check_inputs(x, w_home, w_slot, cu_seqlens, pad, check_device=False)
+    if not isinstance(row_w, torch.Tensor):
+        raise ValueError(f"row_w must be a torch.Tensor, got {type(row_w).__name__}")
+    if row_w.dtype != torch.float32:
+        raise ValueError(f"row_w must be float32, got {row_w.dtype}")
+    if row_w.dim() != 1 or row_w.shape[0] != n:
+        raise ValueError(f"row_w must be 1-D [N={n}] (one scale per row of x), got shape {tuple(row_w.shape)}")
+    if not row_w.is_contiguous():
+        raise ValueError("row_w must be contiguous")
+    _check_inputs(x, w_home, w_slot, cu_seqlens, pad)
+    if row_w.device != x.device:
+        raise ValueError(f"row_w must be on the same device as x ({x.device}), got {row_w.device}")
+    fn = _launcher("row_scale", kd, nd, pad, x.device)
+    y = _out_tensor(out, n, nd, x.device)
+    if n == 0:
+        return y
+    if nb == 0:
+        w_slot = w_home  # never read (see group_gemm_fwd)
+    fn(x, w_home, w_slot, cu_seqlens, row_w, y)
+    return y
+
+
+def group_gemm_swiglu(
+    x: torch.Tensor,
+    w_gate_home: torch.Tensor,
+    w_gate_slot: torch.Tensor,
+    w_up_home: torch.Tensor,
+    w_up_slot: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    pad: int = 128,
+    store_preact: bool = True,
+    out: torch.Tensor | None = None,
+    gate_out: torch.Tensor | None = None,
+    up_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Fused gate/up projection with a SwiGLU epilogue, one kernel: per group g,
+    ``gate = x_g @ Wgate_g``, ``up = x_g @ Wup_g`` (fp32 accumulators, never rounded before the
+    activation) and ``h = silu(gate) * up`` in fp32, stored bf16. Returns ``(h, gate, up)``: gate and up
+    are the bf16 pre-activations (what backward needs) when ``store_preact``, else None (inference).
+    Weights ``[epn, H, F]`` home and ``[B, H, F]`` slot, as in ``group_gemm_fwd``. No host sync."""
+    gate_names, up_names = ("w_gate_home", "w_gate_slot"), ("w_up_home", "w_up_slot")
+    n, hd, f, epn, nb = _check_inputs(x, w_gate_home, w_gate_slot, cu_seqlens, pad, w_names=gate_names,
+                                      check_device=False)
+    for name, t, like, ref in (("w_up_home", w_up_home, "w_gate_home", w_gate_home),
+                               ("w_up_slot", w_up_slot, "w_gate_slot", w_gate_slot)):
+        if isinstance(t, torch.Tensor) and t.shape != ref.shape:
+            raise ValueError(f"{name} must have the shape of {like} {tuple(ref.shape)}, got {tuple(t.shape)}")
+    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names, check_device=False)
+    _check_inputs(x, w_gate_home, w_gate_slot, cu_seqlens, pad, w_names=gate_names)
+    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names)
+    fn = _launcher("swiglu" if store_preact else "swiglu_h_only", hd, f, pad, x.device)
+    h = _out_tensor(out, n, f, x.device)
+    gate = _out_tensor(gate_out, n, f, x.device) if store_preact else None
+    up = _out_tensor(up_out, n, f, x.device) if store_preact else None
+    if n == 0:
+        return h, gate, up
+    if nb == 0:
+        w_gate_slot, w_up_slot = w_gate_home, w_up_home  # never read (see group_gemm_fwd)
+    fn(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, h,
+       gate if store_preact else h, up if store_preact else h)
+    return h, gate, up
 
 
 def group_gemm_wgrad(
@@ -1132,6 +1720,10 @@ def _compile_only(kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int =
             compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
         elif op == "wgrad":
             compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+        elif op == "row_scale":
+            compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms))
+        elif op in ("swiglu", "swiglu_h_only"):
+            compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu")
         else:
             raise ValueError(f"unknown op {op!r}")
 
@@ -1170,7 +1762,8 @@ def compile_group_gemm_for_sm90(
     dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
     op: str = "fwd",
 ):
-    """Compile one kernel (``op`` = "fwd", "dgrad" or "wgrad") for sm_90a (works on a CPU-only machine)
+    """Compile one kernel (``op`` = "fwd", "dgrad", "wgrad", "row_scale", "swiglu" or "swiglu_h_only";
+    for the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine)
     and return a ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers,
     shared memory, spills)."""
     from csrc_cute.compile_check import run_compile_check

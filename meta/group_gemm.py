@@ -1,4 +1,5 @@
-"""Fake kernels of moonep::group_gemm, group_gemm_dgrad and group_gemm_wgrad."""
+"""Fake kernels of moonep::group_gemm, group_gemm_dgrad, group_gemm_wgrad, group_gemm_swiglu and
+group_gemm_row_scale."""
 
 import torch
 
@@ -55,3 +56,38 @@ def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P) -> None:
 
 def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, P: int) -> None:
     check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
+
+
+def check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P) -> int:
+    op = "group_gemm_swiglu"
+    check_tensor(op, "x", x, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    check_tensor(op, "w_gate_home", w_gate_home, (x.dtype,), (None, x.shape[1], None), x.device)
+    epn, H, F = w_gate_home.shape
+    check_tensor(op, "w_gate_slot", w_gate_slot, (x.dtype,), (None, H, F), x.device)
+    check_tensor(op, "w_up_home", w_up_home, (x.dtype,), (epn, H, F), x.device)
+    check_tensor(op, "w_up_slot", w_up_slot, (x.dtype,), (w_gate_slot.shape[0], H, F), x.device)
+    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (epn + w_gate_slot.shape[0],), x.device)
+    return F
+
+
+def group_gemm_swiglu(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P: int, save_preact: bool):
+    F = check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P)
+    n_pre = x.shape[0] if save_preact else 0
+    return x.new_empty((x.shape[0], F)), x.new_empty((n_pre, F)), x.new_empty((n_pre, F))
+
+
+def check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P) -> int:
+    op = "group_gemm_row_scale"
+    check_tensor(op, "x", x, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    Kd, Nd = check_weights(op, w_home, w_slot, cu_seqlens, x.dtype, x.device)
+    if x.shape[1] != Kd:
+        raise ValueError(f"moonep.{op}: x has {x.shape[1]} columns but w_home rows are {Kd} long")
+    check_tensor(op, "row_w", row_w, (torch.float32,), (x.shape[0],), x.device)
+    return Nd
+
+
+def group_gemm_row_scale(x, w_home, w_slot, cu_seqlens, row_w, P: int):
+    Nd = check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P)
+    return x.new_empty((x.shape[0], Nd))

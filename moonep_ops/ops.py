@@ -318,6 +318,67 @@ def _group_gemm_wgrad_cuda(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: T
     wgrad_kernel(x, dy, cu_seqlens, dw_home, dw_slot, pad=P)
 
 
+@custom_op("moonep::group_gemm_swiglu", mutates_args=(), device_types="cpu")
+def group_gemm_swiglu(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_home: Tensor, w_up_slot: Tensor,
+                      cu_seqlens: Tensor, P: int, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused gate/up projection: per group g, gate = x_g @ Wgate_g and up = x_g @ Wup_g in fp32, then
+    h = silu(gate) * up from the fp32 values (never rounded before the activation). Returns (h [N, F],
+    gate [N, F], up [N, F]) in x's dtype; with save_preact=False gate and up are empty [0, F] (inference:
+    nothing for backward). Weights are addressed like group_gemm's; rows past the last group are zero."""
+    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P)
+    n = x.shape[0]
+    h = x.new_zeros((n, F))
+    gate, up = x.new_zeros((n if save_preact else 0, F)), x.new_zeros((n if save_preact else 0, F))
+    for g, s, e in _group_bounds("group_gemm_swiglu", cu_seqlens, n, P):
+        gf = x[s:e].float() @ _weight(w_gate_home, w_gate_slot, g).float()
+        uf = x[s:e].float() @ _weight(w_up_home, w_up_slot, g).float()
+        h[s:e] = (torch.nn.functional.silu(gf) * uf).to(x.dtype)
+        if save_preact:
+            gate[s:e], up[s:e] = gf.to(x.dtype), uf.to(x.dtype)
+    return h, gate, up
+
+
+group_gemm_swiglu.register_fake(meta.group_gemm.group_gemm_swiglu)
+
+
+@group_gemm_swiglu.register_kernel("cuda")
+def _group_gemm_swiglu_cuda(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_home: Tensor,
+                            w_up_slot: Tensor, cu_seqlens: Tensor, P: int, save_preact: bool):
+    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P)
+    from csrc_cute.group_gemm import group_gemm_swiglu as swiglu_kernel  # CuTe DSL loads on first CUDA use only
+
+    h, gate, up = swiglu_kernel(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, pad=P,
+                                store_preact=save_preact)
+    if not save_preact:
+        gate, up = x.new_empty((0, F)), x.new_empty((0, F))
+    return h, gate, up
+
+
+@custom_op("moonep::group_gemm_row_scale", mutates_args=(), device_types="cpu")
+def group_gemm_row_scale(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, row_w: Tensor,
+                         P: int) -> Tensor:
+    """y[r] = (x[r] @ W_g) * row_w[r] for r in group g: fp32 accumulation, the fp32 per-row scale (route
+    weight, row_w [N] fp32) applied before the single rounding to x's dtype; rows past the last group
+    are zero."""
+    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P)
+    y = x.new_zeros((x.shape[0], w_home.shape[2]))
+    for g, s, e in _group_bounds("group_gemm_row_scale", cu_seqlens, x.shape[0], P):
+        y[s:e] = ((x[s:e].float() @ _weight(w_home, w_slot, g).float()) * row_w[s:e, None]).to(x.dtype)
+    return y
+
+
+group_gemm_row_scale.register_fake(meta.group_gemm.group_gemm_row_scale)
+
+
+@group_gemm_row_scale.register_kernel("cuda")
+def _group_gemm_row_scale_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, row_w: Tensor,
+                               P: int) -> Tensor:
+    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P)
+    from csrc_cute.group_gemm import group_gemm_row_scale as row_scale_kernel  # CuTe DSL loads on first CUDA use
+
+    return row_scale_kernel(x, w_home, w_slot, cu_seqlens, row_w, pad=P)
+
+
 # ---------------------------------------------------------------------------------- prefetch_weights
 @custom_op("moonep::prefetch_weights", mutates_args=("pool_gate", "pool_up", "pool_down", "ctrl"),
            device_types="cpu")

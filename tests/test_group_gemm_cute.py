@@ -584,3 +584,218 @@ def test_autograd_group_gemm_on_cuda(pad):
     end = int(cu[-1])
     assert torch.count_nonzero(grads[0][0][end:]) == 0
     assert torch.count_nonzero(grads[0][1][1]) == 0 and torch.count_nonzero(grads[0][2][1]) == 0
+
+
+# ================================================================================================
+# Fused gate/up + SwiGLU (group_gemm_swiglu) and the row-scaled forward (group_gemm_row_scale)
+# ================================================================================================
+
+
+@pytest.mark.parametrize(
+    "op, kd, nd, pad",
+    [
+        ("swiglu", 7168, 2048, 128),  # gate/up projection, training (h, gate, up stored)
+        ("swiglu_h_only", 7168, 2048, 128),  # inference: h only
+        ("swiglu", 520, 200, 64),  # tile_M = 64, partial tiles
+        ("row_scale", 2048, 7168, 128),  # down projection with route weights
+        ("row_scale", 520, 200, 64),
+    ],
+)
+def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
+    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op)
+    assert res.ptx, f"no PTX written:\n{res.child_output}"
+    assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
+    if compile_check.find_ptxas() is None:
+        pytest.skip("ptxas not available")
+    print(f"\n[group_gemm {op} sm_90a Kd={kd} Nd={nd} P={pad}]\n" + res.summary())
+    assert len(res.stats) == 1, res.summary()
+    for s in res.stats:
+        assert s.spill_bytes == 0, res.summary()
+        assert s.stack_frame_bytes == 0, res.summary()
+    with open(res.ptx[0], "rb") as f:
+        ptx = f.read().decode(errors="replace")
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    if op.startswith("swiglu"):
+        # two accumulators (gate, up) of 128 columns each; the activation is computed in the kernel
+        assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+        assert "ex2.approx" in ptx and "rcp.approx" in ptx
+        # TMA stores of 4 sub-tiles (128 x 32) per tile: h, and with the pre-activations also gate and up
+        stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
+        assert stores == (12 if op == "swiglu" else 4), stores
+    else:
+        # the route weight: two distinct rows per thread and tile, loaded once each (loads CSE'd)
+        assert ptx.count("ld.global.f32") == 2, ptx.count("ld.global.f32")
+
+
+def _swiglu_inputs(n=256, kd=64, nd=64, epn=2, nb=1):
+    x, wh, ws, cu = _inputs(n, kd, nd, epn, nb)
+    return x, wh, ws, wh.clone(), ws.clone(), cu
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: (a[0].float(), *a[1:]), r"^x must be bfloat16"),
+        (lambda a: (a[0], a[1].half(), *a[2:]), r"^w_gate_home must be bfloat16"),
+        (lambda a: (a[0], a[1], a[2].float(), *a[3:]), r"^w_gate_slot must be bfloat16"),
+        (lambda a: (*a[:3], a[3].half(), *a[4:]), r"^w_up_home must be bfloat16"),
+        (lambda a: (*a[:4], a[4][:, :, :56].contiguous(), a[5]), r"^w_up_slot must have the shape of w_gate_slot"),
+        (lambda a: (*a[:4], a[4].transpose(1, 2), a[5]), r"^w_up_slot must be contiguous"),
+        (lambda a: (*a[:3], a[3][:, :, :56].contiguous(), *a[4:]), r"^w_up_home must have the shape of w_gate_home"),
+        (lambda a: (*a[:4], a[4][:0], a[5]), r"^w_up_slot must have the shape of w_gate_slot"),
+        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^w_gate_home.shape\[1\]"),
+        (lambda a: (*a[:5], a[5][:2]), r"^cu_seqlens must be 1-D of length epn \+ B"),
+        (lambda a: a, r"^x must be a CUDA tensor"),
+    ],
+)
+def test_swiglu_bad_inputs(mutate, match):
+    from csrc_cute.group_gemm import group_gemm_swiglu
+
+    with pytest.raises(ValueError, match=match):
+        group_gemm_swiglu(*mutate(_swiglu_inputs()))
+
+
+def test_row_scale_bad_inputs():
+    from csrc_cute.group_gemm import group_gemm_row_scale
+
+    x, wh, ws, cu = _inputs()
+    rw = torch.ones(x.shape[0])
+    with pytest.raises(ValueError, match=r"^row_w must be float32"):
+        group_gemm_row_scale(x, wh, ws, cu, rw.double())
+    with pytest.raises(ValueError, match=r"^row_w must be 1-D \[N=256\]"):
+        group_gemm_row_scale(x, wh, ws, cu, rw[:128])
+    with pytest.raises(ValueError, match=r"^row_w must be a torch.Tensor"):
+        group_gemm_row_scale(x, wh, ws, cu, 1.0)
+    with pytest.raises(ValueError, match=r"^w_home must be bfloat16"):
+        group_gemm_row_scale(x, wh.half(), ws, cu, rw)
+    with pytest.raises(ValueError, match=r"^x must be a CUDA tensor"):
+        group_gemm_row_scale(x, wh, ws, cu, rw)
+
+
+def _make_swiglu(lengths, epn, kd, nd, n_total=None, seed=0):
+    """(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu) on the GPU; gate/up of order one."""
+    x, wgh, wgs, cu = _make(lengths, epn, kd, nd, n_total=n_total, seed=seed)
+    _, wuh, wus, _ = _make(lengths, epn, kd, nd, n_total=n_total, seed=seed + 500)
+    for w in (wgh, wgs, wuh, wus):
+        w.mul_(2.0)  # x ~ 0.5 N(0, 1): gate, up ~ N(0, 1), so silu sees both signs and its curved part
+    return x, wgh, wgs, wuh, wus, cu
+
+
+def reference_swiglu(x, wgh, wgs, wuh, wus, cu, pad=128, save=True):
+    out = torch.ops.moonep.group_gemm_swiglu(*(t.cpu() for t in (x, wgh, wgs, wuh, wus, cu)), pad, save)
+    return tuple(t.to(x.device) for t in out)
+
+
+def _check_swiglu(x, wgh, wgs, wuh, wus, cu, pad=128, store_preact=True):
+    from csrc_cute.group_gemm import group_gemm_swiglu
+
+    n, nd = x.shape[0], wgh.shape[2]
+    bufs = [torch.full((n, nd), float("nan"), dtype=torch.bfloat16, device=x.device) for _ in range(3)]
+    h, gate, up = group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, pad=pad, store_preact=store_preact, out=bufs[0],
+                                    gate_out=bufs[1], up_out=bufs[2])
+    ref_h, ref_g, ref_u = reference_swiglu(x, wgh, wgs, wuh, wus, cu, pad)
+    _check_rows(h, ref_h, cu)
+    if store_preact:
+        _check_rows(gate, ref_g, cu)
+        _check_rows(up, ref_u, cu)
+    else:
+        assert gate is None and up is None
+        assert torch.isnan(bufs[1]).all() and torch.isnan(bufs[2]).all(), "h-only kernel wrote gate/up"
+    return h, gate, up
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64, 256])
+def test_swiglu_random_groups_with_empty_and_slots(pad):
+    # H = 520: partial k tile; F = 200: partial n tile (128 columns of h per tile)
+    lengths = _random_lengths(pad, 5, 4, 6, seed=40 + pad)
+    args = _make_swiglu(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    _check_swiglu(*args, pad=pad)
+
+
+@gpu
+def test_swiglu_many_tiles_h_only_and_one_group():
+    lengths = _random_lengths(128, 8, 8, 13, seed=77)
+    args = _make_swiglu(lengths, 8, kd=256, nd=1024, n_total=sum(lengths) + 5 * 128, seed=77)
+    h, _, _ = _check_swiglu(*args)
+    h_only, _, _ = _check_swiglu(*args, store_preact=False)
+    assert torch.equal(h, h_only)
+    for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([128] * 6, 6)):  # one group / B = 0 / 1 tile
+        _check_swiglu(*_make_swiglu(lengths, epn, kd=384, nd=256, n_total=sum(lengths) + 128, seed=len(lengths)))
+
+
+@gpu
+def test_swiglu_slot_weights_are_read_from_the_slot_pools():
+    # slot gate weights negated, slot up weights swapped with home gate: a mix-up changes h
+    x, wgh, wgs, wuh, wus, cu = _make_swiglu([256, 256], 1, kd=128, nd=128, seed=5)
+    wgs.copy_(-wgh)
+    wus.copy_(wgh)
+    h, gate, up = _check_swiglu(x, wgh, wgs, wuh, wus, cu)
+    g = -(x[256:].float() @ wgh[0].float())
+    u = x[256:].float() @ wgh[0].float()
+    torch.testing.assert_close(h[256:].float(), (torch.nn.functional.silu(g) * u).bfloat16().float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_row_scale_random_groups(pad):
+    from csrc_cute.group_gemm import group_gemm_row_scale
+
+    lengths = _random_lengths(pad, 5, 4, 6, seed=60 + pad)
+    x, wh, ws, cu = _make(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad + 64, seed=pad)  # partial M
+    g = torch.Generator().manual_seed(pad)
+    row_w = (torch.rand(x.shape[0], generator=g) * 2 - 0.5).to(x.device)  # both signs, some rows ~0
+    row_w[:7] = 0.0
+    out = torch.full((x.shape[0], wh.shape[2]), float("nan"), dtype=torch.bfloat16, device=x.device)
+    y = group_gemm_row_scale(x, wh, ws, cu, row_w, pad=pad, out=out)
+    ref = torch.ops.moonep.group_gemm_row_scale(x.cpu(), wh.cpu(), ws.cpu(), cu.cpu(), row_w.cpu(), pad)
+    _check_rows(y, ref.to(x.device), cu)
+    assert torch.count_nonzero(y[:7]) == 0
+    # one rounding: equal to the plain forward's fp32 result scaled, not to bf16(x W) * w
+    plain = group_gemm_fwd(x, wh, ws, cu, pad=pad).float() * row_w[:, None]
+    torch.testing.assert_close(y.float(), plain, atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
+    from csrc_cute.group_gemm import group_gemm_row_scale, group_gemm_swiglu
+
+    epn, nb, kd, nd, n = 4, 2, 384, 256, 2048
+    x, wgh, wgs, wuh, wus, _ = _make_swiglu([0] * (epn + nb), epn, kd, nd, n_total=n, seed=3)
+    _, wdh, wds, _ = _make([0] * (epn + nb), epn, nd, kd, n_total=n, seed=4)
+    row_w = torch.rand(n, device="cuda")
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    cu.copy_(_routing(epn, nb, n, 0))
+    # the registered ops run these kernels (bitwise)
+    h, gate, up = torch.ops.moonep.group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, 128, True)
+    h2, g2, u2 = group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu)
+    assert torch.equal(h, h2) and torch.equal(gate, g2) and torch.equal(up, u2)
+    h3, g3, u3 = torch.ops.moonep.group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, 128, False)
+    assert torch.equal(h3, h) and g3.shape == (0, nd) and u3.shape == (0, nd)
+    y = torch.ops.moonep.group_gemm_row_scale(h, wdh, wds, cu, row_w, 128)
+    assert torch.equal(y, group_gemm_row_scale(h, wdh, wds, cu, row_w))
+    # capture the fused FFN forward (swiglu -> row-scaled down) once, replay with new routings
+    bufs = [torch.empty(n, nd, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    y_out = torch.empty(n, kd, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
+            group_gemm_row_scale(bufs[0], wdh, wds, cu, row_w, out=y_out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(1, 4):
+        cu.copy_(_routing(epn, nb, n, seed))
+        for b in bufs + [y_out]:
+            b.fill_(float("nan"))
+        graph.replay()
+        eh, eg, eu = group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu)
+        ey = group_gemm_row_scale(eh, wdh, wds, cu, row_w)
+        torch.cuda.synchronize()
+        assert torch.equal(bufs[0], eh) and torch.equal(bufs[1], eg) and torch.equal(bufs[2], eu), seed
+        assert torch.equal(y_out, ey), seed
+        ref_h, ref_g, _ = reference_swiglu(x, wgh, wgs, wuh, wus, cu)
+        _check_rows(bufs[0], ref_h, cu)
+        _check_rows(bufs[1], ref_g, cu)

@@ -49,6 +49,10 @@ def op_cases(group):
         "group_gemm_dgrad": (ops.group_gemm_dgrad.default, (hidden, w_home, w_slot, cu, c.P)),
         "group_gemm_wgrad": (ops.group_gemm_wgrad.default, (rows, hidden, cu, torch.zeros(c.epn, c.H, c.F),
                                                             torch.zeros(c.B, c.H, c.F), c.P)),
+        "group_gemm_swiglu": (ops.group_gemm_swiglu.default, (rows, w_home, w_slot, w_home * 0.5, w_slot * 2, cu,
+                                                              c.P, True)),
+        "group_gemm_row_scale": (ops.group_gemm_row_scale.default, (hidden, wd_home, pools[2], cu, row_w.float(),
+                                                                    c.P)),
         "prefetch_weights": (ops.prefetch_weights.default, (w_home, w_home.clone(), wd_home, etc, *pools, ep.ctrl,
                                                             group)),
         "reduce_grad": (ops.reduce_grad.default, (etc, torch.randn(c.B, c.H, c.F), torch.randn(c.B, c.H, c.F),
@@ -117,6 +121,33 @@ def test_group_gemm_values():
     torch.testing.assert_close(dw_home[0], 1 + x[:16].t() @ dy[:16])
     torch.testing.assert_close(dw_home[1], torch.ones(Kd, Nd))
     torch.testing.assert_close(dw_slot[1], 1 + x[48:64].t() @ dy[48:64])
+
+
+def test_group_gemm_swiglu_and_row_scale_values():
+    epn, B, Kd, Nd, P = 2, 2, 16, 8, 16
+    cu = torch.tensor([16, 16, 48, 64], dtype=torch.int32)
+    x = torch.randn(80, Kd)
+    wg_h, wg_s, wu_h, wu_s = torch.randn(epn, Kd, Nd), torch.randn(B, Kd, Nd), torch.randn(epn, Kd, Nd), torch.randn(
+        B, Kd, Nd)
+    h, gate, up = ops.group_gemm_swiglu(x, wg_h, wg_s, wu_h, wu_s, cu, P, True)
+    for rows, wg, wu in ((slice(0, 16), wg_h[0], wu_h[0]), (slice(16, 48), wg_s[0], wu_s[0]),
+                         (slice(48, 64), wg_s[1], wu_s[1])):
+        torch.testing.assert_close(gate[rows], x[rows] @ wg)
+        torch.testing.assert_close(up[rows], x[rows] @ wu)
+        torch.testing.assert_close(h[rows], torch.nn.functional.silu(x[rows] @ wg) * (x[rows] @ wu))
+    assert not h[64:].any() and not gate[64:].any() and not up[64:].any()
+    h2, g2, u2 = ops.group_gemm_swiglu(x, wg_h, wg_s, wu_h, wu_s, cu, P, False)
+    assert torch.equal(h2, h) and g2.shape == (0, Nd) and u2.shape == (0, Nd)
+    # bf16: the activation uses the fp32 accumulators, not the rounded pre-activations
+    xb, wgb, wub = x.bfloat16(), wg_h.bfloat16(), wu_h.bfloat16()
+    hb, _, _ = ops.group_gemm_swiglu(xb, wgb, wgb[:0], wub, wub[:0], torch.tensor([16, 64], dtype=torch.int32), P, True)
+    gf, uf = xb[:16].float() @ wgb[0].float(), xb[:16].float() @ wub[0].float()
+    assert torch.equal(hb[:16], (torch.nn.functional.silu(gf) * uf).bfloat16())
+    row_w = torch.rand(80)
+    y = ops.group_gemm_row_scale(x, wg_h, wg_s, cu, row_w, P)
+    torch.testing.assert_close(y[16:48], (x[16:48] @ wg_s[0]) * row_w[16:48, None])
+    torch.testing.assert_close(y[:16], (x[:16] @ wg_h[0]) * row_w[:16, None])
+    assert not y[64:].any()
 
 
 # ------------------------------------------------------------------------------------- bad inputs
