@@ -1,7 +1,7 @@
 """End to end: MoE layer and few-layer MoE model, forward + backward, ours against the standard EP path.
 
     python benchmarks/bench_e2e.py [--out DIR] [--S 8192 --H 7168 --F 2048 --K 8 --epn 48 --P 128]
-                                   [--layers 2] [--iters 8 --repeats 3 --warmup 2] [--maxvios 0.2 5 10]
+                                   [--layers 2] [--iters 6 --repeats 3 --warmup 2] [--maxvios 0.2 5 10]
                                    [--variants ...] [--model-variants ...] [--graph-mode manual]
     torchrun --nproc-per-node R benchmarks/bench_e2e.py ...      (same, launched by torchrun)
     python benchmarks/bench_e2e.py --smoke                      (tiny shapes, CPU, gloo, 2 processes)
@@ -17,10 +17,11 @@ each step (no accumulation kernels).
                    `ours_graph` = that compiled step (forward + backward) captured once by hand in a CUDA
                    graph (torch.cuda.graph, after warm-up on a side stream) and replayed at every maxvio: the
                    routing changes inside the replayed graph, nothing is re-captured. The default
-                   `--graph-mode manual` is this capture; `--graph-mode reduce-overhead` uses
-                   torch.compile(mode="reduce-overhead") instead and records Inductor's cudagraph skips
-                   (the EPGroup's persistent symmetric buffers are plain tensors, not module buffers, which
-                   cudagraph trees may treat as mutated non-static inputs: unverified on a GPU).
+                   `--graph-mode manual` is this capture: the whole forward + backward in one graph, sharing
+                   the compile of `ours_compiled`. `--graph-mode reduce-overhead` uses
+                   torch.compile(mode="reduce-overhead") instead (cudagraph trees: forward and backward as
+                   separate graphs, one more compile; the EPGroup marks its symmetric buffers static with
+                   torch._dynamo.mark_static_address) and records Inductor's cudagraph skips in the notes.
   layer, baseline  benchmarks/baseline_ep.py's path (router, top-k, permute, split sizes to the host, NCCL
                    all_to_all_single, regroup, torch._grouped_mm SwiGLU, reverse all_to_all, unpermute),
                    as `BaselineMoE` (the steps of baseline_ep.baseline_moe with an nn.Linear router).
@@ -669,7 +670,7 @@ def main(argv=None) -> None:
                     help=f"model variants, comma-separated (from {','.join(LAYER_VARIANTS)})")
     ap.add_argument("--graph-mode", choices=("manual", "reduce-overhead"), default="manual")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (inductor; smoke: aot_eager)")
-    ap.add_argument("--iters", type=int, default=8, help="steps per timed repeat")
+    ap.add_argument("--iters", type=int, default=6, help="steps per timed repeat")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per config (+2 after a compile)")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default) or float32")
