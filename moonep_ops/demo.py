@@ -2,10 +2,9 @@
 
     python -m moonep_ops.demo [--ranks 2] [--steps 40] [--device auto|cpu|cuda]
 
-It spawns `--ranks` gloo processes and runs the reference ops on the CPU; `--device cuda` runs the
-CuTe DSL kernels on `--ranks` GPUs over NCCL and symmetric memory (bf16, P=64). `--device auto` stays
-on the CPU for now: the GPU demo has not been run on a GPU machine yet (the GPU MoE layer itself is
-tested in tests/test_ep_cuda.py).
+With `--device cuda` (and `auto`, when `--ranks` GPUs exist and the CUDA kernels load) it runs the CuTe
+DSL kernels on `--ranks` GPUs over NCCL and symmetric memory (bf16, P=64); otherwise it spawns
+`--ranks` gloo processes and runs the reference ops on the CPU.
 The student MoE learns to imitate a fixed teacher MoE; its router starts biased towards a few
 experts, so the plan copies experts to keep the ranks balanced.
 """
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not gpu_ready:
         ap.error(f"--device cuda needs {args.ranks} GPUs and the moonep CUDA kernels "
                  f"(GPUs: {torch.cuda.device_count()}, kernels registered: {cuda_kernels_available()})")
-    device = "cuda" if args.device == "cuda" else "cpu"
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and gpu_ready) else "cpu"
     cfg_kwargs = dict(S=128, H=32, K=4, E=8 * args.ranks, F=32, P=16)
     if device == "cuda":  # the CUDA grouped GEMM tiles 64 rows: groups padded to P=64
         cfg_kwargs = dict(S=256, H=128, K=4, E=8 * args.ranks, F=64, P=64)

@@ -368,3 +368,134 @@ def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled:
     out["ref"] = [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
     ep.destroy()
     return out
+
+
+# ------------------------------------------------------------------------- MoEModel: compiler contract
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def host_syncs(step) -> list[str]:
+    """Run `step` under torch.profiler; the host syncs and device-to-host copies it made: CUDA runtime
+    sync calls and synchronous cudaMemcpy inside the step's time range, and every DtoH copy on the GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("moonep_step"):
+            step()
+    events = prof.events()
+    (span,) = [e.time_range for e in events if e.name == "moonep_step" and e.device_type == DeviceType.CPU]
+    found = []
+    for e in events:
+        inside = span.start <= e.time_range.start and e.time_range.end <= span.end
+        if inside and (e.name in SYNC_CALLS or e.name == "cudaMemcpy"):
+            found.append(e.name)
+        elif "Memcpy DtoH" in e.name:
+            found.append(e.name)
+    return found
+
+
+def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, steps: int):
+    """A MoEModel of n_layers blocks (bf16, one EPGroup) on the GPU:
+    eager      output and every gradient (the test checks them against the dense fp32 model);
+    compiled   torch.compile(fullgraph=True) over `steps` inputs routed differently (some skewed): graphs,
+               recompiles, outputs and gradients against eager;
+    profiler   host syncs of one warm compiled step, and of the same step with a planted .item();
+    graphs     mode="reduce-overhead" (CUDA graphs) on two alternating inputs, replayed: bitwise equal to
+               the plain compiled step;
+    export     torch.export of the forward against eager;
+    memory     peak allocated bytes of an eager and a compiled training step, uniform vs skewed input."""
+    from torch._dynamo.utils import counters
+
+    import ep_workers
+    from moonep_ops import MoEModel
+    from moonep_ops.routing import route
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    bf = torch.bfloat16
+    ep = EPGroup(cfg, device="cuda")
+    model = MoEModel(ep, n_layers)
+    layers, x_all, grad_out = ep_workers.model_weights(cfg, n_layers)
+    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
+    with torch.no_grad():
+        for block, (mix, router, w_gate, w_up, w_down) in zip(model.blocks, layers):
+            block.mix.weight.copy_(mix)
+            block.moe.router.weight.copy_(router)
+            block.moe.experts.w_gate.copy_(w_gate[mine])
+            block.moe.experts.w_up.copy_(w_up[mine])
+            block.moe.experts.w_down.copy_(w_down[mine])
+    g = grad_out[tokens].to(bf).cuda()
+
+    def inputs(i: int) -> torch.Tensor:
+        x = torch.randn(cfg.S, cfg.H, generator=torch.Generator().manual_seed(1000 * rank + i))
+        if i % 2:  # skewed: feature 0 large, as in ep_workers.global_weights("extreme")
+            x[:, 0] = x[:, 0].abs() + 4
+        return x.to(bf).cuda()
+
+    def step(fn, x, planted_item=False):
+        model.zero_grad()
+        x = x.clone().requires_grad_()
+        y = fn(x)
+        if planted_item:
+            float(y.float().sum().item())
+        y.backward(g)
+        return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+    out = {}
+    chosen = []  # per layer, the experts this rank's tokens went to (for the dense reference)
+    hooks = [b.moe.router.register_forward_hook(lambda m, i, logits: chosen.append(route(logits, cfg.K)[1].cpu()))
+             for b in model.blocks]
+    got = step(model, x_all[tokens].to(bf).cuda())
+    for h in hooks:
+        h.remove()
+    out["eager"] = dict(y=got[0].float().cpu(), x=got[1].float().cpu(), ids=chosen,
+                        grads={n: t.float().cpu() for (n, _), t in zip(model.named_parameters(), got[2:])})
+    xs = [inputs(i) for i in range(steps)]
+    eager = [step(model, x) for x in xs[:3]]
+    routings = []
+    for x in xs:
+        with torch.no_grad():
+            model(x)
+        routings.append(model.blocks[0].moe.last_counts.sum(0).cpu())
+    out["distinct_routings"] = len({tuple(c.tolist()) for c in routings})
+    out["max_load"] = max(int(c.max()) for c in routings) / (cfg.S * cfg.K * R / cfg.E)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    got = [step(compiled, x) for x in xs]
+    out["frames"] = counters["stats"]["unique_graphs"]
+    out["recompiles"] = sum(counters["recompiles"].values())
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["compiled_vs_eager"] = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                                   for ge, gc in zip(eager, got) for a, b in zip(ge, gc))
+    torch.cuda.synchronize()
+    out["syncs"] = host_syncs(lambda: step(compiled, xs[0]))
+    out["syncs_planted"] = host_syncs(lambda: step(compiled, xs[0], planted_item=True))
+
+    # peak memory of a training step: same bytes whatever the routing
+    peaks = {}
+    for name, fn in (("eager", model), ("compiled", compiled)):
+        for skew, x in (("uniform", xs[0]), ("skewed", xs[1])):
+            step(fn, x)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step(fn, x)
+            torch.cuda.synchronize()
+            peaks[f"{name}/{skew}"] = torch.cuda.max_memory_allocated()
+    out["peaks"] = peaks
+
+    plain = [step(compiled, x) for x in xs[:2]]
+    graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    replays = [step(graphed, xs[i % 2]) for i in range(6)]  # warm-up, record, then replays
+    out["graphs_bitwise"] = [all(torch.equal(a, b) for a, b in zip(r, plain[i % 2])) for i, r in enumerate(replays)]
+    out["graphs_diff"] = max(float((a.float() - b.float()).abs().max()) for i, r in enumerate(replays)
+                             for a, b in zip(r, plain[i % 2]))
+
+    exported = torch.export.export(model, (xs[2],))
+    with torch.no_grad():
+        a, b = exported.module()(xs[3]).float(), model(xs[3]).float()
+    out["export_diff"] = float((a - b).abs().max() / b.abs().max())
+    ep.check("compiled model contract")
+    ep.destroy()
+    return out

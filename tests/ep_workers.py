@@ -186,11 +186,11 @@ def model_forward_backward(rank: int, R: int, cfg_kwargs: dict, n_layers: int):
     return dict(y=y.detach(), x=x.grad, grads=grads)
 
 
-def dense_model_reference(cfg: EPConfig, n_layers: int) -> dict:
+def dense_model_reference(cfg: EPConfig, n_layers: int, ids: list[torch.Tensor] | None = None) -> dict:
     """The dense fp32 model that MoEModel must equal on all ranks' tokens: output, input gradient, and
     every parameter's gradient by MoEModel parameter name (router, norms, mix: the full gradient, which
     the data-parallel ranks' gradients sum to; experts: all E experts, which the ranks' home experts
-    concatenate to)."""
+    concatenate to). `ids`: per layer, the experts [R*S, K] the model under test chose (a bf16 run)."""
     from moonep_ops import dense_moe
 
     layers, x_all, grad_out = model_weights(cfg, n_layers)
@@ -204,7 +204,7 @@ def dense_model_reference(cfg: EPConfig, n_layers: int) -> dict:
                       f"blocks.{i}.moe.experts.w_gate": leaves[2], f"blocks.{i}.moe.experts.w_up": leaves[3],
                       f"blocks.{i}.moe.experts.w_down": leaves[4]})
         h = h + norm1(h) @ leaves[0].t()
-        h = h + dense_moe(norm2(h), *leaves[1:], K=cfg.K)
+        h = h + dense_moe(norm2(h), *leaves[1:], K=cfg.K, ids=None if ids is None else ids[i])
     h.backward(grad_out)
     return dict(y=h.detach(), x=x.grad, grads={name: t.grad for name, t in named.items()})
 
