@@ -16,9 +16,12 @@ and the fused epilogues (same run, same shapes):
                vs one _grouped_mm on [G, H, 2F] concatenated weights + the same activation ("cat 2F")
   swiglu_h     the same kernel storing h only (inference)
   row_scale    y = (h @ W_down_g) * row_w (fp32 scale in the epilogue) vs _grouped_mm(...).mul_(row_w)
+  swiglu_bwd   down-projection dgrad d = g_y @ W_down_g^T with the SwiGLU backward in the epilogue
+               (g_gate, g_up, h_w = row_w * h, g_row_w = sum_f d * h from the saved gate/up) vs
+               _grouped_mm dgrad + the same elementwise math in eager torch (fp32)
 FLOPs are the GEMM FLOPs only (swiglu: 2 * N * H * 2F).
 
-    python benchmarks/bench_gemm.py --only swiglu,swiglu_h,row_scale   # writes bench_gemm_fused.json
+    python benchmarks/bench_gemm.py --only swiglu,swiglu_h,row_scale,swiglu_bwd   # writes bench_gemm_fused.json
 """
 
 from __future__ import annotations
@@ -51,11 +54,11 @@ def group_cases(P: int = 128):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default=None, help="comma-separated ops (fwd,dgrad,wgrad,swiglu,swiglu_h,row_scale)")
+    ap.add_argument("--only", default=None, help="comma-separated ops (fwd,dgrad,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     from csrc_cute.group_gemm import (group_gemm_dgrad, group_gemm_fwd, group_gemm_row_scale, group_gemm_swiglu,
-                                      group_gemm_wgrad)
+                                      group_gemm_swiglu_bwd, group_gemm_wgrad)
 
     H, F, P = 7168, 2048, 128
     rows = []
@@ -109,6 +112,8 @@ def main() -> None:
                       f"{row['dense_tflops']:6.1f} TF/s | x{row['speedup']:.3f}", flush=True)
             if proj == "down F->H" and (only is None or "row_scale" in only):
                 rows.append(bench_row_scale(name, G, epn, n, x, w_home, w_slot, w_all, cu, P, group_gemm_row_scale))
+            if proj == "down F->H" and (only is None or "swiglu_bwd" in only):
+                rows.append(bench_swiglu_bwd(name, G, n, dy, w_home, w_slot, w_all, cu, P, group_gemm_swiglu_bwd))
         if only is None or only & {"swiglu", "swiglu_h"}:
             rows.extend(bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only))
     fname = "bench_gemm.json" if only is None else "bench_gemm_fused.json"
@@ -140,6 +145,36 @@ def bench_row_scale(name, G, epn, n, h, wd_home, wd_slot, wd_all, cu, P, group_g
                         nd=wd_home.shape[2], ours_ms=ours, baseline_ms=base, baseline="_grouped_mm + mul_(row_w)",
                         ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9, speedup=base / ours,
                         matches_baseline=ok, max_abs_err=err))
+
+
+def bench_swiglu_bwd(name, G, n, g_y, wd_home, wd_slot, wd_all, cu, P, group_gemm_swiglu_bwd):
+    """Down-projection dgrad with the SwiGLU backward epilogue vs _grouped_mm dgrad + eager elementwise."""
+    F = wd_home.shape[1]
+    gate = torch.randn(n, F, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(n, F, device="cuda", dtype=torch.bfloat16)
+    row_w = torch.rand(n, device="cuda")
+    wd_t = wd_all.transpose(-1, -2)
+    ours_fn = lambda: group_gemm_swiglu_bwd(g_y, wd_home, wd_slot, cu, row_w, gate, up, pad=P)  # noqa: E731
+
+    def base_fn():
+        d = torch._grouped_mm(g_y, wd_t, offs=cu).float()
+        gf, uf = gate.float(), up.float()
+        s = torch.sigmoid(gf)
+        h = gf * s * uf
+        gh = d * row_w[:, None]
+        return ((gh * uf * s * (1 + gf * (1 - s))).bfloat16(), (gh * gf * s).bfloat16(),
+                (h * row_w[:, None]).bfloat16(), (d * h).sum(1))
+
+    got, ref = ours_fn(), base_fn()
+    errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(got, ref)]
+    ok = all(torch.allclose(a.float(), b.float(), atol=5e-2 * (F ** 0.5 if i == 3 else 1), rtol=5e-2)
+             for i, (a, b) in enumerate(zip(got, ref)))
+    ours, base = cuda_time_ms(ours_fn), cuda_time_ms(base_fn)
+    flops = 2.0 * n * g_y.shape[1] * F
+    return _report(dict(case=name, proj="down F->H", op="swiglu_bwd", groups=G, rows=n, kd=F, nd=g_y.shape[1],
+                        ours_ms=ours, baseline_ms=base, baseline="_grouped_mm dgrad + eager SwiGLU backward",
+                        ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9, speedup=base / ours,
+                        matches_baseline=ok, max_abs_err=max(errs)))
 
 
 def bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only):

@@ -56,6 +56,9 @@ __all__ = [
     "select_swiglu_config",
     "compile_group_gemm_swiglu",
     "compile_group_gemm_row_scale",
+    "group_gemm_swiglu_bwd",
+    "select_swiglu_bwd_config",
+    "compile_group_gemm_swiglu_bwd",
     "group_gemm_dgrad",
     "group_gemm_wgrad",
     "GroupGemmConfig",
@@ -1187,7 +1190,7 @@ def _build_kernel_classes():
                     for e in cutlass.range_constexpr(epi_tiles):
                         for v in cutlass.range_constexpr(size_rD):
                             a = tRS_rG[e * size_rD + v]
-                            sig = cute.arch.rcp_approx(1.0 + cute.arch.exp2(a * neg_log2e))
+                            sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(a * neg_log2e, fastmath=True))
                             tRS_rD[v] = a * sig * tRS_rU[e * size_rD + v]
                         tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
                         self.store_subtile(
@@ -1222,7 +1225,261 @@ def _build_kernel_classes():
                 if warp_idx == self.epi_store_warp:
                     store_pipe.producer_tail()
 
-    return GroupGemmSm90, GroupGemmWgradSm90, GroupGemmRowScaleSm90, GroupGemmSwigluSm90
+    class GroupGemmSwigluBwdSm90(_GroupedGemmSm90Base):
+        """Down-projection dgrad with the SwiGLU backward in the epilogue (see ``group_gemm_swiglu_bwd``).
+
+        Mainloop: the dgrad GEMM ``d = g_y @ W_down_g^T`` (A = g_y K-major, B = ``W_down_g`` viewed
+        (F, H), K-major), a 128 x 128 fp32 tile of d per CTA tile, persistent with the device-side tile
+        -> group lookup of the forward. Epilogue, per accumulator element (row r, column f), straight
+        from registers to global memory: reads the saved bf16 gate/up at (r, f) and ``row_w[r]``,
+        recomputes ``s = sigmoid(gate)``, ``h = gate * s * up`` in fp32 and writes
+        ``g_gate = row_w * d * up * s * (1 + gate * (1 - s))``, ``g_up = row_w * d * gate * s``,
+        ``h_w = row_w * h`` (bf16; the down wgrad's A operand: dW_down = h_w^T g_y) and the partial dot
+        product ``sum_f d * h`` of its rows over the tile's columns into ``part[r, n tile]`` (fp32; the
+        route-weight gradient is ``part.sum(1)``: no atomics, deterministic).
+        Row reduction: an accumulator element's row offset within the thread's rows is static (the
+        layout of the thread's slice of an identity tile), and the four lanes of a quad share their rows
+        (checked on the CPU by the tests): per static row offset a register sum, then two xor shuffles.
+        """
+
+        def __init__(self, config: GroupGemmConfig):
+            self._init_common(
+                config,
+                LayoutEnum.ROW_MAJOR,  # A = g_y [N, H]: K-major
+                LayoutEnum.ROW_MAJOR,  # B = W_down [F, H] per group: K-major (reduction over H)
+                0,
+            )
+            self.b_modes = [1, 2, 0]  # W_down (E, F, H) -> (F, H, E)
+
+        def _row_slots(self):
+            """Trace time: the static row offset of each accumulator element within a thread's rows (the
+            same for every thread), as (slot of element i, first element of each slot)."""
+            local = self.tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            offs = [int(local.layout(i)[0]) for i in range(cute.size(local))]
+            distinct = sorted(set(offs))
+            self.row_slot = tuple(distinct.index(o) for o in offs)
+            self.row_first = tuple(offs.index(o) for o in distinct)
+
+        @cute.jit
+        def __call__(
+            self,
+            g_y: cute.Tensor,  # (N, H)
+            w_home: cute.Tensor,  # (epn, F, H)
+            w_slot: cute.Tensor,  # (B, F, H)
+            cu_seqlens: cute.Tensor,  # (G,) int32
+            row_w: cute.Tensor,  # (N,) fp32
+            gate: cute.Tensor,  # (N, F) bf16
+            up: cute.Tensor,  # (N, F) bf16
+            g_gate: cute.Tensor,  # (N, F) bf16 out
+            g_up: cute.Tensor,  # (N, F) bf16 out
+            h_w: cute.Tensor,  # (N, F) bf16 out
+            part: cute.Tensor,  # (N, ceil(F / tile_n)) fp32 out
+            stream: cuda.CUstream,
+        ):
+            self._setup_mainloop()
+            self._row_slots()
+            b_home = cute.make_tensor(w_home.iterator, cute.select(w_home.layout, mode=self.b_modes))
+            b_slot = cute.make_tensor(w_slot.iterator, cute.select(w_slot.layout, mode=self.b_modes))
+            a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
+            b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            tma_a, mA = cpasync.make_tiled_tma_atom(g2s, g_y, a_smem, (self.tile_m, self.tile_k))
+            tma_bh, mBh = cpasync.make_tiled_tma_atom(g2s, b_home, b_smem, (self.tile_n, self.tile_k))
+            tma_bs, mBs = cpasync.make_tiled_tma_atom(g2s, b_slot, b_smem, (self.tile_n, self.tile_k))
+
+            num_m_tiles = cute.ceil_div(cute.size(g_y, mode=[0]), self.tile_m)
+            num_n_tiles = cute.ceil_div(cute.size(gate, mode=[1]), self.tile_n)
+            num_tiles = num_m_tiles * num_n_tiles
+            grid_x = cutlass.min(num_tiles, self.num_sms)
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
+                    self.buffer_align,
+                ]
+                sB: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
+                    self.buffer_align,
+                ]
+
+            self.shared_storage = SharedStorage
+
+            self.kernel(
+                tma_a, mA, tma_bh, mBh, tma_bs, mBs, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part,
+                self.tiled_mma, self.a_smem_staged, self.b_smem_staged, num_n_tiles, num_tiles,
+            ).launch(
+                grid=[grid_x, 1, 1],
+                block=[self.num_threads, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.jit
+        def swiglu_bwd_element(self, i: cutlass.Constexpr, acc: cute.Tensor, tCgG: cute.Tensor, tCgU: cute.Tensor,
+                               tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor, rw, j: cutlass.Constexpr,
+                               part_sums: cute.Tensor):
+            """Element i: read gate/up, write g_gate, g_up, h_w (bf16), add d * h to part_sums[j]."""
+            one = cutlass.Float32(1.0)
+            gt = tCgG[i].to(cutlass.Float32)
+            ut = tCgU[i].to(cutlass.Float32)
+            d = acc[i]
+            s = cute.arch.rcp_approx(one + cute.math.exp2(gt * cutlass.Float32(-1.4426950408889634), fastmath=True))
+            silu = gt * s
+            h = silu * ut
+            gh = d * rw
+            tCgGG[i] = (gh * ut * s * (one + gt * (one - s))).to(cutlass.BFloat16)
+            tCgGU[i] = (gh * silu).to(cutlass.BFloat16)
+            tCgHW[i] = (h * rw).to(cutlass.BFloat16)
+            part_sums[j] = part_sums[j] + d * h
+
+        @cute.jit
+        def swiglu_bwd_epilogue(self, acc: cute.Tensor, coords: cute.Tensor, tCgG: cute.Tensor,
+                                tCgU: cute.Tensor, tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor,
+                                row_w: cute.Tensor, last_row, dims, full: cutlass.Constexpr,
+                                part_sums: cute.Tensor):
+            """The per-element epilogue (see the class docstring), predicated on the bounds unless
+            ``full``; ``part_sums[row_slot[i]]`` collects d * h of the thread's rows of that static slot."""
+            # the route weight of each of the thread's rows, read once (clamped: rows past N are never stored)
+            rws = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
+            for j in cutlass.range_constexpr(len(self.row_first)):
+                rws[j] = row_w[cutlass.min(coords[self.row_first[j]][0], last_row)]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                rw = rws[self.row_slot[i]]
+                if cutlass.const_expr(full):
+                    self.swiglu_bwd_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rw, self.row_slot[i], part_sums)
+                else:
+                    if cute.elem_less(coords[i], dims):
+                        self.swiglu_bwd_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rw, self.row_slot[i], part_sums)
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_a: cute.CopyAtom, mA: cute.Tensor,
+            tma_bh: cute.CopyAtom, mBh: cute.Tensor,
+            tma_bs: cute.CopyAtom, mBs: cute.Tensor,
+            cu_seqlens: cute.Tensor,
+            row_w: cute.Tensor,
+            mGate: cute.Tensor, mUp: cute.Tensor, mGG: cute.Tensor, mGU: cute.Tensor, mHW: cute.Tensor,
+            mPart: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+            num_n_tiles: cutlass.Int32,
+            num_tiles: cutlass.Int32,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_a)
+                cpasync.prefetch_descriptor(tma_bh)
+                cpasync.prefetch_descriptor(tma_bs)
+
+            num_groups = cute.size(cu_seqlens, mode=[0])
+            num_home = cute.size(mBh, mode=[2])
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            mainloop = self.make_mainloop_pipeline(storage.mbar.data_ptr(), a_smem_staged, b_smem_staged)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+            gBh = cute.local_tile(mBh, (self.tile_n, self.tile_k), (None, None, None))
+            gBs = cute.local_tile(mBs, (self.tile_n, self.tile_k), (None, None, None))
+            one_l = cute.make_layout(1)
+            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one_l, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            tBsBh, tBgBh = cpasync.tma_partition(tma_bh, 0, one_l, cute.group_modes(sB, 0, 2), cute.group_modes(gBh, 0, 2))
+            tBsBs, tBgBs = cpasync.tma_partition(tma_bs, 0, one_l, cute.group_modes(sB, 0, 2), cute.group_modes(gBs, 0, 2))
+            k_tiles = cute.size(gA, mode=[3])
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(self.load_regs)
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                    for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                        m_idx = tile // num_n_tiles
+                        n_idx = tile % num_n_tiles
+                        g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                        if g < num_home:
+                            prod_state = self.load_k_tiles(
+                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                tma_bh, tBgBh[(None, n_idx, None, g)], tBsBh, 0, k_tiles,
+                            )
+                        elif g < num_groups:
+                            prod_state = self.load_k_tiles(
+                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                tma_bs, tBgBs[(None, n_idx, None, g - num_home)], tBsBs, 0, k_tiles,
+                            )
+                    mainloop.producer_tail(prod_state)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                mma_tidx = tidx - self.threads_per_wg
+                wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                thr_c = tiled_mma.get_slice(mma_tidx)  # per-thread slice: element coordinates (see wgrad)
+
+                n_rows = cute.size(mGate, mode=[0])
+                dims = (n_rows, cute.size(mGate, mode=[1]))
+                tile_c = (self.tile_m, self.tile_n)
+                gGate = cute.local_tile(mGate, tile_c, (None, None))
+                gUp = cute.local_tile(mUp, tile_c, (None, None))
+                gGG = cute.local_tile(mGG, tile_c, (None, None))
+                gGU = cute.local_tile(mGU, tile_c, (None, None))
+                gHW = cute.local_tile(mHW, tile_c, (None, None))
+                cC = cute.local_tile(cute.make_identity_tensor(dims), tile_c, (None, None))
+                acc = cute.make_rmem_tensor(thr_c.partition_C(gGate[(None, None, 0, 0)]).shape, self.acc_dtype)
+                part_sums = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
+                last_row = n_rows - 1
+
+                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+                for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                    m_idx = tile // num_n_tiles
+                    n_idx = tile % num_n_tiles
+                    g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                    k_count = k_tiles if g < num_groups else 0  # past the last group: d = 0
+                    read_state, release_state = self.mma_k_tiles(
+                        mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                    )
+                    coords = thr_c.partition_C(cC[(None, None, m_idx, n_idx)])
+                    tCgG = thr_c.partition_C(gGate[(None, None, m_idx, n_idx)])
+                    tCgU = thr_c.partition_C(gUp[(None, None, m_idx, n_idx)])
+                    tCgGG = thr_c.partition_C(gGG[(None, None, m_idx, n_idx)])
+                    tCgGU = thr_c.partition_C(gGU[(None, None, m_idx, n_idx)])
+                    tCgHW = thr_c.partition_C(gHW[(None, None, m_idx, n_idx)])
+
+                    part_sums.fill(0.0)
+                    full = ((m_idx + 1) * self.tile_m <= dims[0]) & ((n_idx + 1) * self.tile_n <= dims[1])
+                    if full:
+                        self.swiglu_bwd_epilogue(acc, coords, tCgG, tCgU, tCgGG, tCgGU, tCgHW, row_w,
+                                                 last_row, dims, True, part_sums)
+                    else:
+                        self.swiglu_bwd_epilogue(acc, coords, tCgG, tCgU, tCgGG, tCgGU, tCgHW, row_w,
+                                                 last_row, dims, False, part_sums)
+                    # the four lanes of a quad hold the same rows: reduce over them, lane 0 of the quad writes
+                    lane = cute.arch.lane_idx()
+                    for j in cutlass.range_constexpr(len(self.row_first)):
+                        p = part_sums[j]
+                        p = p + cute.arch.shuffle_sync_bfly(p, offset=1)
+                        p = p + cute.arch.shuffle_sync_bfly(p, offset=2)
+                        r = coords[self.row_first[j]][0]
+                        if (lane % 4 == 0) & (r < n_rows):
+                            mPart[r, n_idx] = p
+
+    return GroupGemmSm90, GroupGemmWgradSm90, GroupGemmRowScaleSm90, GroupGemmSwigluSm90, GroupGemmSwigluBwdSm90
 
 
 _KERNEL_CLASSES = None
@@ -1396,6 +1653,45 @@ def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig):
         stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
         kernel = _kernel_classes()[2](config)
         return cute.compile(kernel, a_f, wh_f, ws_f, cu_f, rw_f, c_f, stream, options="--enable-tvm-ffi")
+
+    return _compile_cached(key, build)
+
+
+def select_swiglu_bwd_config(pad: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the SwiGLU-backward dgrad: tile_M as the forward's, 128 columns of F (its per-element
+    epilogue keeps one 64-register accumulator per thread and reads/writes five [N, F] tensors)."""
+    base = select_config(pad, 128, num_sms)
+    return GroupGemmConfig(base.tile_m, 128, num_sms)
+
+
+def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig):
+    """The down-projection dgrad with the SwiGLU backward epilogue: takes (g_y [N, H], w_down_home
+    [epn, F, H], w_down_slot [B, F, H], cu_seqlens, row_w [N] fp32, gate [N, F], up [N, F], g_gate [N, F],
+    g_up [N, F], h_w [N, F], part [N, ceil(F / tile_n)] fp32)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    key = ("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config), arch)
+
+    def build():
+        n, epn, nb, ng = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+        rt = cute.runtime
+        bf = cutlass.BFloat16
+
+        def rows(cols, dtype=bf, align=16):
+            return rt.make_fake_compact_tensor(dtype, (n, cols), stride_order=(1, 0), assumed_align=align)
+
+        def weights(e):
+            return rt.make_fake_compact_tensor(bf, (e, f, hd), stride_order=(2, 1, 0), assumed_align=16)
+
+        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
+        rw_f = rt.make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=4)
+        n_tiles = (f + config.tile_n - 1) // config.tile_n
+        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
+        kernel = _kernel_classes()[4](config)
+        return cute.compile(kernel, rows(hd), weights(epn), weights(nb), cu_f, rw_f, rows(f), rows(f), rows(f),
+                            rows(f), rows(f), rows(n_tiles, cutlass.Float32, 4), stream, options="--enable-tvm-ffi")
 
     return _compile_cached(key, build)
 
@@ -1655,6 +1951,63 @@ def group_gemm_swiglu(
     return h, gate, up
 
 
+def group_gemm_swiglu_bwd(
+    g_y: torch.Tensor,
+    w_down_home: torch.Tensor,
+    w_down_slot: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    row_w: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    pad: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``y = group_gemm_row_scale(swiglu(gate, up), W_down, row_w)`` up to the gate/up
+    pre-activations, one kernel: ``d = g_y @ W_down_g^T`` (fp32) and, in its epilogue, from the saved bf16
+    ``gate``/``up`` and ``row_w``: ``g_gate``, ``g_up`` (bf16, the gate/up projections' output gradients),
+    ``h_w = row_w * silu(gate) * up`` (bf16, the down projection's wgrad operand: ``dW_down_g += h_w_g^T
+    g_y_g``) and ``g_row_w[r] = sum_f d[r, f] * h[r, f]`` (fp32 [N], the route weights' gradient; per
+    128-column tile partial sums, added here in a fixed order). Weights ``[epn, F, H]`` / ``[B, F, H]``.
+    No host sync."""
+    n, f, hd, epn, nb = _check_inputs(g_y, w_down_home, w_down_slot, cu_seqlens, pad, x_name="g_y", red_dim=2,
+                                      w_names=("w_down_home", "w_down_slot"), check_device=False)
+    for name, t, dt, shape in (("row_w", row_w, torch.float32, (n,)), ("gate", gate, torch.bfloat16, (n, f)),
+                               ("up", up, torch.bfloat16, (n, f))):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dt:
+            raise ValueError(f"{name} must be {str(dt).replace('torch.', '')}, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} (N rows of g_y, F = w_down_home.shape[1]), "
+                             f"got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    _check_inputs(g_y, w_down_home, w_down_slot, cu_seqlens, pad, x_name="g_y", red_dim=2,
+                  w_names=("w_down_home", "w_down_slot"))
+    for name, t in (("row_w", row_w), ("gate", gate), ("up", up)):
+        if t.device != g_y.device:
+            raise ValueError(f"{name} must be on the same device as g_y ({g_y.device}), got {t.device}")
+        if t.numel() and t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    fast_key = ("swiglu_bwd", hd, f, pad, g_y.device.index)
+    fn = _LAUNCH_CACHE.get(fast_key)
+    if fn is None:
+        cc, num_sms = _device_info(g_y.device)
+        if cc != (9, 0):
+            raise ValueError(f"tensors must be on a Hopper (sm_90) GPU, got compute capability {cc[0]}.{cc[1]}")
+        cfg = select_swiglu_bwd_config(pad, num_sms)
+        fn = _LAUNCH_CACHE[fast_key] = compile_group_gemm_swiglu_bwd(hd, f, cfg)
+    tile_n = 128  # select_swiglu_bwd_config
+    dev = g_y.device
+    g_gate, g_up, h_w = (torch.empty(n, f, dtype=torch.bfloat16, device=dev) for _ in range(3))
+    part = torch.empty(n, (f + tile_n - 1) // tile_n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return g_gate, g_up, h_w, part.sum(1)
+    if nb == 0:
+        w_down_slot = w_down_home  # never read (see group_gemm_fwd)
+    fn(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part)
+    return g_gate, g_up, h_w, part.sum(1)
+
+
 def group_gemm_wgrad(
     x: torch.Tensor,
     dy: torch.Tensor,
@@ -1724,6 +2077,8 @@ def _compile_only(kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int =
             compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms))
         elif op in ("swiglu", "swiglu_h_only"):
             compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu")
+        elif op == "swiglu_bwd":
+            compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms))
         else:
             raise ValueError(f"unknown op {op!r}")
 
@@ -1758,12 +2113,57 @@ def _wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
     return dict(writes=len(seen), distinct=len(set(seen)), elements=tile_m * tile_n, inside=inside)
 
 
+def _swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
+    """CPU check of the SwiGLU-backward epilogue's row reduction (layout algebra at trace time only).
+
+    The kernel sums ``d * h`` per accumulator element into one register per static row slot
+    (``row_slot``), then over the four lanes of a quad (xor shuffles 1 and 2), and lane 0 of the quad
+    writes the row. Correct iff, for every consumer thread: the elements of a slot share one row
+    (``row_first`` names it), the lanes of a quad hold the same rows, and a quad's elements of a row
+    cover all ``tile_n`` columns once. Returns the number of violations of each and the counts checked.
+    """
+    import cutlass
+    import cutlass.cute as cute
+
+    from csrc_cute.compile_check import expect_no_driver
+
+    kernel = _kernel_classes()[4](GroupGemmConfig(tile_m, 128, 1))
+    kernel.tile_n = tile_n
+    per_thread: list[list[tuple[int, int]]] = []
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        kernel._row_slots()
+        tile = cute.make_identity_tensor((tile_m, tile_n))
+        for t in cutlass.range_constexpr(kernel.num_mma_threads):
+            part = kernel.tiled_mma.get_slice(t).partition_C(tile)
+            per_thread.append([tuple(int(v) for v in part[i]) for i in range(cute.size(part))])
+
+    with expect_no_driver():
+        cute.compile(probe)
+    slot, first = kernel.row_slot, kernel.row_first
+    bad_slot = sum(1 for el in per_thread for i, (r, _) in enumerate(el) if r != el[first[slot[i]]][0])
+    bad_quad, bad_cover = 0, 0
+    for t, el in enumerate(per_thread):
+        rows = sorted({r for r, _ in el})
+        quad = [per_thread[(t & ~3) + q] for q in range(4)]
+        if any(sorted({r for r, _ in q}) != rows for q in quad):
+            bad_quad += 1
+        for r in rows:
+            cols = [c for q in quad for rr, c in q if rr == r]
+            if sorted(cols) != list(range(tile_n)):
+                bad_cover += 1
+    return dict(threads=len(per_thread), bad_slot=bad_slot, bad_quad=bad_quad, bad_cover=bad_cover,
+                slots=len(first))
+
+
 def compile_group_gemm_for_sm90(
     dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
     op: str = "fwd",
 ):
-    """Compile one kernel (``op`` = "fwd", "dgrad", "wgrad", "row_scale", "swiglu" or "swiglu_h_only";
-    for the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine)
+    """Compile one kernel (``op`` = "fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only" or
+    "swiglu_bwd"; for the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine)
     and return a ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers,
     shared memory, spills)."""
     from csrc_cute.compile_check import run_compile_check

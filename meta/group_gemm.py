@@ -1,5 +1,5 @@
-"""Fake kernels of moonep::group_gemm, group_gemm_dgrad, group_gemm_wgrad, group_gemm_swiglu and
-group_gemm_row_scale."""
+"""Fake kernels of moonep::group_gemm, group_gemm_dgrad, group_gemm_wgrad, group_gemm_swiglu,
+group_gemm_row_scale and group_gemm_swiglu_bwd."""
 
 import torch
 
@@ -91,3 +91,25 @@ def check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P) -> int:
 def group_gemm_row_scale(x, w_home, w_slot, cu_seqlens, row_w, P: int):
     Nd = check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P)
     return x.new_empty((x.shape[0], Nd))
+
+
+def check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P) -> int:
+    op = "group_gemm_swiglu_bwd"
+    check_tensor(op, "g_y", g_y, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    N, H = g_y.shape
+    check_tensor(op, "w_down_home", w_down_home, (g_y.dtype,), (None, None, H), g_y.device)
+    epn, F, _ = w_down_home.shape
+    check_tensor(op, "w_down_slot", w_down_slot, (g_y.dtype,), (None, F, H), g_y.device)
+    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (epn + w_down_slot.shape[0],), g_y.device)
+    check_tensor(op, "row_w", row_w, (torch.float32,), (N,), g_y.device)
+    check_tensor(op, "gate", gate, (g_y.dtype,), (N, F), g_y.device)
+    check_tensor(op, "up", up, (g_y.dtype,), (N, F), g_y.device)
+    return F
+
+
+def group_gemm_swiglu_bwd(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P: int):
+    F = check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
+    N = g_y.shape[0]
+    return (g_y.new_empty((N, F)), g_y.new_empty((N, F)), g_y.new_empty((N, F)),
+            g_y.new_empty((N,), dtype=torch.float32))

@@ -379,6 +379,39 @@ def _group_gemm_row_scale_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seq
     return row_scale_kernel(x, w_home, w_slot, cu_seqlens, row_w, pad=P)
 
 
+@custom_op("moonep::group_gemm_swiglu_bwd", mutates_args=(), device_types="cpu")
+def group_gemm_swiglu_bwd(g_y: Tensor, w_down_home: Tensor, w_down_slot: Tensor, cu_seqlens: Tensor, row_w: Tensor,
+                          gate: Tensor, up: Tensor, P: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward of y = group_gemm_row_scale(silu(gate) * up, W_down, row_w) down to the pre-activations.
+    With d = g_y @ W_down_g^T (fp32; zero for rows past the last group), s = sigmoid(gate), h = gate*s*up
+    from the saved gate/up: returns g_gate = row_w*d*up*s*(1 + gate*(1 - s)), g_up = row_w*d*gate*s,
+    h_w = row_w*h (all [N, F] in g_y's dtype; h_w is the down projection's wgrad operand,
+    dW_down_g += h_w_g^T g_y_g) and g_row_w = sum_f d*h ([N] fp32, the route weights' gradient)."""
+    meta.group_gemm.check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
+    n, F = gate.shape
+    d = torch.zeros(n, F)
+    for g, s, e in _group_bounds("group_gemm_swiglu_bwd", cu_seqlens, n, P):
+        d[s:e] = g_y[s:e].float() @ _weight(w_down_home, w_down_slot, g).float().t()
+    gf, uf, rw = gate.float(), up.float(), row_w[:, None]
+    sig = torch.sigmoid(gf)
+    h = gf * sig * uf
+    gh = d * rw
+    g_gate = gh * uf * sig * (1 + gf * (1 - sig))
+    return (g_gate.to(g_y.dtype), (gh * gf * sig).to(g_y.dtype), (h * rw).to(g_y.dtype), (d * h).sum(1))
+
+
+group_gemm_swiglu_bwd.register_fake(meta.group_gemm.group_gemm_swiglu_bwd)
+
+
+@group_gemm_swiglu_bwd.register_kernel("cuda")
+def _group_gemm_swiglu_bwd_cuda(g_y: Tensor, w_down_home: Tensor, w_down_slot: Tensor, cu_seqlens: Tensor,
+                                row_w: Tensor, gate: Tensor, up: Tensor, P: int):
+    meta.group_gemm.check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd as bwd_kernel  # CuTe DSL loads on first CUDA use only
+
+    return bwd_kernel(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, pad=P)
+
+
 # ---------------------------------------------------------------------------------- prefetch_weights
 @custom_op("moonep::prefetch_weights", mutates_args=("pool_gate", "pool_up", "pool_down", "ctrl"),
            device_types="cpu")

@@ -599,6 +599,8 @@ def test_autograd_group_gemm_on_cuda(pad):
         ("swiglu", 520, 200, 64),  # tile_M = 64, partial tiles
         ("row_scale", 2048, 7168, 128),  # down projection with route weights
         ("row_scale", 520, 200, 64),
+        ("swiglu_bwd", 7168, 2048, 128),  # down-projection dgrad + SwiGLU backward (Kd = H, Nd = F here)
+        ("swiglu_bwd", 520, 200, 64),
     ],
 )
 def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
@@ -615,7 +617,15 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     with open(res.ptx[0], "rb") as f:
         ptx = f.read().decode(errors="replace")
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    if op.startswith("swiglu"):
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if op == "swiglu_bwd":
+        # dgrad: A and B K-major; one 128-column accumulator; the activation's backward in the epilogue
+        assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+        assert all(ln.replace(" ", "").endswith("0,0;") for ln in mma), mma[0][-60:]
+        assert "ex2.approx" in ptx and "rcp.approx" in ptx and "shfl.sync.bfly" in ptx
+        # row_w: one load per row slot (2) in each of the full-tile and partial-tile epilogues
+        assert ptx.count("ld.global.f32") == 4, ptx.count("ld.global.f32")
+    elif op.startswith("swiglu"):
         # two accumulators (gate, up) of 128 columns each; the activation is computed in the kernel
         assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
         assert "ex2.approx" in ptx and "rcp.approx" in ptx
@@ -799,3 +809,175 @@ def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
         ref_h, ref_g, _ = reference_swiglu(x, wgh, wgs, wuh, wus, cu)
         _check_rows(bufs[0], ref_h, cu)
         _check_rows(bufs[1], ref_g, cu)
+
+
+# ------------------------------------------------------------------------------------------------
+# SwiGLU backward fused into the down projection's dgrad (group_gemm_swiglu_bwd)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_swiglu_bwd_row_reduction_layout(tile_m):
+    """The route-weight gradient is reduced per row in registers (static row slots), then over the four
+    lanes of a quad: checked against the real accumulator layout for every consumer thread (CPU)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    code = (
+        "import json\nfrom csrc_cute.group_gemm import _swiglu_bwd_row_quads as f\n"
+        f"print('RESULT', json.dumps(f({tile_m}, 128)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res == dict(threads=2 * tile_m, bad_slot=0, bad_quad=0, bad_cover=0, slots=2), res
+
+
+def test_swiglu_bwd_bad_inputs():
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd
+
+    n, f, hd = 256, 64, 128
+    g_y = torch.zeros(n, hd, dtype=torch.bfloat16)
+    wdh, wds = torch.zeros(2, f, hd, dtype=torch.bfloat16), torch.zeros(1, f, hd, dtype=torch.bfloat16)
+    cu = torch.zeros(3, dtype=torch.int32)
+    rw = torch.zeros(n)
+    gate, up = torch.zeros(n, f, dtype=torch.bfloat16), torch.zeros(n, f, dtype=torch.bfloat16)
+    ok = (g_y, wdh, wds, cu, rw, gate, up)
+    for i, bad, match in (
+        (0, g_y.float(), r"^g_y must be bfloat16"),
+        (0, g_y[:, :64].contiguous(), r"^w_down_home.shape\[2\]"),
+        (1, wdh.half(), r"^w_down_home must be bfloat16"),
+        (2, wds[:, :, :64].contiguous(), r"^w_down_slot must be \[B"),
+        (3, cu[:2], r"^cu_seqlens must be 1-D"),
+        (4, rw.double(), r"^row_w must be float32"),
+        (4, rw[:8], r"^row_w must have shape \[256\]"),
+        (5, gate[:, :32].contiguous(), r"^gate must have shape \[256, 64\]"),
+        (6, up.float(), r"^up must be bfloat16"),
+        (6, up.t().contiguous().t(), r"^up must be contiguous"),
+        (None, None, r"^g_y must be a CUDA tensor"),
+    ):
+        args = list(ok)
+        if i is not None:
+            args[i] = bad
+        with pytest.raises(ValueError, match=match):
+            group_gemm_swiglu_bwd(*args)
+
+
+def _make_swiglu_bwd(lengths, epn, hd, f, n_total=None, seed=0):
+    """(g_y [N, H], w_down_home [epn, F, H], w_down_slot, cu, row_w [N], gate [N, F], up [N, F]) on the GPU."""
+    g_y, wdh, wds, cu = _make(lengths, epn, f, hd, n_total=n_total, seed=seed)  # weights [*, F, H]
+    gen = torch.Generator().manual_seed(seed + 77)
+    n = g_y.shape[0]
+    g_y = torch.randn(n, hd, generator=gen).bfloat16().cuda()
+    wdh.mul_((f / hd) ** 0.5)
+    wds.mul_((f / hd) ** 0.5)
+    gate = (torch.randn(n, f, generator=gen) * 2).bfloat16().cuda()
+    up = torch.randn(n, f, generator=gen).bfloat16().cuda()
+    row_w = torch.rand(n, generator=gen).cuda()
+    return g_y, wdh, wds, cu, row_w, gate, up
+
+
+def reference_swiglu_bwd(*args, pad=128):
+    out = torch.ops.moonep.group_gemm_swiglu_bwd(*(t.cpu() for t in args), pad)
+    return tuple(t.to(args[0].device) for t in out)
+
+
+def _check_swiglu_bwd(args, pad=128):
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd
+
+    got = group_gemm_swiglu_bwd(*args, pad=pad)
+    ref = reference_swiglu_bwd(*args, pad=pad)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_gate", "g_up", "h_w"), got[:3], ref[:3]):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
+    # g_row_w sums F products of order one: compare relative to the row's scale
+    torch.testing.assert_close(got[3], ref[3], atol=2e-2 * args[5].shape[1] ** 0.5, rtol=2e-2)
+    end = int(args[3][-1])
+    assert torch.count_nonzero(got[0][end:]) == 0 and torch.count_nonzero(got[3][end:]) == 0
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_swiglu_bwd_random_groups_with_empty_and_slots(pad):
+    # H = 520: partial k tile; F = 200: partial output tile; padding rows past the last group
+    lengths = _random_lengths(pad, 5, 4, 6, seed=90 + pad)
+    _check_swiglu_bwd(_make_swiglu_bwd(lengths, 5, hd=520, f=200, n_total=sum(lengths) + 3 * pad, seed=pad), pad)
+
+
+@gpu
+def test_swiglu_bwd_many_tiles_one_group_and_slot_pool():
+    lengths = _random_lengths(128, 8, 8, 13, seed=91)
+    _check_swiglu_bwd(_make_swiglu_bwd(lengths, 8, hd=512, f=1024, n_total=sum(lengths) + 256, seed=91))
+    for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([128, 0, 256], 3)):
+        _check_swiglu_bwd(_make_swiglu_bwd(lengths, epn, hd=256, f=384, n_total=sum(lengths) + 128, seed=92))
+    # slot weights negated: g_gate, g_up and g_row_w of the slot rows flip sign, h_w does not
+    args = list(_make_swiglu_bwd([256, 256], 1, hd=128, f=128, seed=93))
+    args[2] = -args[1]
+    got = _check_swiglu_bwd(tuple(args))
+    flipped = list(args)
+    flipped[2] = args[1].clone()
+    ref = reference_swiglu_bwd(*flipped)
+    torch.testing.assert_close(got[0][256:].float(), -ref[0][256:].float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got[2].float(), ref[2].float(), atol=3e-2, rtol=2e-2)
+
+
+@gpu
+def test_swiglu_bwd_op_autograd_chain_and_cuda_graph():
+    """The registered op runs the kernel, and the whole fused FFN backward (this kernel, the dgrads and
+    wgrads) matches torch autograd of the fp32 math; then capture + replay with new routings."""
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd
+
+    epn, nb, hd, f, n = 3, 2, 256, 384, 1536
+    g_y, wdh, wds, _, row_w, gate, up = _make_swiglu_bwd([0] * (epn + nb), epn, hd, f, n_total=n, seed=94)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    cu.copy_(_routing(epn, nb, n, 0))
+    got = torch.ops.moonep.group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up, 128)
+    again = group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "not deterministic / not the kernel"
+    # autograd of y = ((silu(gate) * up) @ W_g) * row_w in fp32 on the CPU
+    leaves = [t.detach().cpu().float().requires_grad_(True) for t in (gate, up, row_w)]
+    w_all = torch.cat([wdh, wds]).cpu().float()
+    cu_l = [0] + cu.cpu().tolist()
+    h = torch.nn.functional.silu(leaves[0]) * leaves[1]
+    y = torch.zeros(n, hd)
+    for g in range(epn + nb):
+        y[cu_l[g]:cu_l[g + 1]] = h[cu_l[g]:cu_l[g + 1]] @ w_all[g]
+    (y * leaves[2][:, None] * g_y.cpu().float()).sum().backward()
+    for name, a, b in (("g_gate", got[0], leaves[0].grad), ("g_up", got[1], leaves[1].grad)):
+        torch.testing.assert_close(a.float().cpu(), b, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(got[3].cpu(), leaves[2].grad, atol=0.2, rtol=2e-2)
+    # down projection's weight gradient from h_w: dW_g = h_w_g^T g_y_g
+    from csrc_cute.group_gemm import group_gemm_wgrad
+
+    dwh, dws = torch.zeros(epn, f, hd, device="cuda"), torch.zeros(nb, f, hd, device="cuda")
+    group_gemm_wgrad(got[2], g_y, cu, dwh, dws)
+    hw = h.detach() * leaves[2].detach()[:, None]
+    for g in range(epn + nb):
+        ref = hw[cu_l[g]:cu_l[g + 1]].t() @ g_y.cpu().float()[cu_l[g]:cu_l[g + 1]]
+        have = (dwh[g] if g < epn else dws[g - epn]).cpu()
+        torch.testing.assert_close(have, ref, atol=0.1, rtol=2e-2)
+    # CUDA graph: capture once, replay with new routings on the device
+    outs = [torch.empty_like(t) for t in got]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            res = group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)
+            for o, r in zip(outs, res):
+                o.copy_(r)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(1, 4):
+        cu.copy_(_routing(epn, nb, n, seed))
+        graph.replay()
+        eager = group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, e) for o, e in zip(outs, eager)), seed
+        _check_swiglu_bwd((g_y, wdh, wds, cu, row_w, gate, up))

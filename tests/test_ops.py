@@ -53,6 +53,8 @@ def op_cases(group):
                                                               c.P, True)),
         "group_gemm_row_scale": (ops.group_gemm_row_scale.default, (hidden, wd_home, pools[2], cu, row_w.float(),
                                                                     c.P)),
+        "group_gemm_swiglu_bwd": (ops.group_gemm_swiglu_bwd.default, (rows, wd_home, pools[2], cu, row_w.float(),
+                                                                      hidden, hidden * 0.5, c.P)),
         "prefetch_weights": (ops.prefetch_weights.default, (w_home, w_home.clone(), wd_home, etc, *pools, ep.ctrl,
                                                             group)),
         "reduce_grad": (ops.reduce_grad.default, (etc, torch.randn(c.B, c.H, c.F), torch.randn(c.B, c.H, c.F),
@@ -148,6 +150,43 @@ def test_group_gemm_swiglu_and_row_scale_values():
     torch.testing.assert_close(y[16:48], (x[16:48] @ wg_s[0]) * row_w[16:48, None])
     torch.testing.assert_close(y[:16], (x[:16] @ wg_h[0]) * row_w[:16, None])
     assert not y[64:].any()
+
+
+def test_group_gemm_swiglu_bwd_is_the_gradient():
+    """The fused backward equals autograd of y = ((silu(gate) * up) @ W_g) * row_w (fp32, CPU)."""
+    epn, B, F, H, P = 2, 2, 8, 16, 16
+    cu = torch.tensor([16, 16, 48, 64], dtype=torch.int32)
+    n = 80
+    wd_home, wd_slot = torch.randn(epn, F, H), torch.randn(B, F, H)
+    gate, up, row_w = torch.randn(n, F, requires_grad=True), torch.randn(n, F, requires_grad=True), torch.rand(
+        n, requires_grad=True)
+    g_y = torch.randn(n, H)
+    h = torch.nn.functional.silu(gate) * up
+    y = ops.group_gemm_row_scale(h.detach(), wd_home, wd_slot, cu, row_w.detach(), P)
+    ws = [wd_home[0], wd_home[1], wd_slot[0], wd_slot[1]]
+    bounds = [(0, 16), (16, 16), (16, 48), (48, 64)]
+    y_ref = torch.zeros(n, H)
+    for (s, e), w in zip(bounds, ws):
+        y_ref[s:e] = (h[s:e] @ w) * row_w[s:e, None]
+    torch.testing.assert_close(y, y_ref.detach())
+    (y_ref * g_y).sum().backward()
+    g_gate, g_up, h_w, g_row_w = ops.group_gemm_swiglu_bwd(g_y, wd_home, wd_slot, cu, row_w.detach(), gate.detach(),
+                                                           up.detach(), P)
+    torch.testing.assert_close(g_gate, gate.grad)
+    torch.testing.assert_close(g_up, up.grad)
+    torch.testing.assert_close(g_row_w, row_w.grad)
+    torch.testing.assert_close(h_w, h.detach() * row_w.detach()[:, None])
+    # the down projection's weight gradient from h_w: dW_g = h_w_g^T g_y_g
+    dw_home, dw_slot = torch.zeros(epn, F, H), torch.zeros(B, F, H)
+    ops.group_gemm_wgrad(h_w, g_y, cu, dw_home, dw_slot, P)
+    wl = [w.clone().requires_grad_(True) for w in ws]
+    y2 = torch.zeros(n, H)
+    for (s, e), w in zip(bounds, wl):
+        y2[s:e] = (h.detach()[s:e] @ w) * row_w.detach()[s:e, None]
+    (y2 * g_y).sum().backward()
+    torch.testing.assert_close(dw_home[0], wl[0].grad)
+    torch.testing.assert_close(dw_slot[0], wl[2].grad)
+    torch.testing.assert_close(dw_slot[1], wl[3].grad)
 
 
 # ------------------------------------------------------------------------------------- bad inputs
