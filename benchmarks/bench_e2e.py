@@ -302,6 +302,25 @@ def short_error(e: BaseException) -> str:
     return msg + (f" ({ctx[0][len('Developer debug context:'):].strip()[:400]})" if ctx else "")
 
 
+def kernel_breakdown(step, show: bool, top: int = 25) -> list[tuple[str, float]]:
+    """GPU time per kernel name over one step (torch.profiler), ms, largest first; printed if `show`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.device_time_total / 1e3
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    if show:
+        print(f"  GPU time {sum(totals.values()):.2f} ms over {len(totals)} kernel names; top {top}:", flush=True)
+        for name, ms in rows[:top]:
+            print(f"    {ms:8.3f} ms  {name[:110]}", flush=True)
+    return [(n[:200], round(ms, 4)) for n, ms in rows[:top]]
+
+
 def run_sweep(b: Bench, name: str, module: nn.Module, routers: list[ForcedRouter], routings: Routings,
               targets: list[float], x: torch.Tensor, g: torch.Tensor, variants: list[str], notes: dict,
               ep=None) -> dict[str, dict[float, dict]]:
@@ -429,6 +448,8 @@ def run_sweep(b: Bench, name: str, module: nn.Module, routers: list[ForcedRouter
                 if ep is not None:
                     ep.check(f"bench_e2e {name} {variant}")
                 res["peak_gb"], res["resident_gb"], res["device_used_gb"] = b.memory(step, clear_fn)
+                if opts.get("profile") and b.cuda and t == targets[0]:
+                    notes[f"{name}_{variant}_kernels"] = kernel_breakdown(step, b.rank == 0)
                 failed = 0.0
             except torch.OutOfMemoryError:
                 failed = 1.0
@@ -677,6 +698,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sms", type=int, default=32, help="CTAs of the dispatch/combine kernels")
     ap.add_argument("--comm-timeout", type=float, default=600.0, help="EPGroup.timeout_s (device-side waits)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="print and record each variant's GPU time per kernel "
+                    "at the first maxvio (one profiled step)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU with gloo, 2 processes")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -737,7 +760,11 @@ def main(argv=None) -> None:
                 wall_s=round(time.perf_counter() - t0, 1))
     payload = dict(info, layer=res["rows"]["layer"], model=res["rows"]["model"], notes=res["notes"],
                    summary=summaries)
-    print("wrote", write_json("bench_e2e.json", payload, args.out), f"({info['wall_s']} s)", flush=True)
+    out_dir = args.out
+    if out_dir is None and args.smoke:  # smoke figures are no results: keep them out of benchmarks/results
+        import tempfile
+        out_dir = tempfile.mkdtemp(prefix="bench_e2e_smoke_")
+    print("wrote", write_json("bench_e2e.json", payload, out_dir), f"({info['wall_s']} s)", flush=True)
 
 
 if __name__ == "__main__":

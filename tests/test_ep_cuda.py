@@ -121,8 +121,10 @@ def test_compiled_model_contract(R):
     ref = ep_workers.dense_model_reference(EPConfig(R=R, **cfg_kwargs), n_layers, ids)
 
     def close(got, want, what):
-        err = (got - want).abs().max() / want.abs().max().clamp_min(1e-6)
-        assert err < 5e-2, (what, float(err))
+        # relative Frobenius error: bf16 through two residual blocks (RMSNorm backward cancels terms, so
+        # a few elements' relative error is large while the tensor's is ~1e-2; a broken layer gives ~1)
+        err = (got - want).norm() / want.norm().clamp_min(1e-6)
+        assert err < 3e-2, (what, float(err))
 
     close(torch.cat([r["eager"]["y"] for r in res]), ref["y"], "y")
     close(torch.cat([r["eager"]["x"] for r in res]), ref["x"], "x")
