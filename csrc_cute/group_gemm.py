@@ -1230,8 +1230,11 @@ def _build_kernel_classes():
 
         Mainloop: the dgrad GEMM ``d = g_y @ W_down_g^T`` (A = g_y K-major, B = ``W_down_g`` viewed
         (F, H), K-major), a 128 x 128 fp32 tile of d per CTA tile, persistent with the device-side tile
-        -> group lookup of the forward. Epilogue, per accumulator element (row r, column f), straight
-        from registers to global memory: reads the saved bf16 gate/up at (r, f) and ``row_w[r]``,
+        -> group lookup of the forward. After the main loop each consumer thread loads the saved bf16
+        gate/up at its accumulator elements' (row, column)s into registers in one batch (vectorised,
+        all in flight together, before any store: one memory latency per tile; holding them across the
+        main loop instead made ptxas spill). Epilogue, per accumulator element (row r, column f), in
+        registers, then stored straight to global memory (vectorised on full tiles): with ``row_w[r]``,
         recomputes ``s = sigmoid(gate)``, ``h = gate * s * up`` in fp32 and writes
         ``g_gate = row_w * d * up * s * (1 + gate * (1 - s))``, ``g_up = row_w * d * gate * s``,
         ``h_w = row_w * h`` (bf16; the down wgrad's A operand: dW_down = h_w^T g_y) and the partial dot
@@ -1317,10 +1320,28 @@ def _build_kernel_classes():
             )
 
         @cute.jit
-        def swiglu_bwd_element(self, i: cutlass.Constexpr, acc: cute.Tensor, tCgG: cute.Tensor, tCgU: cute.Tensor,
-                               tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor, rw, j: cutlass.Constexpr,
-                               part_sums: cute.Tensor):
-            """Element i: read gate/up, write g_gate, g_up, h_w (bf16), add d * h to part_sums[j]."""
+        def swiglu_bwd_element(self, i: cutlass.Constexpr, acc: cute.Tensor, rG: cute.Tensor, rU: cute.Tensor, rw,
+                               j: cutlass.Constexpr, part_sums: cute.Tensor):
+            """Element i, in registers: gate/up (rG, rU) -> g_gate, g_up (bf16, in place), acc[i] -> h_w
+            (fp32, in place); adds d * h to part_sums[j]."""
+            one = cutlass.Float32(1.0)
+            gt = rG[i].to(cutlass.Float32)
+            ut = rU[i].to(cutlass.Float32)
+            d = acc[i]
+            s = cute.arch.rcp_approx(one + cute.math.exp2(gt * cutlass.Float32(-1.4426950408889634), fastmath=True))
+            silu = gt * s
+            h = silu * ut
+            gh = d * rw
+            rG[i] = (gh * ut * s * (one + gt * (one - s))).to(cutlass.BFloat16)
+            rU[i] = (gh * silu).to(cutlass.BFloat16)
+            acc[i] = h * rw
+            part_sums[j] = part_sums[j] + d * h
+
+        @cute.jit
+        def swiglu_bwd_element_gmem(self, i: cutlass.Constexpr, acc: cute.Tensor, tCgG: cute.Tensor,
+                                    tCgU: cute.Tensor, tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor, rw,
+                                    j: cutlass.Constexpr, part_sums: cute.Tensor):
+            """Element i of an edge tile: the same math, gate/up read from and results written to global."""
             one = cutlass.Float32(1.0)
             gt = tCgG[i].to(cutlass.Float32)
             ut = tCgU[i].to(cutlass.Float32)
@@ -1335,23 +1356,32 @@ def _build_kernel_classes():
             part_sums[j] = part_sums[j] + d * h
 
         @cute.jit
-        def swiglu_bwd_epilogue(self, acc: cute.Tensor, coords: cute.Tensor, tCgG: cute.Tensor,
-                                tCgU: cute.Tensor, tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor,
+        def swiglu_bwd_epilogue(self, acc: cute.Tensor, coords: cute.Tensor, rG: cute.Tensor, rU: cute.Tensor,
+                                tCgG: cute.Tensor, tCgU: cute.Tensor, tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor,
                                 row_w: cute.Tensor, last_row, dims, full: cutlass.Constexpr,
                                 part_sums: cute.Tensor):
-            """The per-element epilogue (see the class docstring), predicated on the bounds unless
-            ``full``; ``part_sums[row_slot[i]]`` collects d * h of the thread's rows of that static slot."""
+            """The epilogue (see the class docstring) on registers, then the stores: a full tile's gate/up
+            are in ``rG``/``rU`` (results overwrite them) and its stores are vectorised; an edge tile reads
+            and writes per element, predicated. ``part_sums[row_slot[i]]`` collects d * h of the
+            thread's rows of that static slot (elements outside the bounds are skipped)."""
             # the route weight of each of the thread's rows, read once (clamped: rows past N are never stored)
             rws = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
             for j in cutlass.range_constexpr(len(self.row_first)):
                 rws[j] = row_w[cutlass.min(coords[self.row_first[j]][0], last_row)]
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                rw = rws[self.row_slot[i]]
-                if cutlass.const_expr(full):
-                    self.swiglu_bwd_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rw, self.row_slot[i], part_sums)
-                else:
+            if cutlass.const_expr(full):
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    self.swiglu_bwd_element(i, acc, rG, rU, rws[self.row_slot[i]], self.row_slot[i], part_sums)
+                cute.autovec_copy(rG, tCgGG)
+                cute.autovec_copy(rU, tCgGU)
+                rG.store(acc.load().to(cutlass.BFloat16))  # h_w, in gate's registers (fewer live registers)
+                cute.autovec_copy(rG, tCgHW)
+            else:
+                # an edge tile (rare): gate/up read from global memory one element at a time, every
+                # access predicated on the bounds
+                for i in cutlass.range_constexpr(cute.size(acc)):
                     if cute.elem_less(coords[i], dims):
-                        self.swiglu_bwd_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rw, self.row_slot[i], part_sums)
+                        self.swiglu_bwd_element_gmem(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rws[self.row_slot[i]],
+                                                     self.row_slot[i], part_sums)
 
         @cute.kernel
         def kernel(
@@ -1442,6 +1472,8 @@ def _build_kernel_classes():
                 cC = cute.local_tile(cute.make_identity_tensor(dims), tile_c, (None, None))
                 acc = cute.make_rmem_tensor(thr_c.partition_C(gGate[(None, None, 0, 0)]).shape, self.acc_dtype)
                 part_sums = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
+                rG = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)  # gate, then g_gate
+                rU = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)  # up, then g_up
                 last_row = n_rows - 1
 
                 read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
@@ -1451,6 +1483,7 @@ def _build_kernel_classes():
                     n_idx = tile % num_n_tiles
                     g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
                     k_count = k_tiles if g < num_groups else 0  # past the last group: d = 0
+                    full = ((m_idx + 1) * self.tile_m <= dims[0]) & ((n_idx + 1) * self.tile_n <= dims[1])
                     read_state, release_state = self.mma_k_tiles(
                         mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
                     )
@@ -1462,12 +1495,13 @@ def _build_kernel_classes():
                     tCgHW = thr_c.partition_C(gHW[(None, None, m_idx, n_idx)])
 
                     part_sums.fill(0.0)
-                    full = ((m_idx + 1) * self.tile_m <= dims[0]) & ((n_idx + 1) * self.tile_n <= dims[1])
                     if full:
-                        self.swiglu_bwd_epilogue(acc, coords, tCgG, tCgU, tCgGG, tCgGU, tCgHW, row_w,
+                        cute.autovec_copy(tCgG, rG)  # one batch of loads, before any store of this tile
+                        cute.autovec_copy(tCgU, rU)
+                        self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, row_w,
                                                  last_row, dims, True, part_sums)
                     else:
-                        self.swiglu_bwd_epilogue(acc, coords, tCgG, tCgU, tCgGG, tCgGU, tCgHW, row_w,
+                        self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, row_w,
                                                  last_row, dims, False, part_sums)
                     # the four lanes of a quad hold the same rows: reduce over them, lane 0 of the quad writes
                     lane = cute.arch.lane_idx()

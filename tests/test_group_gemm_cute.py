@@ -956,13 +956,16 @@ def test_swiglu_bwd_op_autograd_chain_and_cuda_graph():
     # down projection's weight gradient from h_w: dW_g = h_w_g^T g_y_g
     from csrc_cute.group_gemm import group_gemm_wgrad
 
+    # (h_w itself is checked against the fp32 reference above; here the bf16 h_w the kernel wrote is the
+    # operand, so only the fp32 summation order differs; against fp32 h the bf16 rounding of h_w, summed
+    # over a group's rows, exceeds atol 0.1 already with the CPU reference's h_w)
     dwh, dws = torch.zeros(epn, f, hd, device="cuda"), torch.zeros(nb, f, hd, device="cuda")
     group_gemm_wgrad(got[2], g_y, cu, dwh, dws)
-    hw = h.detach() * leaves[2].detach()[:, None]
+    hw = got[2].cpu().float()
     for g in range(epn + nb):
         ref = hw[cu_l[g]:cu_l[g + 1]].t() @ g_y.cpu().float()[cu_l[g]:cu_l[g + 1]]
         have = (dwh[g] if g < epn else dws[g - epn]).cpu()
-        torch.testing.assert_close(have, ref, atol=0.1, rtol=2e-2)
+        torch.testing.assert_close(have, ref, **WGRAD_TOL)
     # CUDA graph: capture once, replay with new routings on the device
     outs = [torch.empty_like(t) for t in got]
     graph = torch.cuda.CUDAGraph()
