@@ -42,7 +42,7 @@ def check_experts_ffn_backward_args(g_y, rows, w_gate, cfg) -> None:
     check_tensor("experts_ffn_backward", "w_gate", w_gate, ROW_DTYPES, (cfg.epn, cfg.H, cfg.F), rows.device)
 
 
-def experts_ffn_backward(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, out, P: int,
+def experts_ffn_backward(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, P: int,
                          ep_key: str):
     check_experts_ffn_backward_args(g_y, rows, w_gate, _cfg(ep_key))
     return (torch.empty_like(rows), torch.empty_like(row_w), torch.empty_like(w_gate), torch.empty_like(w_up),

@@ -6,8 +6,9 @@ its op; Dynamo traces those under torch.compile. Backward never re-plans: it reu
   dispatch  backward = dispatch_backward: combine of the row gradients + gather of the route-weight
             gradients
   combine   backward = combine_backward: dispatch of the token gradients
-  experts   (prefetch + SwiGLU GEMMs, one Function) backward = experts_ffn_backward: prefetch again,
-            dgrad/wgrad GEMMs, and reduce_grad of the copies' weight gradients into the home experts
+  experts   (prefetch + fused SwiGLU GEMMs, one Function) backward = experts_ffn_backward: prefetch
+            again, the down dgrad with the SwiGLU backward in its epilogue, the other dgrad/wgrad GEMMs,
+            and reduce_grad of the copies' weight gradients into the home experts
 """
 
 from __future__ import annotations
@@ -105,26 +106,25 @@ def combine(ep: EPGroup, rows: Tensor, row_primary: Tensor, row_next: Tensor, ds
 
 # ---------------------------------------------------------------------------------------- experts
 class _ExpertsFFN(torch.autograd.Function):
-    """One layer's SwiGLU experts on this rank's rows: prefetch -> gate/up GEMMs -> SwiGLU -> down GEMM ->
-    route-weight scaling. The slot pools are shared by every layer, so forward reads them in place;
-    backward (`moonep::experts_ffn_backward`) prefetches this layer's copies again."""
+    """One layer's SwiGLU experts on this rank's rows: prefetch -> fused gate/up GEMM with the SwiGLU
+    epilogue -> down GEMM with the route-weight scaling epilogue. The slot pools are shared by every
+    layer, so forward reads them in place; backward (`moonep::experts_ffn_backward`) prefetches this
+    layer's copies again."""
 
     @staticmethod
     def forward(ctx, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
                 pool_gate, pool_up, pool_down, ctrl, P, group_name, ep_key):
         ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name)
-        gate = ops.group_gemm(rows, w_gate, pool_gate, cu_seqlens, P)
-        up = ops.group_gemm(rows, w_up, pool_up, cu_seqlens, P)
-        out = ops.group_gemm(ops.swiglu(gate, up), w_down, pool_down, cu_seqlens, P)
-        ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, out)
+        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu_seqlens, P, True)
+        ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up)
         ctx.P, ctx.ep_key = P, ep_key
-        return (out.float() * row_w[:, None]).to(rows.dtype)
+        return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu_seqlens, row_w, P)
 
     @staticmethod
     def backward(ctx, g_y):
-        rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up, out = ctx.saved_tensors
+        rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up = ctx.saved_tensors
         # collective: every rank runs the whole backward whatever it needs
-        grads = ops.experts_ffn_backward(g_y.contiguous(), rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up, out,
+        grads = ops.experts_ffn_backward(g_y.contiguous(), rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up,
                                          ctx.P, ctx.ep_key)
         return grads + (None,) * 9
 

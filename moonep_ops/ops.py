@@ -503,19 +503,6 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
 # op that finds its EPGroup by `ep_key` and runs the forward ops on the group's own buffers inside;
 # to the compiler it is functional, and the backward ops of a layer are ordered by their data
 # dependencies (combine_backward -> experts_ffn_backward -> dispatch_backward). docs/design-notes.md.
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up in fp32, stored in gate's dtype."""
-    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
-
-
-def swiglu_backward(gate: Tensor, up: Tensor, g_hidden: Tensor) -> tuple[Tensor, Tensor]:
-    g, u, dh = gate.float(), up.float(), g_hidden.float()
-    sig = torch.sigmoid(g)
-    g_up = dh * g * sig
-    g_gate = dh * u * sig * (1 + g * (1 - sig))
-    return g_gate.to(gate.dtype), g_up.to(up.dtype)
-
-
 @custom_op("moonep::combine_backward", mutates_args=())
 def combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor, cu_seqlens: Tensor,
                      group_rows: Tensor, ep_key: str) -> Tensor:
@@ -547,26 +534,26 @@ dispatch_backward.register_fake(meta.backward.dispatch_backward)
 
 @custom_op("moonep::experts_ffn_backward", mutates_args=())
 def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                         cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor, out: Tensor, P: int,
+                         cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor, P: int,
                          ep_key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradient of one layer's SwiGLU experts (forward: y = route_w * swiglu(rows W_gate, rows W_up) W_down
-    with the copies in the slot pools): (g_rows, g_row_w, dw_gate, dw_up, dw_down). The pools hold another
-    layer's copies by now, so this prefetches the layer's copies again; the wgrad GEMMs accumulate the
-    copies' gradients into the reduce buffers and `reduce_grad` folds them into the home gradients."""
+    """Gradient of one layer's SwiGLU experts (forward: h = silu(rows W_gate) * (rows W_up), then
+    y = route_w * (h W_down), with the copies in the slot pools; `gate`/`up` are the saved
+    pre-activations): (g_rows, g_row_w, dw_gate, dw_up, dw_down). The pools hold another layer's copies
+    by now, so this prefetches the layer's copies again; the down-projection dgrad carries the SwiGLU
+    backward and the route-weight gradient in its epilogue; the wgrad GEMMs accumulate the copies'
+    gradients into the reduce buffers and `reduce_grad` folds them into the home gradients."""
     ep = group_by_key("experts_ffn_backward", ep_key)
     meta.backward.check_experts_ffn_backward_args(g_y, rows, w_gate, ep.cfg)
     pool_gate, pool_up, pool_down = ep.pools
     reduce_gate, reduce_up, reduce_down = ep.reduce_buffers
     prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ep.ctrl, ep.group_name)
-    g_y = g_y.float()
-    g_row_w = (g_y * out.float()).sum(1)
-    g_out = (g_y * row_w[:, None]).to(rows.dtype)
-    g_hidden = group_gemm_dgrad(g_out, w_down, pool_down, cu_seqlens, P)
+    g_gate, g_up, h_w, g_row_w = group_gemm_swiglu_bwd(g_y, w_down, pool_down, cu_seqlens, row_w, gate, up, P)
     dw_gate, dw_up, dw_down = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in (w_gate, w_up, w_down))
-    group_gemm_wgrad(swiglu(gate, up), g_out, cu_seqlens, dw_down, reduce_down, P)
-    g_gate, g_up = swiglu_backward(gate, up, g_hidden)
-    g_rows = (group_gemm_dgrad(g_gate, w_gate, pool_gate, cu_seqlens, P).float()
-              + group_gemm_dgrad(g_up, w_up, pool_up, cu_seqlens, P).float()).to(rows.dtype)
+    group_gemm_wgrad(h_w, g_y, cu_seqlens, dw_down, reduce_down, P)
+    # the two halves of the input gradient are added in the rows' dtype (one rounding of each GEMM's
+    # fp32 result, then of the sum): an fp32 sum would move 4 [NvS, H] fp32 tensors more per layer
+    g_rows = group_gemm_dgrad(g_gate, w_gate, pool_gate, cu_seqlens, P).add_(
+        group_gemm_dgrad(g_up, w_up, pool_up, cu_seqlens, P))
     group_gemm_wgrad(rows, g_gate, cu_seqlens, dw_gate, reduce_gate, P)
     group_gemm_wgrad(rows, g_up, cu_seqlens, dw_up, reduce_up, P)
     reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl, ep.group_name)

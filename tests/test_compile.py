@@ -40,9 +40,8 @@ forward:
   auto_functionalized(moonep.plan.default)
   auto_functionalized(moonep.dispatch.default)
   auto_functionalized(moonep.prefetch_weights.default)
-  moonep.group_gemm.default
-  moonep.group_gemm.default
-  moonep.group_gemm.default
+  moonep.group_gemm_swiglu.default
+  moonep.group_gemm_row_scale.default
   auto_functionalized(moonep.combine.default)
 backward:
   moonep.combine_backward.default
