@@ -415,15 +415,8 @@ def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, 
     bf = torch.bfloat16
     ep = EPGroup(cfg, device="cuda")
     model = MoEModel(ep, n_layers)
-    layers, x_all, grad_out = ep_workers.model_weights(cfg, n_layers)
-    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
-    with torch.no_grad():
-        for block, (mix, router, w_gate, w_up, w_down) in zip(model.blocks, layers):
-            block.mix.weight.copy_(mix)
-            block.moe.router.weight.copy_(router)
-            block.moe.experts.w_gate.copy_(w_gate[mine])
-            block.moe.experts.w_up.copy_(w_up[mine])
-            block.moe.experts.w_down.copy_(w_down[mine])
+    x_all, grad_out = ep_workers.load_model_weights(model, cfg, rank)
+    tokens = slice(rank * cfg.S, (rank + 1) * cfg.S)
     g = grad_out[tokens].to(bf).cuda()
 
     def inputs(i: int) -> torch.Tensor:

@@ -164,14 +164,11 @@ def model_weights(cfg: EPConfig, n_layers: int):
     return layers, x_all, grad_out
 
 
-def model_forward_backward(rank: int, R: int, cfg_kwargs: dict, n_layers: int):
-    """A MoEModel of n_layers blocks sharing one EPGroup: output and every gradient on this rank."""
-    from moonep_ops import MoEModel
-
-    cfg = EPConfig(R=R, **cfg_kwargs)
-    model = MoEModel(EPGroup(cfg, dtype=torch.float32), n_layers)
-    layers, x_all, grad_out = model_weights(cfg, n_layers)
-    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
+def load_model_weights(model, cfg: EPConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give a MoEModel the weights of `model_weights` (this rank's home experts); returns every rank's
+    inputs and the output gradient."""
+    layers, x_all, grad_out = model_weights(cfg, len(model.blocks))
+    mine = slice(rank * cfg.epn, (rank + 1) * cfg.epn)
     with torch.no_grad():
         for block, (mix, router, w_gate, w_up, w_down) in zip(model.blocks, layers):
             block.mix.weight.copy_(mix)
@@ -179,6 +176,17 @@ def model_forward_backward(rank: int, R: int, cfg_kwargs: dict, n_layers: int):
             block.moe.experts.w_gate.copy_(w_gate[mine])
             block.moe.experts.w_up.copy_(w_up[mine])
             block.moe.experts.w_down.copy_(w_down[mine])
+    return x_all, grad_out
+
+
+def model_forward_backward(rank: int, R: int, cfg_kwargs: dict, n_layers: int):
+    """A MoEModel of n_layers blocks sharing one EPGroup: output and every gradient on this rank."""
+    from moonep_ops import MoEModel
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    model = MoEModel(EPGroup(cfg, dtype=torch.float32), n_layers)
+    x_all, grad_out = load_model_weights(model, cfg, rank)
+    tokens = slice(rank * cfg.S, (rank + 1) * cfg.S)
     x = x_all[tokens].clone().requires_grad_()
     y = model(x)
     y.backward(grad_out[tokens])
