@@ -507,8 +507,8 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
 def combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor, cu_seqlens: Tensor,
                      group_rows: Tensor, ep_key: str) -> Tensor:
     """Gradient of combine: the token gradients [S, H] dispatched to the rows [NvS, H] (unit weights)."""
+    meta.backward.check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
     ep = group_by_key("combine_backward", ep_key)
-    meta.backward.check_combine_backward_args(g_out, dst_rank, ep.cfg)
     unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=g_out.device)
     return dispatch(g_out, unit_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
                     ep.ctrl, ep.group_name)[0]
@@ -522,8 +522,9 @@ def dispatch_backward(g_rows: Tensor, g_row_w: Tensor, row_primary: Tensor, row_
                       dst_row: Tensor, primary_row: Tensor, ep_key: str) -> tuple[Tensor, Tensor]:
     """Gradient of dispatch: (token gradients [S, H] = combine of the row gradients, route-weight
     gradients [S, K] = the per-row values read back)."""
+    meta.backward.check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row,
+                                               ep_key)
     ep = group_by_key("dispatch_backward", ep_key)
-    meta.backward.check_dispatch_backward_args(g_rows, g_row_w, ep.cfg)
     gx = combine(g_rows, row_primary, row_next, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl, ep.group_name)
     g_route_w = gather_row_weights(g_row_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl, ep.group_name)
     return gx, g_route_w
@@ -542,8 +543,9 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     by now, so this prefetches the layer's copies again; the down-projection dgrad carries the SwiGLU
     backward and the route-weight gradient in its epilogue; the wgrad GEMMs accumulate the copies'
     gradients into the reduce buffers and `reduce_grad` folds them into the home gradients."""
+    meta.backward.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
+                                                  gate, up, ep_key)
     ep = group_by_key("experts_ffn_backward", ep_key)
-    meta.backward.check_experts_ffn_backward_args(g_y, rows, w_gate, ep.cfg)
     pool_gate, pool_up, pool_down = ep.pools
     reduce_gate, reduce_up, reduce_down = ep.reduce_buffers
     prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ep.ctrl, ep.group_name)

@@ -24,20 +24,22 @@ def ids_fixture():
 
 
 def op_cases(group):
-    """(op, args) for every op, with consistent real inputs at R=1."""
+    """(op, args) for every op, with consistent real inputs at R=1; and the EPGroup, which the caller
+    keeps alive (the backward ops find it by key, and the registry holds it weakly)."""
     c = CFG
     ids = ids_fixture()
     dst_rank, dst_row, primary_row, etc, cu, group_rows, counts = plan_of(ids, group)
     x = torch.randn(c.S, c.H)
     route_w = torch.rand(c.S, c.K)
     ep = EPGroup(c, dtype=torch.float32)
+    ep.alloc_weight_buffers()
     rows, row_w, row_primary, row_next = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
                                                       *ep.dispatch_buffers, ep.ctrl, group)
     w_home, w_slot = torch.randn(c.epn, c.H, c.F), torch.randn(c.B, c.H, c.F)
     wd_home = torch.randn(c.epn, c.F, c.H)
     hidden = torch.randn(c.NvS, c.F)
     pools = [torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.F, c.H)]
-    return {
+    return ep, {
         "plan": (ops.plan.default, (ids, c.E, c.B, c.P, c.R, ep.ctrl, group)),
         "dispatch": (ops.dispatch.default, (x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
                                             *ep.dispatch_buffers, ep.ctrl, group)),
@@ -61,12 +63,24 @@ def op_cases(group):
                                                   torch.randn(c.B, c.F, c.H), torch.randn(c.epn, c.H, c.F),
                                                   torch.randn(c.epn, c.H, c.F), torch.randn(c.epn, c.F, c.H),
                                                   ep.ctrl, group)),
+        # backward ops: they name the group by key and use its buffers (functional to the compiler)
+        "combine_backward": (ops.combine_backward.default, (x, dst_rank, dst_row, primary_row, cu, group_rows,
+                                                            ep.key)),
+        "dispatch_backward": (ops.dispatch_backward.default, (rows, row_w, row_primary, row_next, dst_rank, dst_row,
+                                                              primary_row, ep.key)),
+        "experts_ffn_backward": (ops.experts_ffn_backward.default, (rows, rows * 0.5, row_w, w_home, w_home * 0.5,
+                                                                    wd_home, cu, etc, hidden, hidden * 0.5, c.P,
+                                                                    ep.key)),
     }
 
 
-@pytest.mark.parametrize("name", MOONEP_OPS)
+BACKWARD_OPS = ("combine_backward", "dispatch_backward", "experts_ffn_backward")
+
+
+@pytest.mark.parametrize("name", MOONEP_OPS + BACKWARD_OPS)
 def test_opcheck(gloo1, name):
-    op, args = op_cases(gloo1)[name]
+    ep, cases = op_cases(gloo1)
+    op, args = cases[name]
     opcheck(op, args)
 
 
@@ -201,7 +215,8 @@ def bad_variants(t):
 
 
 def all_bad_cases(group):
-    for name, (op, args) in op_cases(group).items():
+    ep, cases = op_cases(group)
+    for name, (op, args) in cases.items():
         schema = op._schema
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.numel() > 0:
