@@ -113,9 +113,9 @@ class _ExpertsFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
-                pool_gate, pool_up, pool_down, ctrl, P, group_name, ep_key):
+                pool_gate, pool_up, pool_down, ctrl, P, group_name, ep_key, save_preact):
         ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name)
-        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu_seqlens, P, True)
+        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu_seqlens, P, save_preact)
         ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up)
         ctx.P, ctx.ep_key = P, ep_key
         return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu_seqlens, row_w, P)
@@ -126,11 +126,13 @@ class _ExpertsFFN(torch.autograd.Function):
         # collective: every rank runs the whole backward whatever it needs
         grads = ops.experts_ffn_backward(g_y.contiguous(), rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up,
                                          ctx.P, ctx.ep_key)
-        return grads + (None,) * 9
+        return grads + (None,) * 10
 
 
 def experts_ffn(ep: EPGroup, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 cu_seqlens: Tensor, experts_to_copy: Tensor) -> Tensor:
     """Differentiable SwiGLU experts with copied slots: rows [NvS, H] -> route-weighted outputs [NvS, H]."""
+    # inference (no_grad, or nothing requires grad) keeps no pre-activations for a backward that never runs
+    save_preact = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, row_w, w_gate, w_up, w_down))
     return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, *ep.pools,
-                             ep.ctrl, ep.cfg.P, ep.group_name, ep.key)
+                             ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact)

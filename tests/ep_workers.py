@@ -222,3 +222,13 @@ def gather_model_grads(per_rank: list[dict]) -> dict:
     names = per_rank[0].keys()
     return {n: torch.cat([g[n] for g in per_rank]) if ".experts." in n else sum(g[n] for g in per_rank)
             for n in names}
+
+
+def no_grad_forward(rank: int, R: int, cfg_kwargs: dict):
+    """The layer's output under torch.no_grad (no pre-activations kept) and with autograd: equal?"""
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    layer, x, _ = build_layer(cfg, rank, "extreme")
+    y = layer(x.requires_grad_())
+    with torch.no_grad():
+        y_inference = layer(x)
+    return bool(torch.equal(y.detach(), y_inference)) and y.requires_grad and not y_inference.requires_grad

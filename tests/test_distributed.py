@@ -109,3 +109,9 @@ def test_multi_layer_model_matches_dense(R):
     assert got.keys() == ref["grads"].keys()
     for name, want in ref["grads"].items():
         torch.testing.assert_close(got[name], want, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_no_grad_forward_equals_training_forward():
+    """Under torch.no_grad the experts keep no pre-activations (inference): the output is unchanged."""
+    res = run_ranks(ep_workers.no_grad_forward, 2, dict(SHAPE, E=8))
+    assert res == [True, True]
