@@ -167,6 +167,79 @@ def _build_kernel_classes():
                 self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
             )
 
+        def _init_tma_store_epilogue(self, tile_m: int) -> int:
+            """bf16 C [N, out] (N-major) stored registers -> shared (stmatrix) -> global (TMA) in
+            sub-tiles of all consumer warp groups' rows x 32 columns. Returns the shared memory of the
+            sub-tile ring (reserved before the mainloop stages are sized)."""
+            self.c_dtype = cutlass.BFloat16
+            self.c_layout = LayoutEnum.ROW_MAJOR
+            self.epi_tile = (tile_m, 32)
+            self.epi_stage = 4
+            self.epi_store_warp = 4  # first warp of the first consumer warp group
+            return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
+
+        def _setup_tma_store_epilogue(self):
+            self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
+                self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+            )
+
+        def _weights_as_b(self, w):
+            """Weights ``[E, Kd, Nd]`` viewed (N, K, E) as wgmma reads B (modes ``self.b_modes``)."""
+            return cute.make_tensor(w.iterator, cute.select(w.layout, mode=self.b_modes))
+
+        def _tma_load_a(self, a):
+            """TMA atom (and its tensor) loading (tile_m, tile_k) tiles of ``a`` into one A stage."""
+            return cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(self.a_smem_staged, (None, None, 0)),
+                (self.tile_m, self.tile_k),
+            )
+
+        def _tma_load_b(self, b):
+            """TMA atom (and its tensor) loading (tile_n, tile_k) tiles of ``b`` into one B stage."""
+            return cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(self.b_smem_staged, (None, None, 0)),
+                (self.tile_n, self.tile_k),
+            )
+
+        def _tma_store_c(self, c):
+            """TMA atom (and its tensor) storing epilogue sub-tiles from one shared slot into ``c``."""
+            return cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(self.epi_smem_staged, (None, None, 0)),
+                self.epi_tile,
+            )
+
+        def _row_tiles(self, a, c):
+            """(#n tiles, #tiles) of the output ``c`` of a row-grouped kernel with A operand ``a``."""
+            num_m_tiles = cute.ceil_div(cute.size(a, mode=[0]), self.tile_m)
+            num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), self.tile_n)
+            return num_n_tiles, num_m_tiles * num_n_tiles
+
+        def _make_shared_storage(self, b_buffers=("sB",), with_c: bool = False):
+            """The kernel's shared memory: the ring's mbarriers, the A stages, one B ring per name in
+            ``b_buffers`` and, ``with_c``, the epilogue's sub-tile ring (buffers 1024-byte aligned)."""
+
+            def buffer(dtype, staged):
+                return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(staged)], self.buffer_align]
+
+            fields = {
+                "mbar": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2],
+                "sA": buffer(self.ab_dtype, self.a_smem_staged),
+            }
+            for name in b_buffers:
+                fields[name] = buffer(self.ab_dtype, self.b_smem_staged)
+            if with_c:
+                fields["sC"] = buffer(self.c_dtype, self.epi_smem_staged)
+            self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+        def _launch_persistent(self, kernel, num_tiles, stream):
+            """Launch ``kernel`` (a ``self.kernel(...)`` call) on min(#tiles, #SMs) persistent CTAs."""
+            kernel.launch(
+                grid=[cutlass.min(num_tiles, self.num_sms), 1, 1],
+                block=[self.num_threads, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
         @cute.jit
         def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged):
             a_smem = cute.slice_(a_smem_staged, (None, None, 0))
@@ -278,24 +351,11 @@ def _build_kernel_classes():
             self.row_scale = bool(row_scale)
             # B operand view (N, K, E) of the weights [E, Kd, Nd]: forward (Nd, Kd, E), dgrad (Kd, Nd, E).
             self.b_modes = [1, 2, 0] if self.b_k_major else [2, 1, 0]
-            self.c_dtype = cutlass.BFloat16
-            # Sub-tile of the epilogue: all consumer warp groups' rows x 32 columns.
-            self.epi_tile = (config.tile_m, 32)
-            self.epi_stage = 4
-            epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
             self._init_common(
                 config,
                 LayoutEnum.ROW_MAJOR,  # A [N, red]: K-major
                 LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR,
-                epi_bytes,
-            )
-            self.c_layout = LayoutEnum.ROW_MAJOR  # C [N, out]: N-major
-            self.epi_store_warp = 4  # first warp of the first consumer warp group
-
-        def _setup(self):
-            self._setup_mainloop()
-            self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
-                self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+                self._init_tma_store_epilogue(config.tile_m),
             )
 
         @cute.jit
@@ -313,72 +373,22 @@ def _build_kernel_classes():
         @cute.jit
         def _launch(self, x, w_home, w_slot, cu_seqlens, y, row_w, stream):
             """Shared by the plain kernel (``row_w`` None) and the row-scaled one (``row_w`` (N,) fp32)."""
-            self._setup()
-            # B operand views (N, K, E) as wgmma sees B.
-            b_home = cute.make_tensor(w_home.iterator, cute.select(w_home.layout, mode=self.b_modes))
-            b_slot = cute.make_tensor(w_slot.iterator, cute.select(w_slot.layout, mode=self.b_modes))
-
-            a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
-            b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
-            epi_smem = cute.slice_(self.epi_smem_staged, (None, None, 0))
-            tma_a, mA = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), x, a_smem, (self.tile_m, self.tile_k)
-            )
-            tma_bh, mBh = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), b_home, b_smem, (self.tile_n, self.tile_k)
-            )
-            tma_bs, mBs = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), b_slot, b_smem, (self.tile_n, self.tile_k)
-            )
-            tma_c, mC = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), y, epi_smem, self.epi_tile
-            )
-
-            num_m_tiles = cute.ceil_div(cute.size(x, mode=[0]), self.tile_m)
-            num_n_tiles = cute.ceil_div(cute.size(y, mode=[1]), self.tile_n)
-            num_tiles = num_m_tiles * num_n_tiles
-            grid_x = cutlass.min(num_tiles, self.num_sms)
-
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-                sA: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
-                    self.buffer_align,
-                ]
-                sB: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
-                    self.buffer_align,
-                ]
-                sC: cute.struct.Align[
-                    cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)],
-                    self.buffer_align,
-                ]
-
-            self.shared_storage = SharedStorage
-
-            self.kernel(
-                tma_a,
-                mA,
-                tma_bh,
-                mBh,
-                tma_bs,
-                mBs,
-                tma_c,
-                mC,
-                cu_seqlens,
-                row_w,
-                self.tiled_mma,
-                self.a_smem_staged,
-                self.b_smem_staged,
-                self.epi_smem_staged,
-                num_n_tiles,
+            self._setup_mainloop()
+            self._setup_tma_store_epilogue()
+            tma_a, mA = self._tma_load_a(x)
+            tma_bh, mBh = self._tma_load_b(self._weights_as_b(w_home))
+            tma_bs, mBs = self._tma_load_b(self._weights_as_b(w_slot))
+            tma_c, mC = self._tma_store_c(y)
+            num_n_tiles, num_tiles = self._row_tiles(x, y)
+            self._make_shared_storage(with_c=True)
+            self._launch_persistent(
+                self.kernel(
+                    tma_a, mA, tma_bh, mBh, tma_bs, mBs, tma_c, mC, cu_seqlens, row_w,
+                    self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+                    num_n_tiles, num_tiles,
+                ),
                 num_tiles,
-            ).launch(
-                grid=[grid_x, 1, 1],
-                block=[self.num_threads, 1, 1],
-                min_blocks_per_mp=1,
-                stream=stream,
+                stream,
             )
 
         @cute.kernel
@@ -631,53 +641,21 @@ def _build_kernel_classes():
             d_home = cute.make_tensor(dw_home.iterator, cute.select(dw_home.layout, mode=[1, 2, 0]))
             d_slot = cute.make_tensor(dw_slot.iterator, cute.select(dw_slot.layout, mode=[1, 2, 0]))
 
-            a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
-            b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
-            tma_a, mA = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), a_view, a_smem, (self.tile_m, self.tile_k)
-            )
-            tma_b, mB = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), b_view, b_smem, (self.tile_n, self.tile_k)
-            )
+            tma_a, mA = self._tma_load_a(a_view)
+            tma_b, mB = self._tma_load_b(b_view)
 
             num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m)
             num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n)
             num_tiles = cute.size(cu_seqlens, mode=[0]) * (num_m_tiles * num_n_tiles)
-            grid_x = cutlass.min(num_tiles, self.num_sms)
-
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-                sA: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
-                    self.buffer_align,
-                ]
-                sB: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
-                    self.buffer_align,
-                ]
-
-            self.shared_storage = SharedStorage
-
-            self.kernel(
-                tma_a,
-                mA,
-                tma_b,
-                mB,
-                cu_seqlens,
-                d_home,
-                d_slot,
-                self.tiled_mma,
-                self.a_smem_staged,
-                self.b_smem_staged,
-                num_n_tiles,
-                num_m_tiles * num_n_tiles,
+            self._make_shared_storage()
+            self._launch_persistent(
+                self.kernel(
+                    tma_a, mA, tma_b, mB, cu_seqlens, d_home, d_slot,
+                    self.tiled_mma, self.a_smem_staged, self.b_smem_staged,
+                    num_n_tiles, num_m_tiles * num_n_tiles, num_tiles,
+                ),
                 num_tiles,
-            ).launch(
-                grid=[grid_x, 1, 1],
-                block=[self.num_threads, 1, 1],
-                min_blocks_per_mp=1,
-                stream=stream,
+                stream,
             )
 
         @cute.jit
@@ -857,27 +835,15 @@ def _build_kernel_classes():
 
         def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
             self.store_preact = bool(store_preact)
-            self.c_dtype = cutlass.BFloat16
-            self.epi_tile = (config.tile_m, 32)
-            self.epi_stage = 4
-            epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
             # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
             self._init_common(
                 GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms),
                 LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
                 LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
-                epi_bytes,
+                self._init_tma_store_epilogue(config.tile_m),
             )
             self.tile_n = config.tile_n  # columns of h (and of gate, of up) per tile
-            self.c_layout = LayoutEnum.ROW_MAJOR
-            self.epi_store_warp = 4
             self.b_modes = [2, 1, 0]
-
-        def _setup(self):
-            self._setup_mainloop()
-            self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
-                self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
-            )
 
         @cute.jit
         def __call__(
@@ -893,72 +859,27 @@ def _build_kernel_classes():
             up: cute.Tensor,  # (N, F), written only with store_preact
             stream: cuda.CUstream,
         ):
-            self._setup()
-            a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
-            b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
-            epi_smem = cute.slice_(self.epi_smem_staged, (None, None, 0))
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            s2g = cpasync.CopyBulkTensorTileS2GOp()
-            b_tile = (self.tile_n, self.tile_k)
-            tma_a, mA = cpasync.make_tiled_tma_atom(g2s, x, a_smem, (self.tile_m, self.tile_k))
-            tma_gh, mGh = cpasync.make_tiled_tma_atom(
-                g2s, cute.make_tensor(wg_home.iterator, cute.select(wg_home.layout, mode=self.b_modes)), b_smem, b_tile
-            )
-            tma_gs, mGs = cpasync.make_tiled_tma_atom(
-                g2s, cute.make_tensor(wg_slot.iterator, cute.select(wg_slot.layout, mode=self.b_modes)), b_smem, b_tile
-            )
-            tma_uh, mUh = cpasync.make_tiled_tma_atom(
-                g2s, cute.make_tensor(wu_home.iterator, cute.select(wu_home.layout, mode=self.b_modes)), b_smem, b_tile
-            )
-            tma_us, mUs = cpasync.make_tiled_tma_atom(
-                g2s, cute.make_tensor(wu_slot.iterator, cute.select(wu_slot.layout, mode=self.b_modes)), b_smem, b_tile
-            )
-            tma_h, mH = cpasync.make_tiled_tma_atom(s2g, h, epi_smem, self.epi_tile)
-            tma_g, mG = cpasync.make_tiled_tma_atom(s2g, gate, epi_smem, self.epi_tile)
-            tma_u, mU = cpasync.make_tiled_tma_atom(s2g, up, epi_smem, self.epi_tile)
-
-            num_m_tiles = cute.ceil_div(cute.size(x, mode=[0]), self.tile_m)
-            num_n_tiles = cute.ceil_div(cute.size(h, mode=[1]), self.tile_n)
-            num_tiles = num_m_tiles * num_n_tiles
-            grid_x = cutlass.min(num_tiles, self.num_sms)
-
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-                sA: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
-                    self.buffer_align,
-                ]
-                sBg: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
-                    self.buffer_align,
-                ]
-                sBu: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
-                    self.buffer_align,
-                ]
-                sC: cute.struct.Align[
-                    cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_staged)],
-                    self.buffer_align,
-                ]
-
-            self.shared_storage = SharedStorage
-
-            self.kernel(
-                tma_a, mA, tma_gh, mGh, tma_gs, mGs, tma_uh, mUh, tma_us, mUs,
-                tma_h, mH, tma_g, mG, tma_u, mU,
-                cu_seqlens,
-                self.tiled_mma,
-                self.a_smem_staged,
-                self.b_smem_staged,
-                self.epi_smem_staged,
-                num_n_tiles,
+            self._setup_mainloop()
+            self._setup_tma_store_epilogue()
+            tma_a, mA = self._tma_load_a(x)
+            tma_gh, mGh = self._tma_load_b(self._weights_as_b(wg_home))
+            tma_gs, mGs = self._tma_load_b(self._weights_as_b(wg_slot))
+            tma_uh, mUh = self._tma_load_b(self._weights_as_b(wu_home))
+            tma_us, mUs = self._tma_load_b(self._weights_as_b(wu_slot))
+            tma_h, mH = self._tma_store_c(h)
+            tma_g, mG = self._tma_store_c(gate)
+            tma_u, mU = self._tma_store_c(up)
+            num_n_tiles, num_tiles = self._row_tiles(x, h)
+            self._make_shared_storage(b_buffers=("sBg", "sBu"), with_c=True)
+            self._launch_persistent(
+                self.kernel(
+                    tma_a, mA, tma_gh, mGh, tma_gs, mGs, tma_uh, mUh, tma_us, mUs,
+                    tma_h, mH, tma_g, mG, tma_u, mU, cu_seqlens,
+                    self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+                    num_n_tiles, num_tiles,
+                ),
                 num_tiles,
-            ).launch(
-                grid=[grid_x, 1, 1],
-                block=[self.num_threads, 1, 1],
-                min_blocks_per_mp=1,
-                stream=stream,
+                stream,
             )
 
         @cute.jit
@@ -1281,42 +1202,18 @@ def _build_kernel_classes():
         ):
             self._setup_mainloop()
             self._row_slots()
-            b_home = cute.make_tensor(w_home.iterator, cute.select(w_home.layout, mode=self.b_modes))
-            b_slot = cute.make_tensor(w_slot.iterator, cute.select(w_slot.layout, mode=self.b_modes))
-            a_smem = cute.slice_(self.a_smem_staged, (None, None, 0))
-            b_smem = cute.slice_(self.b_smem_staged, (None, None, 0))
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            tma_a, mA = cpasync.make_tiled_tma_atom(g2s, g_y, a_smem, (self.tile_m, self.tile_k))
-            tma_bh, mBh = cpasync.make_tiled_tma_atom(g2s, b_home, b_smem, (self.tile_n, self.tile_k))
-            tma_bs, mBs = cpasync.make_tiled_tma_atom(g2s, b_slot, b_smem, (self.tile_n, self.tile_k))
-
-            num_m_tiles = cute.ceil_div(cute.size(g_y, mode=[0]), self.tile_m)
-            num_n_tiles = cute.ceil_div(cute.size(gate, mode=[1]), self.tile_n)
-            num_tiles = num_m_tiles * num_n_tiles
-            grid_x = cutlass.min(num_tiles, self.num_sms)
-
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-                sA: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_staged)],
-                    self.buffer_align,
-                ]
-                sB: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_staged)],
-                    self.buffer_align,
-                ]
-
-            self.shared_storage = SharedStorage
-
-            self.kernel(
-                tma_a, mA, tma_bh, mBh, tma_bs, mBs, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part,
-                self.tiled_mma, self.a_smem_staged, self.b_smem_staged, num_n_tiles, num_tiles,
-            ).launch(
-                grid=[grid_x, 1, 1],
-                block=[self.num_threads, 1, 1],
-                min_blocks_per_mp=1,
-                stream=stream,
+            tma_a, mA = self._tma_load_a(g_y)
+            tma_bh, mBh = self._tma_load_b(self._weights_as_b(w_home))
+            tma_bs, mBs = self._tma_load_b(self._weights_as_b(w_slot))
+            num_n_tiles, num_tiles = self._row_tiles(g_y, gate)
+            self._make_shared_storage()
+            self._launch_persistent(
+                self.kernel(
+                    tma_a, mA, tma_bh, mBh, tma_bs, mBs, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part,
+                    self.tiled_mma, self.a_smem_staged, self.b_smem_staged, num_n_tiles, num_tiles,
+                ),
+                num_tiles,
+                stream,
             )
 
         @cute.jit
