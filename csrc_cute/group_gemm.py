@@ -241,10 +241,79 @@ def _build_kernel_classes():
             )
 
         @cute.jit
-        def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged):
+        def warp_roles(self):
+            """(thread, CTA, #CTAs, warp, warp group) indices; warp and warp group warp-uniform."""
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+            return tidx, bidx, gdim, warp_idx, wg_idx
+
+        @cute.jit
+        def prefetch_tma_descriptors(self, warp_idx, atoms):
+            """Warp 0 prefetches the TMA descriptors, so the first copies do not wait for them."""
+            if warp_idx == 0:
+                for atom in atoms:
+                    cpasync.prefetch_descriptor(atom)
+
+        @cute.jit
+        def shared_tensors(self, a_smem_staged, b_smem_staged, b_buffers, epi_smem_staged=None):
+            """Allocates ``self.shared_storage`` and creates the mainloop pipeline on its mbarriers;
+            returns (pipeline, sA, [sB per name in ``b_buffers``], sC or None)."""
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            mainloop = self.make_mainloop_pipeline(
+                storage.mbar.data_ptr(), a_smem_staged, b_smem_staged, len(b_buffers)
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sBs = [getattr(storage, name).get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+                   for name in b_buffers]
+            sC = None
+            if cutlass.const_expr(epi_smem_staged is not None):
+                sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+            return mainloop, sA, sBs, sC
+
+        @cute.jit
+        def partition_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor, b_operands):
+            """TMA views of this CTA's mainloop loads: A as (TMA, RestM, RestK) and (TMA, stage), and per
+            B operand (atom, tensor, shared ring) the (atom, (TMA, RestN, RestK[, E]), (TMA, stage)) that
+            ``load_k_tiles`` takes; also the number of k tiles."""
+            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+            gBs = [cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
+                   for _, mB, _ in b_operands]
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            b_loads = []
+            for (tma_b, _, sB), gB in zip(b_operands, gBs):
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+                )
+                b_loads.append((tma_b, tBgB, tBsB))
+            return tAgA, tAsA, b_loads, cute.size(gA, mode=[3])
+
+        @cute.jit
+        def mma_operands(self, tiled_mma: cute.TiledMma, tidx, wg_idx, sA: cute.Tensor, sBs):
+            """Consumer warp groups: raise the register budget, then (consumer thread index, the warp
+            group's MMA slice, A fragment, [B fragment per ring], read and release pipeline states)."""
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            mma_tidx = tidx - self.threads_per_wg
+            wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+            thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB)) for sB in sBs]
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled per tile
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            return mma_tidx, thr_mma, tCrA, tCrBs, read_state, release_state
+
+        @cute.jit
+        def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
             a_smem = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + cute.size_in_bytes(
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + num_b_rings * cute.size_in_bytes(
                 self.ab_dtype, b_smem
             )
             return pipeline.PipelineTmaAsync.create(
@@ -267,21 +336,58 @@ def _build_kernel_classes():
             tma_a: cute.CopyAtom,
             tAgA: cute.Tensor,  # (TMA, RestK) of this tile's A
             tAsA: cute.Tensor,  # (TMA, stage)
-            tma_b: cute.CopyAtom,
-            tBgB: cute.Tensor,  # (TMA, RestK) of this tile's B
-            tBsB: cute.Tensor,
+            b_loads,  # per B ring: (TMA atom, (TMA, RestK) of this tile's B, (TMA, stage))
             k_start: cutlass.Int32,
             k_count: cutlass.Int32,
         ):
-            """Producer: TMA k tiles [k_start, k_start + k_count) of A and B into the ring."""
+            """Producer: TMA k tiles [k_start, k_start + k_count) of A and of every B into the ring, one
+            mbarrier per stage for all of them."""
             for k in cutlass.range(k_count, unroll=1):
                 mainloop.producer_acquire(prod_state)
                 bar = mainloop.producer_get_barrier(prod_state)
                 cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                for tma_b, tBgB, tBsB in b_loads:
+                    cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
                 mainloop.producer_commit(prod_state)
                 prod_state.advance()
             return prod_state
+
+        @cute.jit
+        def load_row_tiles(
+            self,
+            mainloop,
+            cu_seqlens: cute.Tensor,
+            num_n_tiles: cutlass.Int32,
+            num_tiles: cutlass.Int32,
+            tma_a: cute.CopyAtom,
+            tAgA: cute.Tensor,  # (TMA, RestM, RestK)
+            tAsA: cute.Tensor,
+            b_home,  # per B ring: (TMA atom, (TMA, RestN, RestK, epn), (TMA, stage)) of the home weights
+            b_slot,  # the same for the slot weights (group g >= epn reads slot g - epn)
+            k_tiles: cutlass.Int32,
+        ):
+            """Producer warp of the row-grouped kernels: over this CTA's tiles, all k tiles of A and of
+            the B operand(s) of the tile's group; tiles past the last group load nothing."""
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            num_groups = cute.size(cu_seqlens, mode=[0])
+            num_home = cute.size(b_home[0][1], mode=[3])
+            prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
+                if g < num_home:
+                    prod_state = self.load_k_tiles(
+                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                        [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
+                        0, k_tiles,
+                    )
+                elif g < num_groups:
+                    prod_state = self.load_k_tiles(
+                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                        [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
+                        0, k_tiles,
+                    )
+            mainloop.producer_tail(prod_state)
 
         @cute.jit
         def mma_k_tiles(
@@ -290,29 +396,32 @@ def _build_kernel_classes():
             read_state,
             release_state,
             tiled_mma: cute.TiledMma,
-            acc: cute.Tensor,
+            accs,  # one fp32 accumulator per B ring
             tCrA: cute.Tensor,
-            tCrB: cute.Tensor,
+            tCrBs,
             k_count: cutlass.Int32,
         ):
-            """Consumers: acc = sum over k_count ring stages of A_k B_k (one wgmma batch in flight).
-            The caller sets the tiled MMA's ACCUMULATE field once, before its tile loop."""
+            """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k (one wgmma batch in
+            flight). The caller sets the tiled MMA's ACCUMULATE field once, before its tile loop."""
             num_k_blocks = cute.size(tCrA, mode=[2])
-            acc.fill(0.0)
+            for acc in accs:
+                acc.fill(0.0)
             warpgroup.fence()
             n_pro = 1 if k_count > 0 else 0
             for k in cutlass.range(n_pro, unroll=1):
                 mainloop.consumer_wait(read_state)
                 for kb in cutlass.range_constexpr(num_k_blocks):
                     coord = (None, None, kb, read_state.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    for acc, tCrB in zip(accs, tCrBs):
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                 warpgroup.commit_group()
                 read_state.advance()
             for k in cutlass.range(n_pro, k_count, unroll=1):
                 mainloop.consumer_wait(read_state)
                 for kb in cutlass.range_constexpr(num_k_blocks):
                     coord = (None, None, kb, read_state.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    for acc, tCrB in zip(accs, tCrBs):
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
                 mainloop.consumer_release(release_state)
@@ -323,6 +432,13 @@ def _build_kernel_classes():
                 mainloop.consumer_release(release_state)
                 release_state.advance()
             return read_state, release_state
+
+        @cute.jit
+        def row_tile(self, cu_seqlens: cute.Tensor, tile: cutlass.Int32, num_n_tiles: cutlass.Int32):
+            """Tile ``tile`` of a row-grouped kernel (M-major raster) -> (m tile, n tile, group)."""
+            m_idx = tile // num_n_tiles
+            n_idx = tile % num_n_tiles
+            return m_idx, n_idx, self.tile_group(cu_seqlens, m_idx * self.tile_m)
 
         @cute.jit
         def tile_group(self, cu_seqlens: cute.Tensor, row0: cutlass.Int32) -> cutlass.Int32:
@@ -411,46 +527,14 @@ def _build_kernel_classes():
             num_n_tiles: cutlass.Int32,
             num_tiles: cutlass.Int32,
         ):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_a)
-                cpasync.prefetch_descriptor(tma_bh)
-                cpasync.prefetch_descriptor(tma_bs)
-                cpasync.prefetch_descriptor(tma_c)
-
+            tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
+            self.prefetch_tma_descriptors(warp_idx, (tma_a, tma_bh, tma_bs, tma_c))
             num_groups = cute.size(cu_seqlens, mode=[0])
-            num_home = cute.size(mBh, mode=[2])
-
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            mainloop = self.make_mainloop_pipeline(storage.mbar.data_ptr(), a_smem_staged, b_smem_staged)
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-            sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-
-            # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, E) / (bM, bN, RestM, RestN)
-            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-            gBh = cute.local_tile(mBh, (self.tile_n, self.tile_k), (None, None, None))
-            gBs = cute.local_tile(mBs, (self.tile_n, self.tile_k), (None, None, None))
-            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
-
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            mainloop, sA, (sB,), sC = self.shared_tensors(a_smem_staged, b_smem_staged, ("sB",), epi_smem_staged)
+            tAgA, tAsA, (load_bh, load_bs), k_tiles = self.partition_loads(
+                tma_a, mA, sA, [(tma_bh, mBh, sB), (tma_bs, mBs, sB)]
             )
-            tBsBh, tBgBh = cpasync.tma_partition(
-                tma_bh, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gBh, 0, 2)
-            )
-            tBsBs, tBgBs = cpasync.tma_partition(
-                tma_bs, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gBs, 0, 2)
-            )
-            k_tiles = cute.size(gA, mode=[3])
+            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))  # (bM, bN, RestM, RestN)
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -458,48 +542,15 @@ def _build_kernel_classes():
                 # ---------------- producer warp group ----------------
                 cute.arch.setmaxregister_decrease(self.load_regs)
                 if warp_idx == 0:
-                    prod_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, self.ab_stage
+                    self.load_row_tiles(
+                        mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, [load_bh], [load_bs], k_tiles
                     )
-                    for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                        m_idx = tile // num_n_tiles
-                        n_idx = tile % num_n_tiles
-                        g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
-                        if g < num_home:
-                            prod_state = self.load_k_tiles(
-                                mainloop, prod_state,
-                                tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                tma_bh, tBgBh[(None, n_idx, None, g)], tBsBh,
-                                0, k_tiles,
-                            )
-                        elif g < num_groups:
-                            prod_state = self.load_k_tiles(
-                                mainloop, prod_state,
-                                tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                tma_bs, tBgBs[(None, n_idx, None, g - num_home)], tBsBs,
-                                0, k_tiles,
-                            )
-                    mainloop.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups ----------------
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                mma_tidx = tidx - self.threads_per_wg
-                wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
-                tCsA = thr_mma.partition_A(sA)
-                tCsB = thr_mma.partition_B(sB)
-                tCrA = tiled_mma.make_fragment_A(tCsA)
-                tCrB = tiled_mma.make_fragment_B(tCsB)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # acc is zero-filled per tile
-                tCgC = thr_mma.partition_C(gC)
-                acc = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
-
-                read_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.ab_stage
+                mma_tidx, thr_mma, tCrA, (tCrB,), read_state, release_state = self.mma_operands(
+                    tiled_mma, tidx, wg_idx, sA, [sB]
                 )
-                release_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.ab_stage
-                )
+                acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
 
                 # Epilogue: registers -> smem (stmatrix) -> gmem (TMA store).
                 copy_atom_r2s = sm90_utils.get_smem_store_op(
@@ -528,13 +579,11 @@ def _build_kernel_classes():
 
                 epi_count = cutlass.Int32(0)
                 for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                    m_idx = tile // num_n_tiles
-                    n_idx = tile % num_n_tiles
-                    g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                    m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
                     # A tile past the last group: no MMA, its accumulators stay zero.
                     k_count = k_tiles if g < num_groups else 0
                     read_state, release_state = self.mma_k_tiles(
-                        mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                        mainloop, read_state, release_state, tiled_mma, [acc], tCrA, [tCrB], k_count
                     )
                     if cutlass.const_expr(row_w is not None):
                         self.scale_rows(tiled_mma, mma_tidx, acc, row_w, m_idx * self.tile_m)
@@ -715,35 +764,11 @@ def _build_kernel_classes():
             tiles_per_group: cutlass.Int32,
             num_tiles: cutlass.Int32,
         ):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_a)
-                cpasync.prefetch_descriptor(tma_b)
-
+            tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
+            self.prefetch_tma_descriptors(warp_idx, (tma_a, tma_b))
             num_home = cute.size(mDh, mode=[2])
-
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            mainloop = self.make_mainloop_pipeline(storage.mbar.data_ptr(), a_smem_staged, b_smem_staged)
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-
-            # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK)
-            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-            gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None))
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
+            mainloop, sA, (sB,), _ = self.shared_tensors(a_smem_staged, b_smem_staged, ("sB",))
+            tAgA, tAsA, ((_, tBgB, tBsB),), _ = self.partition_loads(tma_a, mA, sA, [(tma_b, mB, sB)])
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -759,23 +784,15 @@ def _build_kernel_classes():
                             cu_seqlens, tile, num_n_tiles, tiles_per_group
                         )
                         prod_state = self.load_k_tiles(
-                            mainloop, prod_state,
-                            tma_a, tAgA[(None, m_idx, None)], tAsA,
-                            tma_b, tBgB[(None, n_idx, None)], tBsB,
-                            k_start, k_count,
+                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                            [(tma_b, tBgB[(None, n_idx, None)], tBsB)], k_start, k_count,
                         )
                     mainloop.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups ----------------
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
-                tCsA = thr_mma.partition_A(sA)
-                tCsB = thr_mma.partition_B(sB)
-                tCrA = tiled_mma.make_fragment_A(tCsA)
-                tCrB = tiled_mma.make_fragment_B(tCsB)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # acc is zero-filled per tile
-                mma_tidx = tidx - self.threads_per_wg
+                mma_tidx, _, tCrA, (tCrB,), read_state, release_state = self.mma_operands(
+                    tiled_mma, tidx, wg_idx, sA, [sB]
+                )
 
                 dims = (cute.size(mDh, mode=[0]), cute.size(mDh, mode=[1]))  # (Kd, Nd), static
                 # (bM, bN, RestM, RestN, E) tiles of the gradients and of their coordinates
@@ -787,20 +804,13 @@ def _build_kernel_classes():
                 acc = cute.make_rmem_tensor(
                     self.epilogue_partition(tiled_mma, mma_tidx, gDh[(None, None, 0, 0, 0)]).shape, self.acc_dtype
                 )
-
-                read_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.ab_stage
-                )
-                release_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.ab_stage
-                )
                 for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
                     g, m_idx, n_idx, k_start, k_count = self.work_item(
                         cu_seqlens, tile, num_n_tiles, tiles_per_group
                     )
                     if k_count > 0:
                         read_state, release_state = self.mma_k_tiles(
-                            mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                            mainloop, read_state, release_state, tiled_mma, [acc], tCrA, [tCrB], k_count
                         )
                         tCcD = self.epilogue_partition(tiled_mma, mma_tidx, cD[(None, None, m_idx, n_idx)])
                         full = ((m_idx + 1) * self.tile_m <= dims[0]) & (
@@ -883,56 +893,6 @@ def _build_kernel_classes():
             )
 
         @cute.jit
-        def load_k_tiles_gu(self, mainloop, prod_state, tma_a, tAgA, tAsA, tma_g, tGg, tGs, tma_u, tUg, tUs,
-                            k_count: cutlass.Int32):
-            """Producer: per k tile, A and the gate and up B tiles into one ring stage (one mbarrier)."""
-            for k in cutlass.range(k_count, unroll=1):
-                mainloop.producer_acquire(prod_state)
-                bar = mainloop.producer_get_barrier(prod_state)
-                idx = prod_state.index
-                cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, idx)], tma_bar_ptr=bar)
-                cute.copy(tma_g, tGg[(None, k)], tGs[(None, idx)], tma_bar_ptr=bar)
-                cute.copy(tma_u, tUg[(None, k)], tUs[(None, idx)], tma_bar_ptr=bar)
-                mainloop.producer_commit(prod_state)
-                prod_state.advance()
-            return prod_state
-
-        @cute.jit
-        def mma_k_tiles_gu(self, mainloop, read_state, release_state, tiled_mma: cute.TiledMma,
-                           acc_g: cute.Tensor, acc_u: cute.Tensor, tCrA: cute.Tensor, tCrG: cute.Tensor,
-                           tCrU: cute.Tensor, k_count: cutlass.Int32):
-            """Consumers: acc_g = A W_gate, acc_u = A W_up over k_count stages (one batch in flight)."""
-            num_k_blocks = cute.size(tCrA, mode=[2])
-            acc_g.fill(0.0)
-            acc_u.fill(0.0)
-            warpgroup.fence()
-            n_pro = 1 if k_count > 0 else 0
-            for k in cutlass.range(n_pro, unroll=1):
-                mainloop.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    coord = (None, None, kb, read_state.index)
-                    cute.gemm(tiled_mma, acc_g, tCrA[coord], tCrG[coord], acc_g)
-                    cute.gemm(tiled_mma, acc_u, tCrA[coord], tCrU[coord], acc_u)
-                warpgroup.commit_group()
-                read_state.advance()
-            for k in cutlass.range(n_pro, k_count, unroll=1):
-                mainloop.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    coord = (None, None, kb, read_state.index)
-                    cute.gemm(tiled_mma, acc_g, tCrA[coord], tCrG[coord], acc_g)
-                    cute.gemm(tiled_mma, acc_u, tCrA[coord], tCrU[coord], acc_u)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                mainloop.consumer_release(release_state)
-                release_state.advance()
-                read_state.advance()
-            warpgroup.wait_group(0)
-            for k in cutlass.range(n_pro, unroll=1):
-                mainloop.consumer_release(release_state)
-                release_state.advance()
-            return read_state, release_state
-
-        @cute.jit
         def store_subtile(self, tiled_copy_r2s, vals: cute.Tensor, tRS_sD: cute.Tensor, buf, epi_bar,
                           warp_idx, store_pipe, tma_c, bSG_sD: cute.Tensor, bSG_gD_e: cute.Tensor):
             """bf16 register sub-tile -> shared ring slot ``buf`` (stmatrix) -> global (TMA store)."""
@@ -964,67 +924,21 @@ def _build_kernel_classes():
             num_n_tiles: cutlass.Int32,
             num_tiles: cutlass.Int32,
         ):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_a)
-                cpasync.prefetch_descriptor(tma_gh)
-                cpasync.prefetch_descriptor(tma_gs)
-                cpasync.prefetch_descriptor(tma_uh)
-                cpasync.prefetch_descriptor(tma_us)
-                cpasync.prefetch_descriptor(tma_h)
-                if cutlass.const_expr(self.store_preact):
-                    cpasync.prefetch_descriptor(tma_g)
-                    cpasync.prefetch_descriptor(tma_u)
-
+            tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
+            stores = (tma_h, tma_g, tma_u) if cutlass.const_expr(self.store_preact) else (tma_h,)
+            self.prefetch_tma_descriptors(warp_idx, (tma_a, tma_gh, tma_gs, tma_uh, tma_us) + stores)
             num_groups = cute.size(cu_seqlens, mode=[0])
-            num_home = cute.size(mGh, mode=[2])
-
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            a_smem = cute.slice_(a_smem_staged, (None, None, 0))
-            b_smem = cute.slice_(b_smem_staged, (None, None, 0))
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + 2 * cute.size_in_bytes(self.ab_dtype, b_smem)
-            mainloop = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(),
-                num_stages=self.ab_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
-                tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True,
+            mainloop, sA, (sBg, sBu), sC = self.shared_tensors(
+                a_smem_staged, b_smem_staged, ("sBg", "sBu"), epi_smem_staged
             )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-            sBg = storage.sBg.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-            sBu = storage.sBu.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-            sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-
-            tile_b = (self.tile_n, self.tile_k)
-            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-            gGh = cute.local_tile(mGh, tile_b, (None, None, None))
-            gGs = cute.local_tile(mGs, tile_b, (None, None, None))
-            gUh = cute.local_tile(mUh, tile_b, (None, None, None))
-            gUs = cute.local_tile(mUs, tile_b, (None, None, None))
+            tAgA, tAsA, (load_gh, load_gs, load_uh, load_us), k_tiles = self.partition_loads(
+                tma_a, mA, sA, [(tma_gh, mGh, sBg), (tma_gs, mGs, sBg), (tma_uh, mUh, sBu), (tma_us, mUs, sBu)]
+            )
             tile_c = (self.tile_m, self.tile_n)
             gH = cute.local_tile(mH, tile_c, (None, None))
             gG = cute.local_tile(mG, tile_c, (None, None))
             gU = cute.local_tile(mU, tile_c, (None, None))
-
             one = cute.make_layout(1)
-            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-            sBg2 = cute.group_modes(sBg, 0, 2)
-            sBu2 = cute.group_modes(sBu, 0, 2)
-            tGsh, tGgh = cpasync.tma_partition(tma_gh, 0, one, sBg2, cute.group_modes(gGh, 0, 2))
-            tGss, tGgs = cpasync.tma_partition(tma_gs, 0, one, sBg2, cute.group_modes(gGs, 0, 2))
-            tUsh, tUgh = cpasync.tma_partition(tma_uh, 0, one, sBu2, cute.group_modes(gUh, 0, 2))
-            tUss, tUgs = cpasync.tma_partition(tma_us, 0, one, sBu2, cute.group_modes(gUs, 0, 2))
-            k_tiles = cute.size(gA, mode=[3])
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -1032,42 +946,18 @@ def _build_kernel_classes():
                 # ---------------- producer warp group ----------------
                 cute.arch.setmaxregister_decrease(self.load_regs)
                 if warp_idx == 0:
-                    prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                    for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                        m_idx = tile // num_n_tiles
-                        n_idx = tile % num_n_tiles
-                        g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
-                        if g < num_home:
-                            prod_state = self.load_k_tiles_gu(
-                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                tma_gh, tGgh[(None, n_idx, None, g)], tGsh,
-                                tma_uh, tUgh[(None, n_idx, None, g)], tUsh,
-                                k_tiles,
-                            )
-                        elif g < num_groups:
-                            prod_state = self.load_k_tiles_gu(
-                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                tma_gs, tGgs[(None, n_idx, None, g - num_home)], tGss,
-                                tma_us, tUgs[(None, n_idx, None, g - num_home)], tUss,
-                                k_tiles,
-                            )
-                    mainloop.producer_tail(prod_state)
+                    self.load_row_tiles(
+                        mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA,
+                        [load_gh, load_uh], [load_gs, load_us], k_tiles,
+                    )
             else:
                 # ---------------- consumer warp groups ----------------
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                mma_tidx = tidx - self.threads_per_wg
-                wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
-                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-                tCrG = tiled_mma.make_fragment_B(thr_mma.partition_B(sBg))
-                tCrU = tiled_mma.make_fragment_B(thr_mma.partition_B(sBu))
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled per tile
+                mma_tidx, thr_mma, tCrA, tCrBs, read_state, release_state = self.mma_operands(
+                    tiled_mma, tidx, wg_idx, sA, [sBg, sBu]
+                )
                 acc_shape = thr_mma.partition_C(gH).shape[:3]
                 acc_g = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 acc_u = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-
-                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
 
                 copy_atom_r2s = sm90_utils.get_smem_store_op(
                     self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
@@ -1093,12 +983,10 @@ def _build_kernel_classes():
 
                 epi_count = cutlass.Int32(0)
                 for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                    m_idx = tile // num_n_tiles
-                    n_idx = tile % num_n_tiles
-                    g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                    m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
                     k_count = k_tiles if g < num_groups else 0  # past the last group: zeros
-                    read_state, release_state = self.mma_k_tiles_gu(
-                        mainloop, read_state, release_state, tiled_mma, acc_g, acc_u, tCrA, tCrG, tCrU, k_count
+                    read_state, release_state = self.mma_k_tiles(
+                        mainloop, read_state, release_state, tiled_mma, [acc_g, acc_u], tCrA, tCrBs, k_count
                     )
 
                     # ---- epilogue: h = silu(gate) * up (fp32), then gate and up ----
@@ -1296,66 +1184,26 @@ def _build_kernel_classes():
             num_n_tiles: cutlass.Int32,
             num_tiles: cutlass.Int32,
         ):
-            tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_a)
-                cpasync.prefetch_descriptor(tma_bh)
-                cpasync.prefetch_descriptor(tma_bs)
-
+            tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
+            self.prefetch_tma_descriptors(warp_idx, (tma_a, tma_bh, tma_bs))
             num_groups = cute.size(cu_seqlens, mode=[0])
-            num_home = cute.size(mBh, mode=[2])
-
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            mainloop = self.make_mainloop_pipeline(storage.mbar.data_ptr(), a_smem_staged, b_smem_staged)
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
-            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-
-            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-            gBh = cute.local_tile(mBh, (self.tile_n, self.tile_k), (None, None, None))
-            gBs = cute.local_tile(mBs, (self.tile_n, self.tile_k), (None, None, None))
-            one_l = cute.make_layout(1)
-            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, one_l, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-            tBsBh, tBgBh = cpasync.tma_partition(tma_bh, 0, one_l, cute.group_modes(sB, 0, 2), cute.group_modes(gBh, 0, 2))
-            tBsBs, tBgBs = cpasync.tma_partition(tma_bs, 0, one_l, cute.group_modes(sB, 0, 2), cute.group_modes(gBs, 0, 2))
-            k_tiles = cute.size(gA, mode=[3])
+            mainloop, sA, (sB,), _ = self.shared_tensors(a_smem_staged, b_smem_staged, ("sB",))
+            tAgA, tAsA, (load_bh, load_bs), k_tiles = self.partition_loads(
+                tma_a, mA, sA, [(tma_bh, mBh, sB), (tma_bs, mBs, sB)]
+            )
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
             if wg_idx == 0:
                 cute.arch.setmaxregister_decrease(self.load_regs)
                 if warp_idx == 0:
-                    prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                    for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                        m_idx = tile // num_n_tiles
-                        n_idx = tile % num_n_tiles
-                        g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
-                        if g < num_home:
-                            prod_state = self.load_k_tiles(
-                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                tma_bh, tBgBh[(None, n_idx, None, g)], tBsBh, 0, k_tiles,
-                            )
-                        elif g < num_groups:
-                            prod_state = self.load_k_tiles(
-                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                tma_bs, tBgBs[(None, n_idx, None, g - num_home)], tBsBs, 0, k_tiles,
-                            )
-                    mainloop.producer_tail(prod_state)
+                    self.load_row_tiles(
+                        mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, [load_bh], [load_bs], k_tiles
+                    )
             else:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                mma_tidx = tidx - self.threads_per_wg
-                wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
-                tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                mma_tidx, _, tCrA, (tCrB,), read_state, release_state = self.mma_operands(
+                    tiled_mma, tidx, wg_idx, sA, [sB]
+                )
                 thr_c = tiled_mma.get_slice(mma_tidx)  # per-thread slice: element coordinates (see wgrad)
 
                 n_rows = cute.size(mGate, mode=[0])
@@ -1373,16 +1221,12 @@ def _build_kernel_classes():
                 rU = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)  # up, then g_up
                 last_row = n_rows - 1
 
-                read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-                release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
                 for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                    m_idx = tile // num_n_tiles
-                    n_idx = tile % num_n_tiles
-                    g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
+                    m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
                     k_count = k_tiles if g < num_groups else 0  # past the last group: d = 0
                     full = ((m_idx + 1) * self.tile_m <= dims[0]) & ((n_idx + 1) * self.tile_n <= dims[1])
                     read_state, release_state = self.mma_k_tiles(
-                        mainloop, read_state, release_state, tiled_mma, acc, tCrA, tCrB, k_count
+                        mainloop, read_state, release_state, tiled_mma, [acc], tCrA, [tCrB], k_count
                     )
                     coords = thr_c.partition_C(cC[(None, None, m_idx, n_idx)])
                     tCgG = thr_c.partition_C(gGate[(None, None, m_idx, n_idx)])
