@@ -310,6 +310,70 @@ def _build_kernel_classes():
             return mma_tidx, thr_mma, tCrA, tCrBs, read_state, release_state
 
         @cute.jit
+        def make_tma_store_epilogue(self, tiled_mma: cute.TiledMma, mma_tidx, sC: cute.Tensor):
+            """Consumers' side of the registers -> shared (stmatrix) -> global (TMA) epilogue: the
+            register -> shared copy (``retile`` maps accumulators onto it), this thread's slots of the
+            shared sub-tile ring, its fp32 and bf16 sub-tile registers, the consumers' named barrier and
+            the TMA store pipeline."""
+            copy_atom_r2s = sm90_utils.get_smem_store_op(
+                self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+            )
+            copy_atom_c = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+            )
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+            tRS_sD = thr_copy_r2s.partition_D(sC)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+            tRS_rOut = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            )
+            return tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe
+
+        @cute.jit
+        def partition_epilogue(self, tma_c: cute.CopyAtom, sC: cute.Tensor, gC_tile: cute.Tensor):
+            """A (tile_m, tile_n) output tile cut into epi_tile sub-tiles for the TMA store: (shared slots,
+            global sub-tiles, number of sub-tiles, sub-tile index -> coordinate layout)."""
+            gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
+            bSG_sD, bSG_gD = cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+            )
+            epi_shape = gC_epi.shape[1]
+            return bSG_sD, bSG_gD, cute.size(gC_epi, mode=[1]), cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+
+        @cute.jit
+        def acc_subtile_to_bf16(self, tRS_rAcc: cute.Tensor, e: cutlass.Constexpr, tRS_rD: cute.Tensor,
+                                tRS_rOut: cute.Tensor):
+            """Sub-tile ``e`` of the (retiled) fp32 accumulators -> bf16 registers ``tRS_rOut``."""
+            size_rD = cute.size(tRS_rD)
+            for v in cutlass.range_constexpr(size_rD):
+                tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+            tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+
+        @cute.jit
+        def store_subtile(self, tiled_copy_r2s, vals: cute.Tensor, tRS_sD: cute.Tensor, buf, epi_bar,
+                          warp_idx, store_pipe, tma_c, bSG_sD: cute.Tensor, bSG_gD: cute.Tensor, coord=None):
+            """bf16 register sub-tile -> shared ring slot ``buf`` (stmatrix) -> global (TMA store) into
+            sub-tile ``coord`` of ``bSG_gD``, or into ``bSG_gD`` itself when ``coord`` is None. (The
+            forward slices the sub-tile in the storing warp, the SwiGLU kernel before the stmatrix copy:
+            both as validated on the GPU, and the generated code differs.)"""
+            cute.copy(tiled_copy_r2s, vals, tRS_sD[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_bar.arrive_and_wait()
+            if warp_idx == self.epi_store_warp:
+                if cutlass.const_expr(coord is None):
+                    cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD)
+                else:
+                    cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD[(None, coord)])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_bar.arrive_and_wait()
+
+        @cute.jit
         def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
             a_smem = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem = cute.slice_(b_smem_staged, (None, None, 0))
@@ -355,6 +419,7 @@ def _build_kernel_classes():
         @cute.jit
         def load_row_tiles(
             self,
+            warp_idx,
             mainloop,
             cu_seqlens: cute.Tensor,
             num_n_tiles: cutlass.Int32,
@@ -366,28 +431,31 @@ def _build_kernel_classes():
             b_slot,  # the same for the slot weights (group g >= epn reads slot g - epn)
             k_tiles: cutlass.Int32,
         ):
-            """Producer warp of the row-grouped kernels: over this CTA's tiles, all k tiles of A and of
-            the B operand(s) of the tile's group; tiles past the last group load nothing."""
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            num_groups = cute.size(cu_seqlens, mode=[0])
-            num_home = cute.size(b_home[0][1], mode=[3])
-            prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-            for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
-                if g < num_home:
-                    prod_state = self.load_k_tiles(
-                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                        [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
-                        0, k_tiles,
-                    )
-                elif g < num_groups:
-                    prod_state = self.load_k_tiles(
-                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                        [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
-                        0, k_tiles,
-                    )
-            mainloop.producer_tail(prod_state)
+            """Producer warp group of the row-grouped kernels: lowers its register budget, and its warp
+            0 loads, over this CTA's tiles, all k tiles of A and of the B operand(s) of the tile's group;
+            tiles past the last group load nothing."""
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                bidx, _, _ = cute.arch.block_idx()
+                gdim, _, _ = cute.arch.grid_dim()
+                num_groups = cute.size(cu_seqlens, mode=[0])
+                num_home = cute.size(b_home[0][1], mode=[3])
+                prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                    m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
+                    if g < num_home:
+                        prod_state = self.load_k_tiles(
+                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                            [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
+                            0, k_tiles,
+                        )
+                    elif g < num_groups:
+                        prod_state = self.load_k_tiles(
+                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                            [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
+                            0, k_tiles,
+                        )
+                mainloop.producer_tail(prod_state)
 
         @cute.jit
         def mma_k_tiles(
@@ -439,6 +507,11 @@ def _build_kernel_classes():
             m_idx = tile // num_n_tiles
             n_idx = tile % num_n_tiles
             return m_idx, n_idx, self.tile_group(cu_seqlens, m_idx * self.tile_m)
+
+        @cute.jit
+        def is_full_tile(self, m_idx, n_idx, dims):
+            """Whether output tile (m_idx, n_idx) lies inside ``dims`` (no predication needed)."""
+            return ((m_idx + 1) * self.tile_m <= dims[0]) & ((n_idx + 1) * self.tile_n <= dims[1])
 
         @cute.jit
         def tile_group(self, cu_seqlens: cute.Tensor, row0: cutlass.Int32) -> cutlass.Int32:
@@ -539,12 +612,10 @@ def _build_kernel_classes():
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
             if wg_idx == 0:
-                # ---------------- producer warp group ----------------
-                cute.arch.setmaxregister_decrease(self.load_regs)
-                if warp_idx == 0:
-                    self.load_row_tiles(
-                        mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, [load_bh], [load_bs], k_tiles
-                    )
+                self.load_row_tiles(
+                    warp_idx, mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, [load_bh], [load_bs],
+                    k_tiles,
+                )
             else:
                 # ---------------- consumer warp groups ----------------
                 mma_tidx, thr_mma, tCrA, (tCrB,), read_state, release_state = self.mma_operands(
@@ -552,30 +623,10 @@ def _build_kernel_classes():
                 )
                 acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
 
-                # Epilogue: registers -> smem (stmatrix) -> gmem (TMA store).
-                copy_atom_r2s = sm90_utils.get_smem_store_op(
-                    self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+                tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+                    tiled_mma, mma_tidx, sC
                 )
-                copy_atom_c = cute.make_copy_atom(
-                    cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
-                    self.c_dtype,
-                )
-                tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
-                tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-                thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-                tRS_sD = thr_copy_r2s.partition_D(sC)
                 tRS_rAcc = tiled_copy_r2s.retile(acc)
-                rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-                tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-                tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
-                size_rD = cute.size(tRS_rD)
-                epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
-                store_pipe = pipeline.PipelineTmaStore.create(
-                    num_stages=self.epi_stage,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, self.num_mma_threads
-                    ),
-                )
 
                 epi_count = cutlass.Int32(0)
                 for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
@@ -589,31 +640,15 @@ def _build_kernel_classes():
                         self.scale_rows(tiled_mma, mma_tidx, acc, row_w, m_idx * self.tile_m)
 
                     # ---- epilogue ----
-                    gC_tile = gC[(None, None, m_idx, n_idx)]
-                    gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
-                    bSG_sD, bSG_gD = cpasync.tma_partition(
-                        tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                    bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
+                        tma_c, sC, gC[(None, None, m_idx, n_idx)]
                     )
-                    epi_tiles = cute.size(gC_epi, mode=[1])
-                    epi_shape = gC_epi.shape[1]
-                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
                     for e in cutlass.range_constexpr(epi_tiles):
-                        for v in cutlass.range_constexpr(size_rD):
-                            tRS_rD[v] = tRS_rAcc[e * size_rD + v]
-                        tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-                        buf = (epi_count + e) % self.epi_stage
-                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_bar.arrive_and_wait()
-                        if warp_idx == self.epi_store_warp:
-                            cute.copy(
-                                tma_c,
-                                bSG_sD[(None, buf)],
-                                bSG_gD[(None, epi_layout.get_hier_coord(e))],
-                            )
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
+                        self.acc_subtile_to_bf16(tRS_rAcc, e, tRS_rD, tRS_rOut)
+                        self.store_subtile(
+                            tiled_copy_r2s, tRS_rOut, tRS_sD, (epi_count + e) % self.epi_stage, epi_bar,
+                            warp_idx, store_pipe, tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
+                        )
                     epi_count = epi_count + epi_tiles
                 if warp_idx == self.epi_store_warp:
                     store_pipe.producer_tail()
@@ -813,9 +848,7 @@ def _build_kernel_classes():
                             mainloop, read_state, release_state, tiled_mma, [acc], tCrA, [tCrB], k_count
                         )
                         tCcD = self.epilogue_partition(tiled_mma, mma_tidx, cD[(None, None, m_idx, n_idx)])
-                        full = ((m_idx + 1) * self.tile_m <= dims[0]) & (
-                            (n_idx + 1) * self.tile_n <= dims[1]
-                        )
+                        full = self.is_full_tile(m_idx, n_idx, dims)
                         if g < num_home:
                             self.add_into(
                                 acc, self.epilogue_partition(tiled_mma, mma_tidx, gDh[(None, None, m_idx, n_idx, g)]),
@@ -892,19 +925,6 @@ def _build_kernel_classes():
                 stream,
             )
 
-        @cute.jit
-        def store_subtile(self, tiled_copy_r2s, vals: cute.Tensor, tRS_sD: cute.Tensor, buf, epi_bar,
-                          warp_idx, store_pipe, tma_c, bSG_sD: cute.Tensor, bSG_gD_e: cute.Tensor):
-            """bf16 register sub-tile -> shared ring slot ``buf`` (stmatrix) -> global (TMA store)."""
-            cute.copy(tiled_copy_r2s, vals, tRS_sD[(None, None, None, buf)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_bar.arrive_and_wait()
-            if warp_idx == self.epi_store_warp:
-                cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD_e)
-                store_pipe.producer_commit()
-                store_pipe.producer_acquire()
-            epi_bar.arrive_and_wait()
-
         @cute.kernel
         def kernel(
             self,
@@ -938,18 +958,14 @@ def _build_kernel_classes():
             gH = cute.local_tile(mH, tile_c, (None, None))
             gG = cute.local_tile(mG, tile_c, (None, None))
             gU = cute.local_tile(mU, tile_c, (None, None))
-            one = cute.make_layout(1)
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
             if wg_idx == 0:
-                # ---------------- producer warp group ----------------
-                cute.arch.setmaxregister_decrease(self.load_regs)
-                if warp_idx == 0:
-                    self.load_row_tiles(
-                        mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA,
-                        [load_gh, load_uh], [load_gs, load_us], k_tiles,
-                    )
+                self.load_row_tiles(
+                    warp_idx, mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA,
+                    [load_gh, load_uh], [load_gs, load_us], k_tiles,
+                )
             else:
                 # ---------------- consumer warp groups ----------------
                 mma_tidx, thr_mma, tCrA, tCrBs, read_state, release_state = self.mma_operands(
@@ -959,26 +975,12 @@ def _build_kernel_classes():
                 acc_g = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 acc_u = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
 
-                copy_atom_r2s = sm90_utils.get_smem_store_op(
-                    self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+                tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+                    tiled_mma, mma_tidx, sC
                 )
-                copy_atom_c = cute.make_copy_atom(
-                    cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-                )
-                tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
-                thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-                tRS_sD = thr_copy_r2s.partition_D(sC)
                 tRS_rG = tiled_copy_r2s.retile(acc_g)
                 tRS_rU = tiled_copy_r2s.retile(acc_u)
-                rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-                tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-                tRS_rOut = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
                 size_rD = cute.size(tRS_rOut)
-                epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
-                store_pipe = pipeline.PipelineTmaStore.create(
-                    num_stages=self.epi_stage,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
-                )
                 neg_log2e = cutlass.Float32(-1.4426950408889634)
 
                 epi_count = cutlass.Int32(0)
@@ -990,12 +992,9 @@ def _build_kernel_classes():
                     )
 
                     # ---- epilogue: h = silu(gate) * up (fp32), then gate and up ----
-                    gH_epi = cute.zipped_divide(gH[(None, None, m_idx, n_idx)], self.epi_tile)
-                    sC2 = cute.group_modes(sC, 0, 2)
-                    bSG_sD, bSG_gH = cpasync.tma_partition(tma_h, 0, one, sC2, gH_epi)
-                    epi_tiles = cute.size(gH_epi, mode=[1])
-                    epi_shape = gH_epi.shape[1]
-                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    bSG_sD, bSG_gH, epi_tiles, epi_layout = self.partition_epilogue(
+                        tma_h, sC, gH[(None, None, m_idx, n_idx)]
+                    )
                     for e in cutlass.range_constexpr(epi_tiles):
                         for v in cutlass.range_constexpr(size_rD):
                             a = tRS_rG[e * size_rD + v]
@@ -1008,23 +1007,15 @@ def _build_kernel_classes():
                         )
                     epi_count = epi_count + epi_tiles
                     if cutlass.const_expr(self.store_preact):
-                        _, bSG_gG = cpasync.tma_partition(
-                            tma_g, 0, one, sC2, cute.zipped_divide(gG[(None, None, m_idx, n_idx)], self.epi_tile)
-                        )
-                        _, bSG_gU = cpasync.tma_partition(
-                            tma_u, 0, one, sC2, cute.zipped_divide(gU[(None, None, m_idx, n_idx)], self.epi_tile)
-                        )
+                        _, bSG_gG, _, _ = self.partition_epilogue(tma_g, sC, gG[(None, None, m_idx, n_idx)])
+                        _, bSG_gU, _, _ = self.partition_epilogue(tma_u, sC, gU[(None, None, m_idx, n_idx)])
                         for e in cutlass.range_constexpr(epi_tiles):
-                            for v in cutlass.range_constexpr(size_rD):
-                                tRS_rD[v] = tRS_rG[e * size_rD + v]
-                            tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                            self.acc_subtile_to_bf16(tRS_rG, e, tRS_rD, tRS_rOut)
                             self.store_subtile(
                                 tiled_copy_r2s, tRS_rOut, tRS_sD, (epi_count + 2 * e) % self.epi_stage, epi_bar,
                                 warp_idx, store_pipe, tma_g, bSG_sD, bSG_gG[(None, epi_layout.get_hier_coord(e))],
                             )
-                            for v in cutlass.range_constexpr(size_rD):
-                                tRS_rD[v] = tRS_rU[e * size_rD + v]
-                            tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                            self.acc_subtile_to_bf16(tRS_rU, e, tRS_rD, tRS_rOut)
                             self.store_subtile(
                                 tiled_copy_r2s, tRS_rOut, tRS_sD, (epi_count + 2 * e + 1) % self.epi_stage,
                                 epi_bar, warp_idx, store_pipe, tma_u, bSG_sD,
@@ -1105,39 +1096,23 @@ def _build_kernel_classes():
             )
 
         @cute.jit
-        def swiglu_bwd_element(self, i: cutlass.Constexpr, acc: cute.Tensor, rG: cute.Tensor, rU: cute.Tensor, rw,
-                               j: cutlass.Constexpr, part_sums: cute.Tensor):
-            """Element i, in registers: gate/up (rG, rU) -> g_gate, g_up (bf16, in place), acc[i] -> h_w
-            (fp32, in place); adds d * h to part_sums[j]."""
+        def swiglu_bwd_element(self, i: cutlass.Constexpr, acc: cute.Tensor, gate: cute.Tensor, up: cute.Tensor,
+                               g_gate: cute.Tensor, g_up: cute.Tensor, h_w: cute.Tensor, rw, j: cutlass.Constexpr,
+                               part_sums: cute.Tensor):
+            """Element i: from d = acc[i] and the bf16 gate[i], up[i], writes g_gate[i], g_up[i] (bf16) and
+            h_w[i] (in h_w's type) and adds d * h to part_sums[j]. A full tile passes registers (g_gate,
+            g_up over gate, up; h_w over acc, fp32), an edge tile its global memory."""
             one = cutlass.Float32(1.0)
-            gt = rG[i].to(cutlass.Float32)
-            ut = rU[i].to(cutlass.Float32)
+            gt = gate[i].to(cutlass.Float32)
+            ut = up[i].to(cutlass.Float32)
             d = acc[i]
             s = cute.arch.rcp_approx(one + cute.math.exp2(gt * cutlass.Float32(-1.4426950408889634), fastmath=True))
             silu = gt * s
             h = silu * ut
             gh = d * rw
-            rG[i] = (gh * ut * s * (one + gt * (one - s))).to(cutlass.BFloat16)
-            rU[i] = (gh * silu).to(cutlass.BFloat16)
-            acc[i] = h * rw
-            part_sums[j] = part_sums[j] + d * h
-
-        @cute.jit
-        def swiglu_bwd_element_gmem(self, i: cutlass.Constexpr, acc: cute.Tensor, tCgG: cute.Tensor,
-                                    tCgU: cute.Tensor, tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor, rw,
-                                    j: cutlass.Constexpr, part_sums: cute.Tensor):
-            """Element i of an edge tile: the same math, gate/up read from and results written to global."""
-            one = cutlass.Float32(1.0)
-            gt = tCgG[i].to(cutlass.Float32)
-            ut = tCgU[i].to(cutlass.Float32)
-            d = acc[i]
-            s = cute.arch.rcp_approx(one + cute.math.exp2(gt * cutlass.Float32(-1.4426950408889634), fastmath=True))
-            silu = gt * s
-            h = silu * ut
-            gh = d * rw
-            tCgGG[i] = (gh * ut * s * (one + gt * (one - s))).to(cutlass.BFloat16)
-            tCgGU[i] = (gh * silu).to(cutlass.BFloat16)
-            tCgHW[i] = (h * rw).to(cutlass.BFloat16)
+            g_gate[i] = (gh * ut * s * (one + gt * (one - s))).to(cutlass.BFloat16)
+            g_up[i] = (gh * silu).to(cutlass.BFloat16)
+            h_w[i] = (h * rw).to(h_w.element_type)
             part_sums[j] = part_sums[j] + d * h
 
         @cute.jit
@@ -1155,7 +1130,9 @@ def _build_kernel_classes():
                 rws[j] = row_w[cutlass.min(coords[self.row_first[j]][0], last_row)]
             if cutlass.const_expr(full):
                 for i in cutlass.range_constexpr(cute.size(acc)):
-                    self.swiglu_bwd_element(i, acc, rG, rU, rws[self.row_slot[i]], self.row_slot[i], part_sums)
+                    self.swiglu_bwd_element(
+                        i, acc, rG, rU, rG, rU, acc, rws[self.row_slot[i]], self.row_slot[i], part_sums
+                    )
                 cute.autovec_copy(rG, tCgGG)
                 cute.autovec_copy(rU, tCgGU)
                 rG.store(acc.load().to(cutlass.BFloat16))  # h_w, in gate's registers (fewer live registers)
@@ -1165,8 +1142,8 @@ def _build_kernel_classes():
                 # access predicated on the bounds
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     if cute.elem_less(coords[i], dims):
-                        self.swiglu_bwd_element_gmem(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rws[self.row_slot[i]],
-                                                     self.row_slot[i], part_sums)
+                        self.swiglu_bwd_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rws[self.row_slot[i]],
+                                                self.row_slot[i], part_sums)
 
         @cute.kernel
         def kernel(
@@ -1195,11 +1172,10 @@ def _build_kernel_classes():
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
             if wg_idx == 0:
-                cute.arch.setmaxregister_decrease(self.load_regs)
-                if warp_idx == 0:
-                    self.load_row_tiles(
-                        mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, [load_bh], [load_bs], k_tiles
-                    )
+                self.load_row_tiles(
+                    warp_idx, mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, [load_bh], [load_bs],
+                    k_tiles,
+                )
             else:
                 mma_tidx, _, tCrA, (tCrB,), read_state, release_state = self.mma_operands(
                     tiled_mma, tidx, wg_idx, sA, [sB]
@@ -1224,7 +1200,7 @@ def _build_kernel_classes():
                 for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
                     m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
                     k_count = k_tiles if g < num_groups else 0  # past the last group: d = 0
-                    full = ((m_idx + 1) * self.tile_m <= dims[0]) & ((n_idx + 1) * self.tile_n <= dims[1])
+                    full = self.is_full_tile(m_idx, n_idx, dims)
                     read_state, release_state = self.mma_k_tiles(
                         mainloop, read_state, release_state, tiled_mma, [acc], tCrA, [tCrB], k_count
                     )
