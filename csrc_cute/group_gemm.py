@@ -1243,11 +1243,6 @@ def _kernel_classes():
     return _KERNEL_CLASSES
 
 
-def _kernel_class():
-    """The row-grouped kernel class (forward and dgrad)."""
-    return _kernel_classes()[0]
-
-
 # ---------------------------------------------------------------------------------------------------
 # Compilation (once per static key)
 # ---------------------------------------------------------------------------------------------------
@@ -1257,6 +1252,8 @@ _COMPILE_LOCK = threading.Lock()
 
 
 def _compile_cached(key: tuple, build):
+    """``build()`` once per ``key`` and target arch (``CUTE_DSL_ARCH``)."""
+    key = key + (os.environ.get("CUTE_DSL_ARCH", ""),)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
@@ -1267,35 +1264,46 @@ def _compile_cached(key: tuple, build):
         return fn
 
 
+def _fake_sizes():
+    """Symbolic (N, epn, B, G): the sizes a compiled kernel takes at run time."""
+    import cutlass.cute as cute
+
+    return cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+
+def _fake(dtype, shape, align: int = 16):
+    """Fake contiguous (row-major) tensor of ``shape`` for ``cute.compile``."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(
+        dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align
+    )
+
+
+def _compile_for_torch(kernel, *fakes):
+    """Compile ``kernel`` for the fake arguments; the result takes torch tensors and runs on torch's
+    current stream (tvm-ffi environment stream)."""
+    import cutlass.cute as cute
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *fakes, stream, options="--enable-tvm-ffi")
+
+
 def _compile_rows_kernel(name: str, red: int, out: int, kd: int, nd: int, b_k_major: bool,
                          config: GroupGemmConfig):
     """Row-grouped kernel ``C [N, out] = A [N, red] @ op(W_g)`` with ``W`` ``[E, kd, nd]``."""
     import cutlass
-    import cutlass.cute as cute
-
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    key = (name, "bf16", "bf16", "f32", int(kd), int(nd), tuple(config), arch)
 
     def build():
-        n = cute.sym_int()
-        epn = cute.sym_int()
-        nb = cute.sym_int()
-        ng = cute.sym_int()
-        rt = cute.runtime
-        a_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, red), stride_order=(1, 0), assumed_align=16)
-        wh_f = rt.make_fake_compact_tensor(
-            cutlass.BFloat16, (epn, kd, nd), stride_order=(2, 1, 0), assumed_align=16
+        n, epn, nb, ng = _fake_sizes()
+        bf = cutlass.BFloat16
+        return _compile_for_torch(
+            _kernel_classes()[0](config, b_k_major=b_k_major),
+            _fake(bf, (n, red)), _fake(bf, (epn, kd, nd)), _fake(bf, (nb, kd, nd)), _fake(cutlass.Int32, (ng,), 4),
+            _fake(bf, (n, out)),
         )
-        ws_f = rt.make_fake_compact_tensor(
-            cutlass.BFloat16, (nb, kd, nd), stride_order=(2, 1, 0), assumed_align=16
-        )
-        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
-        c_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, out), stride_order=(1, 0), assumed_align=16)
-        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-        kernel = _kernel_classes()[0](config, b_k_major=b_k_major)
-        return cute.compile(kernel, a_f, wh_f, ws_f, cu_f, c_f, stream, options="--enable-tvm-ffi")
 
-    return _compile_cached(key, build)
+    return _compile_cached((name, int(kd), int(nd), tuple(config)), build)
 
 
 def compile_group_gemm(kd: int, nd: int, config: GroupGemmConfig):
@@ -1317,31 +1325,17 @@ def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
     """The varlen-K wgrad kernel: takes (x [N, Kd], dy [N, Nd], cu_seqlens, dw_home fp32, dw_slot fp32)
     and adds ``x_g^T dy_g`` into ``dw_g``. ``config.tile_m`` tiles Kd, ``config.tile_n`` tiles Nd."""
     import cutlass
-    import cutlass.cute as cute
-
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    key = ("group_gemm_wgrad", "bf16", "bf16", "f32", int(kd), int(nd), tuple(config), arch)
 
     def build():
-        n = cute.sym_int()
-        epn = cute.sym_int()
-        nb = cute.sym_int()
-        ng = cute.sym_int()
-        rt = cute.runtime
-        x_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, kd), stride_order=(1, 0), assumed_align=16)
-        dy_f = rt.make_fake_compact_tensor(cutlass.BFloat16, (n, nd), stride_order=(1, 0), assumed_align=16)
-        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
-        dh_f = rt.make_fake_compact_tensor(
-            cutlass.Float32, (epn, kd, nd), stride_order=(2, 1, 0), assumed_align=16
+        n, epn, nb, ng = _fake_sizes()
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        return _compile_for_torch(
+            _kernel_classes()[1](config),
+            _fake(bf, (n, kd)), _fake(bf, (n, nd)), _fake(cutlass.Int32, (ng,), 4),
+            _fake(f32, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
         )
-        ds_f = rt.make_fake_compact_tensor(
-            cutlass.Float32, (nb, kd, nd), stride_order=(2, 1, 0), assumed_align=16
-        )
-        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-        kernel = _kernel_classes()[1](config)
-        return cute.compile(kernel, x_f, dy_f, cu_f, dh_f, ds_f, stream, options="--enable-tvm-ffi")
 
-    return _compile_cached(key, build)
+    return _compile_cached(("group_gemm_wgrad", int(kd), int(nd), tuple(config)), build)
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -1357,55 +1351,35 @@ def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_pr
     [*, H, F], cu_seqlens, h [N, F], gate [N, F], up [N, F]); gate/up are written only with
     ``store_preact`` (otherwise pass any bf16 [N, F] tensor, e.g. h: it is never written)."""
     import cutlass
-    import cutlass.cute as cute
-
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    key = ("group_gemm_swiglu", bool(store_preact), int(hd), int(f), tuple(config), arch)
 
     def build():
-        n, epn, nb, ng = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-        rt = cute.runtime
+        n, epn, nb, ng = _fake_sizes()
         bf = cutlass.BFloat16
+        return _compile_for_torch(
+            _kernel_classes()[3](config, store_preact=store_preact),
+            _fake(bf, (n, hd)), _fake(bf, (epn, hd, f)), _fake(bf, (nb, hd, f)), _fake(bf, (epn, hd, f)),
+            _fake(bf, (nb, hd, f)), _fake(cutlass.Int32, (ng,), 4), _fake(bf, (n, f)), _fake(bf, (n, f)),
+            _fake(bf, (n, f)),
+        )
 
-        def rows(cols):
-            return rt.make_fake_compact_tensor(bf, (n, cols), stride_order=(1, 0), assumed_align=16)
-
-        def weights(e):
-            return rt.make_fake_compact_tensor(bf, (e, hd, f), stride_order=(2, 1, 0), assumed_align=16)
-
-        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
-        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-        kernel = _kernel_classes()[3](config, store_preact=store_preact)
-        return cute.compile(kernel, rows(hd), weights(epn), weights(nb), weights(epn), weights(nb), cu_f,
-                            rows(f), rows(f), rows(f), stream, options="--enable-tvm-ffi")
-
-    return _compile_cached(key, build)
+    return _compile_cached(("group_gemm_swiglu", bool(store_preact), int(hd), int(f), tuple(config)), build)
 
 
 def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig):
     """Forward with the per-row scale epilogue: takes (x [N, Kd], w_home, w_slot, cu_seqlens,
     row_w [N] fp32, y [N, Nd])."""
     import cutlass
-    import cutlass.cute as cute
-
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    key = ("group_gemm_row_scale", int(kd), int(nd), tuple(config), arch)
 
     def build():
-        n, epn, nb, ng = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-        rt = cute.runtime
+        n, epn, nb, ng = _fake_sizes()
         bf = cutlass.BFloat16
-        a_f = rt.make_fake_compact_tensor(bf, (n, kd), stride_order=(1, 0), assumed_align=16)
-        wh_f = rt.make_fake_compact_tensor(bf, (epn, kd, nd), stride_order=(2, 1, 0), assumed_align=16)
-        ws_f = rt.make_fake_compact_tensor(bf, (nb, kd, nd), stride_order=(2, 1, 0), assumed_align=16)
-        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
-        rw_f = rt.make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=4)
-        c_f = rt.make_fake_compact_tensor(bf, (n, nd), stride_order=(1, 0), assumed_align=16)
-        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-        kernel = _kernel_classes()[2](config)
-        return cute.compile(kernel, a_f, wh_f, ws_f, cu_f, rw_f, c_f, stream, options="--enable-tvm-ffi")
+        return _compile_for_torch(
+            _kernel_classes()[2](config),
+            _fake(bf, (n, kd)), _fake(bf, (epn, kd, nd)), _fake(bf, (nb, kd, nd)), _fake(cutlass.Int32, (ng,), 4),
+            _fake(cutlass.Float32, (n,), 4), _fake(bf, (n, nd)),
+        )
 
-    return _compile_cached(key, build)
+    return _compile_cached(("group_gemm_row_scale", int(kd), int(nd), tuple(config)), build)
 
 
 def select_swiglu_bwd_config(pad: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -1420,31 +1394,18 @@ def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig):
     [epn, F, H], w_down_slot [B, F, H], cu_seqlens, row_w [N] fp32, gate [N, F], up [N, F], g_gate [N, F],
     g_up [N, F], h_w [N, F], part [N, ceil(F / tile_n)] fp32)."""
     import cutlass
-    import cutlass.cute as cute
-
-    arch = os.environ.get("CUTE_DSL_ARCH", "")
-    key = ("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config), arch)
 
     def build():
-        n, epn, nb, ng = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-        rt = cute.runtime
-        bf = cutlass.BFloat16
-
-        def rows(cols, dtype=bf, align=16):
-            return rt.make_fake_compact_tensor(dtype, (n, cols), stride_order=(1, 0), assumed_align=align)
-
-        def weights(e):
-            return rt.make_fake_compact_tensor(bf, (e, f, hd), stride_order=(2, 1, 0), assumed_align=16)
-
-        cu_f = rt.make_fake_compact_tensor(cutlass.Int32, (ng,), assumed_align=4)
-        rw_f = rt.make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=4)
+        n, epn, nb, ng = _fake_sizes()
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
         n_tiles = (f + config.tile_n - 1) // config.tile_n
-        stream = rt.make_fake_stream(use_tvm_ffi_env_stream=True)
-        kernel = _kernel_classes()[4](config)
-        return cute.compile(kernel, rows(hd), weights(epn), weights(nb), cu_f, rw_f, rows(f), rows(f), rows(f),
-                            rows(f), rows(f), rows(n_tiles, cutlass.Float32, 4), stream, options="--enable-tvm-ffi")
+        return _compile_for_torch(
+            _kernel_classes()[4](config),
+            _fake(bf, (n, hd)), _fake(bf, (epn, f, hd)), _fake(bf, (nb, f, hd)), _fake(cutlass.Int32, (ng,), 4),
+            _fake(f32, (n,), 4), *(_fake(bf, (n, f)) for _ in range(5)), _fake(f32, (n, n_tiles), 4),
+        )
 
-    return _compile_cached(key, build)
+    return _compile_cached(("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config)), build)
 
 
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -1551,6 +1512,24 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
     return info
 
 
+def _compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
+    """The kernel of ``op`` ("fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
+    "swiglu_bwd") for static (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
+    if op == "fwd":
+        return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
+    if op == "dgrad":
+        return compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
+    if op == "wgrad":
+        return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+    if op == "row_scale":
+        return compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms))
+    if op in ("swiglu", "swiglu_h_only"):
+        return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu")
+    if op == "swiglu_bwd":
+        return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms))
+    raise ValueError(f"unknown op {op!r}")
+
+
 def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
     fast_key = (op, kd, nd, pad, device.index)
     fn = _LAUNCH_CACHE.get(fast_key)
@@ -1560,17 +1539,7 @@ def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
             raise ValueError(
                 f"tensors must be on a Hopper (sm_90) GPU, got compute capability {cc[0]}.{cc[1]}"
             )
-        if op == "fwd":
-            fn = compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
-        elif op == "row_scale":
-            fn = compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms))
-        elif op in ("swiglu", "swiglu_h_only"):
-            fn = compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu")
-        elif op == "dgrad":
-            fn = compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
-        else:
-            fn = compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
-        _LAUNCH_CACHE[fast_key] = fn
+        fn = _LAUNCH_CACHE[fast_key] = _compile_op(op, kd, nd, pad, num_sms)
     return fn
 
 
@@ -1580,6 +1549,22 @@ def _out_tensor(out, n, cols, device):
     if out.shape != (n, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != device:
         raise ValueError(f"out must be a contiguous bf16 [{n}, {cols}] tensor on {device}")
     return out
+
+
+def _slot_map(w_slot: torch.Tensor, w_home: torch.Tensor) -> torch.Tensor:
+    """``w_slot``, or ``w_home`` in its place when B == 0: a zero-sized tensor map cannot be encoded,
+    and with no slot groups no tile ever reads (or writes) the slot map."""
+    return w_home if w_slot.shape[0] == 0 else w_slot
+
+
+def _rows_gemm(op: str, a, w_home, w_slot, cu_seqlens, pad: int, out, a_name: str, red_dim: int):
+    """Forward (``red_dim`` 1) or dgrad (``red_dim`` 2): ``a [N, red] @ op(W_g)`` per group."""
+    n, kd, nd, epn, nb = _check_inputs(a, w_home, w_slot, cu_seqlens, pad, x_name=a_name, red_dim=red_dim)
+    fn = _launcher(op, kd, nd, pad, a.device)
+    c = _out_tensor(out, n, nd if red_dim == 1 else kd, a.device)
+    if n:
+        fn(a, w_home, _slot_map(w_slot, w_home), cu_seqlens, c)
+    return c
 
 
 def group_gemm_fwd(
@@ -1594,16 +1579,7 @@ def group_gemm_fwd(
 
     ``pad`` is P, the multiple every group length has (a power of two >= 64 for this kernel).
     """
-    n, kd, nd, epn, nb = _check_inputs(x, w_home, w_slot, cu_seqlens, pad)
-    fn = _launcher("fwd", kd, nd, pad, x.device)
-    y = _out_tensor(out, n, nd, x.device)
-    if n == 0:
-        return y
-    if nb == 0:
-        # A zero-sized tensor map cannot be encoded; no tile ever reads the slot map when B == 0.
-        w_slot = w_home
-    fn(x, w_home, w_slot, cu_seqlens, y)
-    return y
+    return _rows_gemm("fwd", x, w_home, w_slot, cu_seqlens, pad, out, "x", 1)
 
 
 def group_gemm_dgrad(
@@ -1616,15 +1592,7 @@ def group_gemm_dgrad(
 ) -> torch.Tensor:
     """``dx[N, Kd]``: ``dx[rows of g] = dy[rows of g] @ W_g^T``, rows past the last group zero (no host
     sync). ``pad`` is P (a power of two >= 64)."""
-    n, kd, nd, epn, nb = _check_inputs(dy, w_home, w_slot, cu_seqlens, pad, x_name="dy", red_dim=2)
-    fn = _launcher("dgrad", kd, nd, pad, dy.device)
-    dx = _out_tensor(out, n, kd, dy.device)
-    if n == 0:
-        return dx
-    if nb == 0:
-        w_slot = w_home  # never read (see group_gemm_fwd)
-    fn(dy, w_home, w_slot, cu_seqlens, dx)
-    return dx
+    return _rows_gemm("dgrad", dy, w_home, w_slot, cu_seqlens, pad, out, "dy", 2)
 
 
 def group_gemm_row_scale(
@@ -1653,11 +1621,8 @@ def group_gemm_row_scale(
         raise ValueError(f"row_w must be on the same device as x ({x.device}), got {row_w.device}")
     fn = _launcher("row_scale", kd, nd, pad, x.device)
     y = _out_tensor(out, n, nd, x.device)
-    if n == 0:
-        return y
-    if nb == 0:
-        w_slot = w_home  # never read (see group_gemm_fwd)
-    fn(x, w_home, w_slot, cu_seqlens, row_w, y)
+    if n:
+        fn(x, w_home, _slot_map(w_slot, w_home), cu_seqlens, row_w, y)
     return y
 
 
@@ -1693,12 +1658,9 @@ def group_gemm_swiglu(
     h = _out_tensor(out, n, f, x.device)
     gate = _out_tensor(gate_out, n, f, x.device) if store_preact else None
     up = _out_tensor(up_out, n, f, x.device) if store_preact else None
-    if n == 0:
-        return h, gate, up
-    if nb == 0:
-        w_gate_slot, w_up_slot = w_gate_home, w_up_home  # never read (see group_gemm_fwd)
-    fn(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, h,
-       gate if store_preact else h, up if store_preact else h)
+    if n:
+        fn(x, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home, _slot_map(w_up_slot, w_up_home),
+           cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
     return h, gate, up
 
 
@@ -1739,23 +1701,14 @@ def group_gemm_swiglu_bwd(
             raise ValueError(f"{name} must be on the same device as g_y ({g_y.device}), got {t.device}")
         if t.numel() and t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
-    fast_key = ("swiglu_bwd", hd, f, pad, g_y.device.index)
-    fn = _LAUNCH_CACHE.get(fast_key)
-    if fn is None:
-        cc, num_sms = _device_info(g_y.device)
-        if cc != (9, 0):
-            raise ValueError(f"tensors must be on a Hopper (sm_90) GPU, got compute capability {cc[0]}.{cc[1]}")
-        cfg = select_swiglu_bwd_config(pad, num_sms)
-        fn = _LAUNCH_CACHE[fast_key] = compile_group_gemm_swiglu_bwd(hd, f, cfg)
+    fn = _launcher("swiglu_bwd", hd, f, pad, g_y.device)
     tile_n = 128  # select_swiglu_bwd_config
     dev = g_y.device
     g_gate, g_up, h_w = (torch.empty(n, f, dtype=torch.bfloat16, device=dev) for _ in range(3))
     part = torch.empty(n, (f + tile_n - 1) // tile_n, dtype=torch.float32, device=dev)
-    if n == 0:
-        return g_gate, g_up, h_w, part.sum(1)
-    if nb == 0:
-        w_down_slot = w_down_home  # never read (see group_gemm_fwd)
-    fn(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part)
+    if n:
+        fn(g_y, w_down_home, _slot_map(w_down_slot, w_down_home), cu_seqlens, row_w, gate, up, g_gate, g_up, h_w,
+           part)
     return g_gate, g_up, h_w, part.sum(1)
 
 
@@ -1800,11 +1753,8 @@ def group_gemm_wgrad(
         if t.numel() and t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
     fn = _launcher("wgrad", kd, nd, pad, dev)
-    if n == 0:
-        return
-    if dw_slot.shape[0] == 0:
-        dw_slot = dw_home  # never written: every group index is < epn
-    fn(x, dy, cu_seqlens, dw_home, dw_slot)
+    if n:
+        fn(x, dy, cu_seqlens, dw_home, _slot_map(dw_slot, dw_home))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1818,20 +1768,7 @@ def _compile_only(kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int =
     from csrc_cute.compile_check import expect_no_driver
 
     with expect_no_driver():
-        if op == "fwd":
-            compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
-        elif op == "dgrad":
-            compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
-        elif op == "wgrad":
-            compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
-        elif op == "row_scale":
-            compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms))
-        elif op in ("swiglu", "swiglu_h_only"):
-            compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu")
-        elif op == "swiglu_bwd":
-            compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms))
-        else:
-            raise ValueError(f"unknown op {op!r}")
+        _compile_op(op, kd, nd, pad, num_sms)
 
 
 def _wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
