@@ -122,6 +122,59 @@ def _ptr(t, i):
     return (t.iterator + i).llvm_ptr
 
 
+def _checked_key(ok, v, E, bad):
+    """Expert id ``v`` read where ``ok``: (v if it is a valid expert id else -1, ``bad`` or-ed with
+    whether it is out of [0, E))."""
+    good = ok & (v >= 0) & (v < E)
+    bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
+    return cutlass.select_(good, Int32(v), Int32(-1)), bad
+
+
+@cute.jit
+def _flag_bad_expert_ids(status: cute.Tensor, bad):
+    if bad != 0:
+        cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
+
+
+def _warp_chunk(WPC, E):
+    """Token kernels: WPC warps per CTA, warp w owning chunk bx * WPC + w and an E-entry int32 table
+    in shared memory. Returns (lane, lanemask_lt, the tables, this warp's table offset, chunk)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    lt = _lanemask_lt()
+    smem = cutlass.utils.SmemAllocator()
+    tables = smem.allocate_tensor(Int32, cute.make_layout(WPC * E), byte_alignment=16)
+    return lane, lt, tables, warp * E, bx * WPC + warp
+
+
+@cute.jit
+def _chunk_keys(ids: cute.Tensor, c, lane, S: Constexpr[int], K: Constexpr[int], E: Constexpr[int],
+                TR: Constexpr[int], RPW: Constexpr[int]):
+    """The ids of warp chunk ``c``: in round r, lane tk * K + kk (< TR * K) reads (s, k) = (c * TPC +
+    r * TR + tk, kk). Per round: the checked key (-1 where invalid or no (s, k)), whether the lane has
+    an (s, k), its flat index s * K + k (0 where not); then the lane's tk and whether any id was out
+    of range."""
+    TPC = RPW * TR
+    tk = lane // K
+    kk = lane - tk * K
+    lane_ok = lane < TR * K
+    keys = []
+    oks = []
+    flats = []
+    bad = Int32(0)
+    for r in cutlass.range_constexpr(RPW):
+        t = c * TPC + r * TR + tk
+        ok = lane_ok & (t < S)
+        flat = cutlass.select_(ok, t * K + kk, Int32(0))
+        key, bad = _checked_key(ok, ids[flat], E, bad)
+        keys.append(key)
+        oks.append(ok)
+        flats.append(flat)
+    return keys, oks, flats, tk, bad
+
+
 # ------------------------------------------------------------------------------------------------
 # 1. count_experts
 # ------------------------------------------------------------------------------------------------
@@ -143,18 +196,15 @@ def _count_kernel(ids: cute.Tensor, counts: cute.Tensor, status: cute.Tensor,
     for j in cutlass.range_constexpr(IPT):
         i = start + j * NT + tidx
         ok = i < N
-        v = ids[base + cutlass.select_(ok, i, Int32(0))]
-        good = ok & (v >= 0) & (v < E)
-        bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
-        keys.append(cutlass.select_(good, Int32(v), Int32(-1)))
+        key, bad = _checked_key(ok, ids[base + cutlass.select_(ok, i, Int32(0))], E, bad)
+        keys.append(key)
     for j in cutlass.range_constexpr(IPT):
         key = keys[j]
         m = _match_any(key)
         if key >= 0:
             if cute.arch.popc(m & lt) == 0:
                 cute.arch.atomic_add(_ptr(h, key), cute.arch.popc(m))
-    if bad != 0:
-        cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
+    _flag_bad_expert_ids(status, bad)
     cute.arch.sync_threads()
     for e in cutlass.range(tidx, E, NT):
         x = h[e]
@@ -422,32 +472,12 @@ def _tok_hist_kernel(ids: cute.Tensor, hist: cute.Tensor, status: cute.Tensor,
                      S: Constexpr[int], K: Constexpr[int], E: Constexpr[int],
                      TR: Constexpr[int], RPW: Constexpr[int], NCH: Constexpr[int],
                      WPC: Constexpr[int]):
-    TPC = RPW * TR
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    lt = _lanemask_lt()
-    smem = cutlass.utils.SmemAllocator()
-    hs = smem.allocate_tensor(Int32, cute.make_layout(WPC * E), byte_alignment=16)
-    hb = warp * E
-    c = bx * WPC + warp
+    lane, lt, hs, hb, c = _warp_chunk(WPC, E)
     if c < NCH:
         for e in cutlass.range(lane, E, 32):
             hs[hb + e] = 0
         cute.arch.sync_warp()
-        tk = lane // K
-        kk = lane - tk * K
-        lane_ok = lane < TR * K
-        keys = []
-        bad = Int32(0)
-        for r in cutlass.range_constexpr(RPW):
-            t = c * TPC + r * TR + tk
-            ok = lane_ok & (t < S)
-            v = ids[cutlass.select_(ok, t * K + kk, Int32(0))]
-            good = ok & (v >= 0) & (v < E)
-            bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
-            keys.append(cutlass.select_(good, Int32(v), Int32(-1)))
+        keys, _, _, _, bad = _chunk_keys(ids, c, lane, S, K, E, TR, RPW)
         for r in cutlass.range_constexpr(RPW):
             key = keys[r]
             m = _match_any(key)
@@ -455,8 +485,7 @@ def _tok_hist_kernel(ids: cute.Tensor, hist: cute.Tensor, status: cute.Tensor,
                 if cute.arch.popc(m & lt) == 0:
                     hs[hb + key] = hs[hb + key] + cute.arch.popc(m)
             cute.arch.sync_warp()
-        if bad != 0:
-            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
+        _flag_bad_expert_ids(status, bad)
         for e in cutlass.range(lane, E, 32):
             hist[c * E + e] = hs[hb + e]
 
@@ -540,16 +569,7 @@ def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, a
                        LOGB: Constexpr[int]):
     epn = E // R
     G = epn + B
-    TPC = RPW * TR
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    lt = _lanemask_lt()
-    smem = cutlass.utils.SmemAllocator()
-    cnt = smem.allocate_tensor(Int32, cute.make_layout(WPC * E), byte_alignment=16)
-    hb = warp * E
-    c = bx * WPC + warp
+    lane, lt, cnt, hb, c = _warp_chunk(WPC, E)
     if c < NCH:
         UB = min(16, (E + 31) // 32)
         for e0 in cutlass.range(lane, E, 32 * UB):
@@ -560,25 +580,8 @@ def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, a
                 if e0 + 32 * u < E:
                     cnt[hb + e0 + 32 * u] = vals[u]
         cute.arch.sync_warp()
-        tk = lane // K
-        kk = lane - tk * K
-        lane_ok = lane < TR * K
-        keys = []
-        oks = []
-        flats = []
-        bad = Int32(0)
-        for r in cutlass.range_constexpr(RPW):
-            t = c * TPC + r * TR + tk
-            ok = lane_ok & (t < S)
-            flat = cutlass.select_(ok, t * K + kk, Int32(0))
-            v = ids[flat]
-            good = ok & (v >= 0) & (v < E)
-            bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
-            keys.append(cutlass.select_(good, Int32(v), Int32(-1)))
-            oks.append(ok)
-            flats.append(flat)
-        if bad != 0:
-            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
+        keys, oks, flats, tk, bad = _chunk_keys(ids, c, lane, S, K, E, TR, RPW)
+        _flag_bad_expert_ids(status, bad)
         # stable position of each (s, k) in its expert's global sequence, rounds in s*K+k order
         idxs = []
         for r in cutlass.range_constexpr(RPW):
