@@ -55,8 +55,10 @@ from .dispatch import (
     fake_stream,
     need_plan,
     need_rows,
+    need_rows_and_plan,
     row_geometry,
     vec_tensor,
+    warp_coords,
 )
 from .plan import _ctz
 
@@ -126,11 +128,7 @@ def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
     NSEG = (NC + SEGC - 1) // SEGC
     CLAMP = NC % SEGC != 0             # the last segment is partial: lanes past the end repeat
     SLOT = U * 512                     # bytes of one ring slot of a warp
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    gw = bx * NW + warp
+    _, _, warp, lane, gw = warp_coords(NW)
     smem = cutlass.utils.SmemAllocator()
     ring = smem.allocate_tensor(Int32, cute.make_layout(NW * D * SLOT // 4), byte_alignment=16)
     # this lane's 16 bytes of slot 0, chunk 0 of its warp's ring (slot q, chunk u: + q*SLOT + u*512)
@@ -263,11 +261,7 @@ def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
     W = NCTA * NW
     VEC = 16 * 8 // dtype.width
     NC, nfull, UT, clamp = row_geometry(ROWB, U)
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    gw = bx * NW + warp
+    _, _, warp, lane, gw = warp_coords(NW)
     acc = cute.make_rmem_tensor(cute.make_layout((VEC, U)), Float32)
     oa = addr_of(out)
     kl = cutlass.min(lane, Int32(K - 1))
@@ -400,12 +394,7 @@ def combine_pull(peer_presum: torch.Tensor, dst_rank: torch.Tensor, dst_row: tor
     peer_presum int64 [R]: addresses of every rank's presum [nvs, H] (out's dtype);
     plan tables int32 [S, K]; out [S, H] bf16/fp16/fp32. `nvs` (optional): rows per rank; with it,
     entries with dst_row >= nvs are skipped (without it only negative rows are)."""
-    need_rows("out", out)
-    dev = out.device
-    S, H = out.shape
-    S2, K = need_plan(dst_rank, dst_row, primary_row, dev)
-    if S2 != S:
-        raise ValueError(f"dst_rank must be [S, K] with S={S} (out's rows), got {tuple(dst_rank.shape)}")
+    dev, S, H, K = need_rows_and_plan("out", out, dst_rank, dst_row, primary_row)
     R = need_peers("peer_presum", peer_presum, device=dev)
     nvs = _NO_NVS if nvs is None else need_int("nvs", nvs)
     num_ctas = need_int("num_ctas", num_ctas)

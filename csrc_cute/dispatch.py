@@ -138,6 +138,15 @@ def addr_of(t: cute.Tensor):
     return t.iterator.toint()
 
 
+def warp_coords(NW: int):
+    """(thread, CTA, warp in the CTA, lane, warp index in the grid) of a kernel with NW warps per CTA."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    return tidx, bx, warp, lane, bx * NW + warp
+
+
 # ------------------------------------------------------------------------------------------------
 # kernels
 # ------------------------------------------------------------------------------------------------
@@ -154,11 +163,7 @@ def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
     W = NCTA * NW
     T = W * 32
     NCH = S * ROWB // 16
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    gw = bx * NW + warp
+    tidx, bx, warp, lane, gw = warp_coords(NW)
     gt = lanemask_gt(lane)
     l_w = addr_of(recv_w)
     l_pr = addr_of(recv_primary)
@@ -235,11 +240,7 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
     NW = NT // 32
     W = NCTA * NW
     NC, nfull, UT, clamp = row_geometry(ROWB, U)
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    gw = bx * NW + warp
+    _, _, warp, lane, gw = warp_coords(NW)
     smem = cutlass.utils.SmemAllocator()
     nodes = smem.allocate_tensor(Int32, cute.make_layout(NW * CM * 32), byte_alignment=16)
     nb = warp * (CM * 32)
@@ -421,6 +422,17 @@ def need_plan(dst_rank, dst_row, primary_row=None, device=None):
     return S, K
 
 
+def need_rows_and_plan(name, rows, dst_rank, dst_row, primary_row):
+    """Token rows ``rows`` [S, H] and the plan tables [S, K] on its device -> (device, S, H, K)."""
+    need_rows(name, rows)
+    dev = rows.device
+    S, H = rows.shape
+    S2, K = need_plan(dst_rank, dst_row, primary_row, dev)
+    if S2 != S:
+        raise ValueError(f"dst_rank must be [S, K] with S={S} ({name}'s rows), got {tuple(dst_rank.shape)}")
+    return dev, S, H, K
+
+
 def check_fits(S: int, K: int, NVS: int, R: int = 1, rowb: int = 16):
     """Indices the kernels keep in int32: S*K entries, NvS rows, R*S source ids, S*rowb/16 chunks."""
     if (S * K >= 2 ** 31 - 1 or NVS >= 2 ** 31 - 32 or R * S >= 2 ** 31 - 1
@@ -448,12 +460,7 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
     f32 / recv_primary / recv_next / recv_src [NvS] int32; recv_* this rank's buffers; send_rows
     [S, H] (x's dtype, this rank's symmetric staging buffer); cu_seqlens, group_rows int32 [G] (this
     rank's padded group ends and real rows per group)."""
-    need_rows("x", x)
-    dev = x.device
-    S, H = x.shape
-    S2, K = need_plan(dst_rank, dst_row, primary_row, dev)
-    if S2 != S:
-        raise ValueError(f"dst_rank must be [S, K] with S={S} (x's rows), got {tuple(dst_rank.shape)}")
+    dev, S, H, K = need_rows_and_plan("x", x, dst_rank, dst_row, primary_row)
     need_tensor("route_w", route_w, (torch.float32,), shape=(S, K), device=dev)
     R = need_peers("peer_w", peer_w, device=dev)
     for n, t in (("peer_primary", peer_primary), ("peer_next", peer_next), ("peer_src", peer_src)):

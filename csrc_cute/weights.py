@@ -55,6 +55,17 @@ def _split(item, NSEG: int):
     return outer, t, rest - t * NSEG
 
 
+@cute.jit
+def _on_segment(op, bufs, seg, lane, U: Constexpr[int], NC: Constexpr[int], nfull: Constexpr[int],
+                UT: Constexpr[int], clamp: Constexpr[bool]):
+    """``op(*bufs, first chunk, lane, chunks per lane, NC, clamp)`` on segment ``seg`` of a block:
+    U chunks per lane on the full segments, UT (clamped) on the last, partial one."""
+    if seg < nfull:
+        op(*bufs, seg * (32 * U), lane, U, NC, False)
+    else:
+        op(*bufs, nfull * (32 * U), lane, UT, NC, clamp)
+
+
 def _pick(t, a0, a1, a2):
     """a0, a1 or a2 by the projection index t (0 gate, 1 up, 2 down)."""
     return cutlass.select_(t == 0, a0, cutlass.select_(t == 1, a1, a2))
@@ -75,10 +86,7 @@ def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w
             d = p // B
             src = _pick(t, *bases) + Int64(e - rank * EPN) * EB
             dst = _pick(t, peer_gate[d], peer_up[d], peer_down[d]) + Int64(p - d * B) * EB
-            if seg < nfull:
-                copy_segment(src, dst, seg * (32 * U), lane, U, NC, False)
-            else:
-                copy_segment(src, dst, nfull * (32 * U), lane, UT, NC, clamp)
+            _on_segment(copy_segment, (src, dst), seg, lane, U, NC, nfull, UT, clamp)
 
 
 @cute.kernel
@@ -109,10 +117,7 @@ def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.
             j = slot_of[i * R + d]
             if j >= 0:
                 src = _pick(t, peer_gate[d], peer_up[d], peer_down[d]) + Int64(j) * EB
-                if seg < nfull:
-                    _add_segment(src, home, seg * (32 * U), lane, U, NC, False)
-                else:
-                    _add_segment(src, home, nfull * (32 * U), lane, UT, NC, clamp)
+                _on_segment(_add_segment, (src, home), seg, lane, U, NC, nfull, UT, clamp)
 
 
 def _add_segment(src, dst, c0, lane, U: int, NC: int, clamp: bool):
@@ -135,10 +140,7 @@ def _reduce_zero_kernel(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Te
         j, t, seg = _split(item, NSEG)
         if etc[rank * B + j] >= 0:
             dst = _pick(t, *bufs) + Int64(j) * EB
-            if seg < nfull:
-                zero_segment(dst, seg * (32 * U), lane, U, NC, False)
-            else:
-                zero_segment(dst, nfull * (32 * U), lane, UT, NC, clamp)
+            _on_segment(zero_segment, (dst,), seg, lane, U, NC, nfull, UT, clamp)
 
 
 @cute.jit
