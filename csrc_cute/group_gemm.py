@@ -458,6 +458,17 @@ def _build_kernel_classes():
                 mainloop.producer_tail(prod_state)
 
         @cute.jit
+        def mma_stage(self, mainloop, read_state, tiled_mma: cute.TiledMma, accs, tCrA: cute.Tensor, tCrBs):
+            """Wait for ring stage ``read_state`` and commit its wgmma batch: every k block, every
+            accumulator."""
+            mainloop.consumer_wait(read_state)
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                coord = (None, None, kb, read_state.index)
+                for acc, tCrB in zip(accs, tCrBs):
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            warpgroup.commit_group()
+
+        @cute.jit
         def mma_k_tiles(
             self,
             mainloop,
@@ -471,26 +482,15 @@ def _build_kernel_classes():
         ):
             """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k (one wgmma batch in
             flight). The caller sets the tiled MMA's ACCUMULATE field once, before its tile loop."""
-            num_k_blocks = cute.size(tCrA, mode=[2])
             for acc in accs:
                 acc.fill(0.0)
             warpgroup.fence()
             n_pro = 1 if k_count > 0 else 0
             for k in cutlass.range(n_pro, unroll=1):
-                mainloop.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    coord = (None, None, kb, read_state.index)
-                    for acc, tCrB in zip(accs, tCrBs):
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                warpgroup.commit_group()
+                self.mma_stage(mainloop, read_state, tiled_mma, accs, tCrA, tCrBs)
                 read_state.advance()
             for k in cutlass.range(n_pro, k_count, unroll=1):
-                mainloop.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    coord = (None, None, kb, read_state.index)
-                    for acc, tCrB in zip(accs, tCrBs):
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                warpgroup.commit_group()
+                self.mma_stage(mainloop, read_state, tiled_mma, accs, tCrA, tCrBs)
                 warpgroup.wait_group(1)
                 mainloop.consumer_release(release_state)
                 release_state.advance()
