@@ -433,7 +433,7 @@ DEFAULT_CHECK_CONFIGS = [
 def compile_all_for_check(configs: list[dict] | None = None, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """Compile presum, pull and gather for each config; on a machine without a CUDA driver each
     compile stops at loading (caught: exactly DSLRuntimeError from CudaDriverDependencyError)."""
-    from csrc_cute.compile_check import expect_no_driver
+    from csrc_cute.compile_check import compile_and_report
 
     for cfg in configs or DEFAULT_CHECK_CONFIGS:
         S, H, K, R, NVS = (cfg[k] for k in ("S", "H", "K", "R", "NVS"))
@@ -441,9 +441,4 @@ def compile_all_for_check(configs: list[dict] | None = None, num_ctas: int = DEF
         for name, build in (("presum", lambda: _compile_presum(NVS, H, dt, num_ctas)),
                             ("pull", lambda: _compile_pull(S, H, K, R, NVS, dt, num_ctas)),
                             ("gather", lambda: _compile_gather(S, K, R, NVS, num_ctas))):
-            with expect_no_driver() as st:
-                build()
-            print(f"compiled {name} S={S} H={H} K={K} R={R} NvS={NVS} {dt}: "
-                  + ("load failed: no CUDA driver (expected on CPU)" if st["driver_missing"]
-                     else "no load error"),
-                  flush=True)
+            compile_and_report(f"{name} S={S} H={H} K={K} R={R} NvS={NVS} {dt}", build)

@@ -70,6 +70,15 @@ def expect_no_driver() -> Iterator[dict[str, bool]]:
         state["driver_missing"] = True
 
 
+def compile_and_report(what: str, build: Callable[[], Any]) -> None:
+    """Run ``build`` (one ``cute.compile``) inside ``expect_no_driver`` and print how loading went.
+    On a CPU machine only the first load in a process raises; later ones do not."""
+    with expect_no_driver() as state:
+        build()
+    outcome = "load failed: no CUDA driver (expected on CPU)" if state["driver_missing"] else "no load error"
+    print(f"compiled {what}: {outcome}", flush=True)
+
+
 def find_artifacts(dump_dir: str, arch: str = DEFAULT_ARCH) -> dict[str, list[str]]:
     """The PTX and cubin files the DSL wrote into ``dump_dir`` for ``arch``."""
     return {
@@ -228,6 +237,7 @@ __all__ = [
     "DEFAULT_ARCH",
     "artifact_env",
     "expect_no_driver",
+    "compile_and_report",
     "find_artifacts",
     "KernelStats",
     "parse_ptxas_verbose",

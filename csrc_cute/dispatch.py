@@ -533,16 +533,11 @@ DEFAULT_CHECK_CONFIGS = [
 def compile_all_for_check(configs: list[dict] | None = None, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """Compile meta and pull for each config; on a machine without a CUDA driver each compile stops
     at loading (caught: exactly DSLRuntimeError from CudaDriverDependencyError)."""
-    from csrc_cute.compile_check import expect_no_driver
+    from csrc_cute.compile_check import compile_and_report
 
     for cfg in configs or DEFAULT_CHECK_CONFIGS:
         S, H, K, R, G, NVS = (cfg[k] for k in ("S", "H", "K", "R", "G", "NVS"))
         dt = getattr(torch, cfg.get("dtype", "bfloat16"))
         for name, build in (("meta", lambda: _compile_meta(S, H, K, R, NVS, G, dt, num_ctas)),
                             ("pull", lambda: _compile_pull(S, H, R, NVS, dt, num_ctas))):
-            with expect_no_driver() as st:
-                build()
-            print(f"compiled {name} S={S} H={H} K={K} R={R} G={G} NvS={NVS} {dt}: "
-                  + ("load failed: no CUDA driver (expected on CPU)" if st["driver_missing"]
-                     else "no load error"),
-                  flush=True)
+            compile_and_report(f"{name} S={S} H={H} K={K} R={R} G={G} NvS={NVS} {dt}", build)

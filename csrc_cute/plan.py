@@ -938,7 +938,7 @@ DEFAULT_CHECK_CONFIGS = [
 def compile_all_for_check(configs: list[dict] | None = None) -> None:
     """Compile count, plan_global and plan_tokens for each config; on a machine without a CUDA driver
     each compile stops at loading (caught: exactly DSLRuntimeError from CudaDriverDependencyError)."""
-    from csrc_cute.compile_check import expect_no_driver
+    from csrc_cute.compile_check import compile_and_report
 
     for cfg in configs or DEFAULT_CHECK_CONFIGS:
         R, S, K, E, B, P = (cfg[k] for k in ("R", "S", "K", "E", "B", "P"))
@@ -946,9 +946,4 @@ def compile_all_for_check(configs: list[dict] | None = None) -> None:
         for build in (lambda: _compile_count(R, S * K, E, dt),
                       lambda: _compile_global(R, E, B, P, S * K),
                       lambda: _compile_tokens(S, K, E, R, B, dt)):
-            with expect_no_driver() as st:
-                build()
-            # (on a CPU machine only the first load in a process raises; later ones do not)
-            print(f"compiled R={R} S={S} K={K} E={E} B={B} P={P} ids={dt}: "
-                  f"{'load failed: no CUDA driver (expected on CPU)' if st['driver_missing'] else 'no load error'}",
-                  flush=True)
+            compile_and_report(f"R={R} S={S} K={K} E={E} B={B} P={P} ids={dt}", build)

@@ -173,12 +173,8 @@ def exchange_counts(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, counts: torch.T
 
 def compile_all_for_check(configs=((2, 96), (8, 384), (64, 2048))) -> None:
     """Compile the sync kernels for each (R, E) without a GPU (see csrc_cute/compile_check.py)."""
-    from csrc_cute.compile_check import expect_no_driver
+    from csrc_cute.compile_check import compile_and_report
 
     for R, E in configs:
         for kind in ("barrier", "exchange"):
-            with expect_no_driver() as st:
-                _compile(kind, R, E)
-            print(f"compiled {kind} R={R} E={E}: "
-                  f"{'load failed: no CUDA driver (expected on CPU)' if st['driver_missing'] else 'no load error'}",
-                  flush=True)
+            compile_and_report(f"{kind} R={R} E={E}", lambda: _compile(kind, R, E))

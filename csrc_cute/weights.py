@@ -267,14 +267,10 @@ def reduce_zero(experts_to_copy, reduce_gate, reduce_up, reduce_down, rank: int,
 
 def compile_all_for_check(configs=None, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """Compile the weight kernels for each (R, B, epn, H, F) without a GPU (see compile_check.py)."""
-    from csrc_cute.compile_check import expect_no_driver
+    from csrc_cute.compile_check import compile_and_report
 
     for R, B, epn, H, F in configs or [(2, 48, 48, 7168, 2048), (8, 4, 8, 64, 40)]:
         for kind, build in (("prefetch", lambda: _compile_prefetch(R, B, epn, H * F, torch.bfloat16, num_ctas)),
                             ("reduce_pull", lambda: _compile_reduce(R, B, epn, H * F, num_ctas)),
                             ("reduce_zero", lambda: _compile_zero(R, B, H * F, num_ctas))):
-            with expect_no_driver() as st:
-                build()
-            print(f"compiled {kind} R={R} B={B} epn={epn} H={H} F={F}: "
-                  f"{'load failed: no CUDA driver (expected on CPU)' if st['driver_missing'] else 'no load error'}",
-                  flush=True)
+            compile_and_report(f"{kind} R={R} B={B} epn={epn} H={H} F={F}", build)
