@@ -268,3 +268,12 @@ def test_plan_rejects_wrong_R(gloo1):
     with pytest.raises(ValueError, match=r"moonep.plan: R=2 but process group"):
         ops.plan(torch.zeros(4, 1, dtype=torch.long), 4, 2, 16, 2, torch.zeros(control_words(2, 4), dtype=torch.int32),
                  gloo1)
+
+
+def test_backward_op_with_a_dead_group_key(gloo1):
+    """The backward ops hold their group weakly (by key): a destroyed group is an error naming the key."""
+    ep, cases = op_cases(gloo1)
+    op, args = cases["combine_backward"]
+    ep.destroy()
+    with pytest.raises(ValueError, match=r"moonep.combine_backward: ep_key='0/\d+' names no live EPGroup"):
+        op(*args)
