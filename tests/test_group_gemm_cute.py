@@ -30,18 +30,26 @@ gpu = pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pad", [128, 64])
-def test_compile_sm90a_no_spills(tmp_path, pad):
-    res = compile_group_gemm_for_sm90(str(tmp_path), kd=7168, nd=2048, pad=pad)
+def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int) -> str:
+    """Compile one GEMM variant for sm_90a, check ptxas reports one kernel with no spills and no stack
+    frame, and return its PTX text (skips when ptxas is missing)."""
+    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op)
     assert res.ptx, f"no PTX written:\n{res.child_output}"
     assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
     if compile_check.find_ptxas() is None:
         pytest.skip("ptxas not available")
-    print(f"\n[group_gemm sm_90a P={pad}]\n" + res.summary())
-    assert res.stats, "ptxas reported no kernel"
+    print(f"\n[group_gemm {op} sm_90a Kd={kd} Nd={nd} P={pad}]\n" + res.summary())
+    assert len(res.stats) == 1, res.summary()
     for s in res.stats:
         assert s.spill_bytes == 0, res.summary()
         assert s.stack_frame_bytes == 0, res.summary()
+    with open(res.ptx[0], "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+@pytest.mark.parametrize("pad", [128, 64])
+def test_compile_sm90a_no_spills(tmp_path, pad):
+    assert "wgmma.mma_async" in compile_one_kernel_no_spills(tmp_path, "fwd", 7168, 2048, pad)
 
 
 def test_parse_ptxas_verbose():
@@ -277,20 +285,9 @@ def test_registered_cuda_op_and_autograd_boundary():
     ],
 )
 def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
-    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op)
-    assert res.ptx, f"no PTX written:\n{res.child_output}"
-    assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
-    if compile_check.find_ptxas() is None:
-        pytest.skip("ptxas not available")
-    print(f"\n[group_gemm {op} sm_90a Kd={kd} Nd={nd} P={pad}]\n" + res.summary())
-    assert len(res.stats) == 1, res.summary()
-    for s in res.stats:
-        assert s.spill_bytes == 0, res.summary()
-        assert s.stack_frame_bytes == 0, res.summary()
+    ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
     # the tensor cores do the work: wgmma with the operand majorness of the op
     # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
-    with open(res.ptx[0], "rb") as f:
-        ptx = f.read().decode(errors="replace")
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma, "no wgmma in the PTX"
     trans = {"dgrad": "0, 0;", "wgrad": "1, 1;"}[op]
@@ -604,18 +601,7 @@ def test_autograd_group_gemm_on_cuda(pad):
     ],
 )
 def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
-    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op)
-    assert res.ptx, f"no PTX written:\n{res.child_output}"
-    assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
-    if compile_check.find_ptxas() is None:
-        pytest.skip("ptxas not available")
-    print(f"\n[group_gemm {op} sm_90a Kd={kd} Nd={nd} P={pad}]\n" + res.summary())
-    assert len(res.stats) == 1, res.summary()
-    for s in res.stats:
-        assert s.spill_bytes == 0, res.summary()
-        assert s.stack_frame_bytes == 0, res.summary()
-    with open(res.ptx[0], "rb") as f:
-        ptx = f.read().decode(errors="replace")
+    ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert "ld.local" not in ptx and "st.local" not in ptx
     if op == "swiglu_bwd":
