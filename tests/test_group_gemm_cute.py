@@ -47,6 +47,25 @@ def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int) 
         return f.read().decode(errors="replace")
 
 
+def layout_probe(probe: str, tile_m: int, tile_n: int) -> dict:
+    """Run a layout probe of csrc_cute/group_gemm.py (CuTe layout algebra at trace time, no GPU) in a
+    child process with CUTE_DSL_ARCH=sm_90a; returns the dict it prints."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    code = (f"import json\nfrom csrc_cute.group_gemm import {probe} as f\n"
+            f"print('RESULT', json.dumps(f({tile_m}, {tile_n})))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 @pytest.mark.parametrize("pad", [128, 64])
 def test_compile_sm90a_no_spills(tmp_path, pad):
     assert "wgmma.mma_async" in compile_one_kernel_no_spills(tmp_path, "fwd", 7168, 2048, pad)
@@ -299,22 +318,7 @@ def test_wgrad_epilogue_threads_cover_the_tile_once(tile_m, tile_n):
     """The wgrad epilogue adds each thread's accumulators straight into dW: the consumer threads'
     partitions of an output tile must cover every element exactly once (layout algebra at trace time,
     no GPU). Guards against slicing the tiled MMA by warp group instead of by thread."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = (
-        "import json\nfrom csrc_cute.group_gemm import _wgrad_epilogue_coverage as f\n"
-        f"print('RESULT', json.dumps(f({tile_m}, {tile_n})))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = layout_probe("_wgrad_epilogue_coverage", tile_m, tile_n)
     n = tile_m * tile_n
     assert res == dict(writes=n, distinct=n, elements=n, inside=True), res
 
@@ -806,22 +810,7 @@ def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
 def test_swiglu_bwd_row_reduction_layout(tile_m):
     """The route-weight gradient is reduced per row in registers (static row slots), then over the four
     lanes of a quad: checked against the real accumulator layout for every consumer thread (CPU)."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = (
-        "import json\nfrom csrc_cute.group_gemm import _swiglu_bwd_row_quads as f\n"
-        f"print('RESULT', json.dumps(f({tile_m}, 128)))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = layout_probe("_swiglu_bwd_row_quads", tile_m, 128)
     assert res == dict(threads=2 * tile_m, bad_slot=0, bad_quad=0, bad_cover=0, slots=2), res
 
 
