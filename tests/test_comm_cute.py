@@ -13,7 +13,6 @@ entries; opt-in timing at the benchmark shape (MOONEP_BENCH_COMM=1) with a tunin
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from kernel_compile import check_module_compiles  # noqa: E402
 from moonep_ops import planning  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -43,23 +43,8 @@ GARBAGE_I = -99
 def test_comm_kernels_compile_sm90a(module, kernels):
     import importlib
 
-    from csrc_cute import compile_check
-
-    if compile_check.find_ptxas() is None:
-        pytest.skip("ptxas not found")
-    mod = importlib.import_module(f"csrc_cute.{module}")
-    n = len(mod.DEFAULT_CHECK_CONFIGS)
-    with tempfile.TemporaryDirectory() as tmp:
-        res = compile_check.run_compile_check(f"csrc_cute.{module}:compile_all_for_check", tmp)
-        print()
-        print(res.summary())
-        names = [s.name for s in res.stats]
-        for k in kernels:
-            assert sum(k in nm for nm in names) == n, (k, names)
-        assert len(res.ptx) == len(kernels) * n and len(res.cubin) == len(kernels) * n
-        for s in res.stats:
-            assert s.registers > 0
-            assert s.spill_bytes == 0, s
+    n = len(importlib.import_module(f"csrc_cute.{module}").DEFAULT_CHECK_CONFIGS)
+    check_module_compiles(f"csrc_cute.{module}:compile_all_for_check", kernels, n, files_per_config=len(kernels))
 
 
 def test_host_validation_errors():

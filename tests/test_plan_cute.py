@@ -9,7 +9,6 @@ Timing: benchmarks/bench_planner.py.
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from kernel_compile import check_module_compiles  # noqa: E402
 from moonep_ops import planning  # noqa: E402
 from routings import cpu_counts, lognormal_ids, routings  # noqa: E402
 
@@ -29,47 +29,22 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 # (a) CPU: compile for sm_90a, ptxas statistics
 # ------------------------------------------------------------------------------------------------
 def test_planner_kernels_compile_sm90a():
-    from csrc_cute import compile_check
-
-    if compile_check.find_ptxas() is None:
-        pytest.skip("ptxas not found")
     configs = [
         dict(R=8, S=8192, K=8, E=384, B=48, P=128, ids="int32"),
         dict(R=64, S=8192, K=8, E=2048, B=32, P=128, ids="int64"),
         dict(R=1, S=1, K=1, E=4, B=1, P=1, ids="int32"),
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        res = compile_check.run_compile_check(
-            "csrc_cute.plan:compile_all_for_check", tmp, kwargs={"configs": configs})
-        print()
-        print(res.summary())
-        names = [s.name for s in res.stats]
-        for k in ("_count_kernel", "_plan_global_kernel", "_plan_expand_kernel", "_tok_hist_kernel",
-                  "_tok_scan_kernel", "_tok_assign_kernel"):
-            assert sum(k in n for n in names) == len(configs), (k, names)
-        assert len(res.ptx) == 3 * len(configs) and len(res.cubin) == 3 * len(configs)
-        for s in res.stats:
-            assert s.registers > 0
-            assert s.spill_bytes == 0, s
+    check_module_compiles("csrc_cute.plan:compile_all_for_check",
+                          ("_count_kernel", "_plan_global_kernel", "_plan_expand_kernel", "_tok_hist_kernel",
+                           "_tok_scan_kernel", "_tok_assign_kernel"), len(configs), kwargs={"configs": configs},
+                          files_per_config=3)
 
 
 def test_sync_kernels_compile_sm90a():
     """The barrier and the count exchange (csrc_cute/sync.py) compile for sm_90a without spills."""
-    from csrc_cute import compile_check
-
-    if compile_check.find_ptxas() is None:
-        pytest.skip("ptxas not found")
     configs = [[2, 96], [8, 384], [64, 2048]]
-    with tempfile.TemporaryDirectory() as tmp:
-        res = compile_check.run_compile_check(
-            "csrc_cute.sync:compile_all_for_check", tmp, kwargs={"configs": configs})
-        print()
-        print(res.summary())
-        names = [s.name for s in res.stats]
-        for k in ("_barrier_kernel", "_exchange_counts_kernel"):
-            assert sum(k in n for n in names) == len(configs), (k, names)
-        for s in res.stats:
-            assert s.registers > 0 and s.spill_bytes == 0, s
+    check_module_compiles("csrc_cute.sync:compile_all_for_check", ("_barrier_kernel", "_exchange_counts_kernel"),
+                          len(configs), kwargs={"configs": configs})
 
 
 def test_host_validation_errors():
