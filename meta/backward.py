@@ -12,7 +12,8 @@ I32 = (torch.int32,)
 
 
 def group_cfg(op: str, ep_key: str):
-    """The EPConfig and row dtype of the live EPGroup named `ep_key`."""
+    """The EPConfig and row dtype of the live EPGroup named `ep_key`. The checks return the config,
+    which the fakes size their outputs from."""
     from moonep_ops.group import group_by_key  # the fake of an op that names its group by key
 
     ep = group_by_key(op, ep_key)
@@ -24,23 +25,22 @@ def _check_token_plan(op: str, cfg, dev, **tables) -> None:
         check_tensor(op, name, t, I32, (cfg.S, cfg.K), dev)
 
 
-def check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key) -> None:
+def check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key):
     op = "combine_backward"
     cfg, dtype = group_cfg(op, ep_key)
     check_tensor(op, "g_out", g_out, (dtype,), (cfg.S, cfg.H))
     _check_token_plan(op, cfg, g_out.device, dst_rank=dst_rank, dst_row=dst_row, primary_row=primary_row)
     check_tensor(op, "cu_seqlens", cu_seqlens, I32, (cfg.G,), g_out.device)
     check_tensor(op, "group_rows", group_rows, I32, (cfg.G,), g_out.device)
+    return cfg
 
 
 def combine_backward(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key: str):
-    check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
-    cfg, _ = group_cfg("combine_backward", ep_key)
+    cfg = check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
     return g_out.new_empty((cfg.NvS, cfg.H))
 
 
-def check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row,
-                                 ep_key) -> None:
+def check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row, ep_key):
     op = "dispatch_backward"
     cfg, dtype = group_cfg(op, ep_key)
     check_tensor(op, "g_rows", g_rows, (dtype,), (cfg.NvS, cfg.H))
@@ -49,11 +49,12 @@ def check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_ran
     check_tensor(op, "row_primary", row_primary, I32, (cfg.NvS,), dev)
     check_tensor(op, "row_next", row_next, I32, (cfg.NvS,), dev)
     _check_token_plan(op, cfg, dev, dst_rank=dst_rank, dst_row=dst_row, primary_row=primary_row)
+    return cfg
 
 
 def dispatch_backward(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row, ep_key: str):
-    check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row, ep_key)
-    cfg, _ = group_cfg("dispatch_backward", ep_key)
+    cfg = check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row,
+                                       ep_key)
     return g_rows.new_empty((cfg.S, cfg.H)), g_row_w.new_empty((cfg.S, cfg.K))
 
 
