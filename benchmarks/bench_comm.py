@@ -87,7 +87,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
         counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids_all]).int()
         route_w = torch.softmax(torch.randn(S, K, device="cuda"), 1)
         plan = ops.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name)
-        dst_rank, dst_row, primary_row, etc, cu, group_rows, _ = plan
+        dst_rank, dst_row, primary_row, etc, _, cu, group_rows, _ = plan
         recv = ep.dispatch_buffers
 
         def do_plan():

@@ -101,11 +101,10 @@ def main() -> None:
             stages = {
                 "count (one rank)": lambda: P.count_experts(one, E, status),
                 "plan_global": lambda: P.plan_global_cuda(counts, S, K, B, Pad, status),
-                "plan_tokens": lambda: P.plan_tokens_cuda(one, counts, plan.alloc, plan.experts_to_copy,
-                                                          plan.cu_seqlens, 0, status),
+                "plan_tokens": lambda: P.plan_tokens_cuda(one, counts, plan, 0, status),
                 "one rank's planner": lambda: (
                     P.count_experts(one, E, status), P.plan_global_cuda(counts, S, K, B, Pad, status),
-                    P.plan_tokens_cuda(one, counts, plan.alloc, plan.experts_to_copy, plan.cu_seqlens, 0, status)),
+                    P.plan_tokens_cuda(one, counts, plan, 0, status)),
             }
             mv = planning.maxvio(counts.cpu())
             for stage, fn in stages.items():

@@ -1,8 +1,8 @@
 """The balanced EP planner as CuTe DSL CUDA kernels (simulation form: all R count rows on one GPU).
 
 Bit-exact GPU counterpart of `moonep_ops/planning.py` (`plan_global`, `plan_tokens`). Nothing here
-synchronises with the host: problems found on the device (bad expert ids, too few copy slots,
-inconsistent counts) set bits of an int32 status word instead of raising.
+synchronises with the host: problems found on the device (bad expert ids, inconsistent counts or
+plan inputs) set bits of an int32 status word instead of raising.
 
 Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once per static shape):
   count        topk_ids [Rb, S*K] -> counts [Rb, E]      smem histogram per CTA, warp-aggregated
@@ -13,22 +13,28 @@ Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once pe
                warp 0 (loads in registers, redux.sync max/min + ballot: ties to the lowest rank, at
                most R-1 steps), and pre[e] = rows ranked before e in its donor's hottest-first order
                (found by counting, so the "sort" is exact and deterministic).
-  plan_expand  workspace -> alloc [E, R], experts_to_copy [R, B], cu_seqlens and group_rows [R, epn+B]
+  plan_expand  workspace -> alloc [E, R], experts_to_copy [R, B], experts_remote [R, epn-B],
+               cu_seqlens and group_rows [R, 2*epn]
                CTA d: rows of home group d (the cuts are interval overlaps of [pre, pre+tot) with
-               [rstart, rstart+ramt)); warp 0: rank d's slots (ballot + popc, ascending expert id)
-               and padded cu_seqlens (warp scans chained by a carry).
+               [rstart, rstart+ramt)); warp 0: rank d's slot list, then its remote list (ballot +
+               popc, ascending expert id), and padded cu_seqlens (warp scans chained by a carry).
+               B = epn: every foreign expert gets a slot. B < epn: the CTA first ranks the foreign
+               experts by (rows desc, id asc) by counting, O(epn^2 / 256); the first B get slots.
   tok_hist     this rank's ids, cut into warp chunks of whole tokens -> hist [NCH, E]
                (per-warp smem histogram, match.any leaders add, no atomics).
   tok_scan     exclusive scan of hist over chunks per expert, plus sum(counts[:rank, e]) -> base
                [NCH, E] (in place); cend [E, R] = row-wise cumsum of alloc.
   tok_assign   per warp chunk: position of each (s, k) in its expert's global sequence = base +
                stable in-chunk rank (match.any + running smem counters, rounds in s*K+k order);
-               then destination rank (binary search over cend),
-               group (home, or binary search in experts_to_copy), row, and the primary row (first
-               k of the token on the same destination rank: match.any + shuffle). The searches are
-               branch-free and interleaved over a warp's rounds so that their loads overlap.
+               then destination rank (binary search over cend), group (home, or binary search in
+               the destination's slot list, then in its remote list when B < epn), row, and the
+               primary row (first k of the token on the same destination rank: match.any +
+               shuffle). The searches are branch-free and interleaved over a warp's rounds so that
+               their loads overlap.
 
-Host wrappers: `count_experts`, `plan_global_cuda`, `plan_tokens_cuda`, `plan_simulated`.
+Host wrappers: `count_experts`, `plan_global_cuda`, `plan_tokens_cuda`, `plan_simulated`. Expert
+lists of width 0 (B = 0, or no remote groups when B = epn) are [R, 0] tensors; the kernels never
+touch them (compile-time branches), a 1-element stand-in is passed in their place.
 """
 
 # (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
@@ -50,7 +56,6 @@ from .status import (  # the status bits the kernels set
     STATUS_BAD_EXPERT_ID,
     STATUS_BAD_PLAN,
     STATUS_COUNTS_MISMATCH,
-    STATUS_SLOT_OVERFLOW,
 )
 
 _NT_GLOBAL = 1024   # threads of the single plan_global CTA
@@ -120,6 +125,23 @@ def _overlap(a0, a1, b0, b1):
 
 def _ptr(t, i):
     return (t.iterator + i).llvm_ptr
+
+
+def _lower_bounds(lst, W, rows, keys):
+    """Per round r: the first index of row rows[r] of the [*, W] list lst (ascending, -1 = end) whose
+    entry is not below keys[r] (W if none). Branch-free binary searches, interleaved over the rounds
+    so that their loads overlap."""
+    los = [Int32(0) for _ in keys]
+    his = [Int32(W) for _ in keys]
+    for _it in range(W.bit_length()):
+        for r in range(len(keys)):
+            mid = (los[r] + his[r]) // 2
+            x = lst[rows[r] * W + cutlass.min(mid, Int32(W - 1))]
+            act = los[r] < his[r]
+            right = (x >= 0) & (x < keys[r])
+            los[r] = cutlass.select_(act & right, mid + 1, los[r])
+            his[r] = cutlass.select_(act & (right == False), mid, his[r])  # noqa: E712
+    return los
 
 
 def _checked_key(ok, v, E, bad):
@@ -357,16 +379,22 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
         ws[2 * E + 3 * R + r] = otot[r]
 
 
+def _foreign_lists(e2c, erem, B, epn):
+    """Rank d's foreign groups as (per-rank expert list, its width, its first group, is-slot), lists
+    of width 0 left out: the B slots (groups epn..), then the epn - B remote groups (epn + B..)."""
+    return [x for x in ((e2c, B, epn, 1), (erem, epn - B, epn + B, 0)) if x[1] > 0]
+
+
 @cute.kernel
-def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, cu: cute.Tensor,
-                        grows: cute.Tensor, status: cute.Tensor, R: Constexpr[int], E: Constexpr[int], B: Constexpr[int],
-                        P: Constexpr[int], NT: Constexpr[int]):
-    """CTA d: rows of home group d in alloc [E, R]; warp 0: rank d's slots, cu_seqlens and real rows
-    per group (grows).
+def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, erem: cute.Tensor,
+                        cu: cute.Tensor, grows: cute.Tensor, R: Constexpr[int], E: Constexpr[int],
+                        B: Constexpr[int], P: Constexpr[int], NT: Constexpr[int]):
+    """CTA d: rows of home group d in alloc [E, R]; rank d's slot experts (e2c), remote experts
+    (erem, B < epn only), padded group ends (cu) and real rows per group (grows).
     Donor outflows are consecutive cuts [rstart, rstart+ramt) of the donor's hottest-first row
     sequence; expert e holds [pre[e], pre[e]+tot[e]) of it."""
     epn = E // R
-    G = epn + B
+    G = 2 * epn
     tidx, _, _ = cute.arch.thread_idx()
     d, _, _ = cute.arch.block_idx()
     warp = tidx // 32
@@ -397,6 +425,35 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, c
                 v = _overlap(a0, a0 + te, s0, s0 + rinfo[2 * R + dd])
         alloc[d * epn * R + i] = v
 
+    lists = _foreign_lists(e2c, erem, B, epn)  # at trace time, before the dynamic regions
+    # rank d receives the cut [s0, s1) of donor g's sequence (g = -1: it receives nothing)
+    g = rinfo[d]
+    s0 = rinfo[R + d]
+    s1 = s0 + rinfo[2 * R + d]
+    if cutlass.const_expr(B < epn):
+        # too few slots for every foreign expert: the B with the most rows on rank d (ties: lower
+        # id) get them. frows[i] = rows of donor expert g*epn+i on d; fslot[i] = 1 if it has a slot,
+        # by counting the foreign experts ranked before it (the whole CTA: O(epn^2 / NT))
+        frows = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
+        fslot = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
+        for i in cutlass.range(tidx, epn, NT):
+            v = Int32(0)
+            if g >= 0:
+                te = ws[g * epn + i]
+                a0 = ws[E + g * epn + i]
+                v = _overlap(a0, a0 + te, s0, s1)
+            frows[i] = v
+        cute.arch.sync_threads()
+        for i in cutlass.range(tidx, epn, NT):
+            v = frows[i]
+            ahead = Int32(0)
+            if v > 0:
+                for j in cutlass.range(epn, unroll=4):
+                    w = frows[j]
+                    ahead = ahead + cutlass.select_((w > v) | ((w == v) & (j < i)), Int32(1), Int32(0))
+            fslot[i] = cutlass.select_(ahead < B, Int32(1), Int32(0))
+        cute.arch.sync_threads()
+
     if warp == 0:
         carry = Int32(0)
         for i0 in cutlass.range(0, epn, 32):
@@ -411,46 +468,47 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, c
                 cu[d * G + i] = carry + inc
                 grows[d * G + i] = ln
             carry = carry + cute.arch.shuffle_sync(inc, 31)
-        g = rinfo[d]
-        nslot = Int32(0)
-        if g >= 0:
-            s0 = rinfo[R + d]
-            s1 = s0 + rinfo[2 * R + d]
-            for i0 in cutlass.range(0, epn, 32):
-                i = i0 + lane
-                e = g * epn + cutlass.min(i, Int32(epn - 1))
-                te = ws[e]
-                a0 = ws[E + e]
-                ov = cutlass.select_(i < epn, _overlap(a0, a0 + te, s0, s1), Int32(0))
-                foreign = ov > 0
-                bal = cute.arch.vote_ballot_sync(foreign)
-                slot = nslot + cute.arch.popc(bal & lt)
-                keep = foreign & (slot < B)
-                pd = cutlass.select_(keep, (ov + (P - 1)) // P * P, Int32(0))
-                inc = _warp_incl_scan(pd, lane)
-                if keep:
-                    e2c[d * B + slot] = e
-                    cu[d * G + epn + slot] = carry + inc
-                    grows[d * G + epn + slot] = ov
-                carry = carry + cute.arch.shuffle_sync(inc, 31)
-                nslot = nslot + cute.arch.popc(bal)
-        if nslot > B:
-            if lane == 0:
-                cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_SLOT_OVERFLOW))
-        used = cutlass.min(nslot, Int32(B))
-        for j in cutlass.range(used + lane, B, 32):
-            e2c[d * B + j] = -1
-            cu[d * G + epn + j] = carry
-            grows[d * G + epn + j] = 0
+        # foreign groups after the home ones: the slot list, then the remote list, each by ascending
+        # expert id (ballot + popc); padded ends by warp scans chained by the carry; unused groups
+        # are empty (-1 in the list, end = previous end)
+        for lst, W, g0, want in lists:
+            n = Int32(0)
+            if g >= 0:
+                for i0 in cutlass.range(0, epn, 32):
+                    i = i0 + lane
+                    ic = cutlass.min(i, Int32(epn - 1))
+                    if cutlass.const_expr(B == epn):
+                        # every foreign expert has a slot; its rows come straight from the workspace
+                        te = ws[g * epn + ic]
+                        a0 = ws[E + g * epn + ic]
+                        rows = _overlap(a0, a0 + te, s0, s1)
+                        keep = (i < epn) & (rows > 0)
+                    else:
+                        rows = frows[ic]
+                        keep = (i < epn) & (rows > 0) & (fslot[ic] == want)
+                    bal = cute.arch.vote_ballot_sync(keep)
+                    idx = n + cute.arch.popc(bal & lt)
+                    inc = _warp_incl_scan(cutlass.select_(keep, (rows + (P - 1)) // P * P, Int32(0)), lane)
+                    if keep:
+                        lst[d * W + idx] = g * epn + i
+                        cu[d * G + g0 + idx] = carry + inc
+                        grows[d * G + g0 + idx] = rows
+                    carry = carry + cute.arch.shuffle_sync(inc, 31)
+                    n = n + cute.arch.popc(bal)
+            for j in cutlass.range(n + lane, W, 32):
+                lst[d * W + j] = -1
+                cu[d * G + g0 + j] = carry
+                grows[d * G + g0 + j] = 0
 
 
 @cute.jit
 def _plan_global_launch(counts: cute.Tensor, ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor,
-                        cu: cute.Tensor, grows: cute.Tensor, status: cute.Tensor, stream, R: Constexpr[int],
-                        E: Constexpr[int], B: Constexpr[int], P: Constexpr[int], TT: Constexpr[int]):
+                        erem: cute.Tensor, cu: cute.Tensor, grows: cute.Tensor, status: cute.Tensor, stream,
+                        R: Constexpr[int], E: Constexpr[int], B: Constexpr[int], P: Constexpr[int],
+                        TT: Constexpr[int]):
     _plan_global_kernel(counts, ws, status, R, E, TT, _NT_GLOBAL).launch(
         grid=(1, 1, 1), block=(_NT_GLOBAL, 1, 1), stream=stream)
-    _plan_expand_kernel(ws, alloc, e2c, cu, grows, status, R, E, B, P, _NT_EXPAND).launch(
+    _plan_expand_kernel(ws, alloc, e2c, erem, cu, grows, R, E, B, P, _NT_EXPAND).launch(
         grid=(R, 1, 1), block=(_NT_EXPAND, 1, 1), stream=stream)
 
 
@@ -561,14 +619,16 @@ def _tok_scan_kernel(hist: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor,
 
 @cute.kernel
 def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, alloc: cute.Tensor,
-                       e2c: cute.Tensor, cu: cute.Tensor, dst_rank: cute.Tensor,
+                       e2c: cute.Tensor, erem: cute.Tensor, cu: cute.Tensor, dst_rank: cute.Tensor,
                        dst_row: cute.Tensor, primary: cute.Tensor, status: cute.Tensor,
                        S: Constexpr[int], K: Constexpr[int], E: Constexpr[int], R: Constexpr[int],
                        B: Constexpr[int], TR: Constexpr[int], RPW: Constexpr[int],
-                       NCH: Constexpr[int], WPC: Constexpr[int], LOGR: Constexpr[int],
-                       LOGB: Constexpr[int]):
+                       NCH: Constexpr[int], WPC: Constexpr[int]):
     epn = E // R
-    G = epn + B
+    G = 2 * epn
+    # trace-time constants, taken outside the dynamic regions (inside one, R.bit_length() sees an Int32)
+    LOGR = R.bit_length()
+    lists = _foreign_lists(e2c, erem, B, epn)
     lane, lt, cnt, hb, c = _warp_chunk(WPC, E)
     if c < NCH:
         UB = min(16, (E + 31) // 32)
@@ -614,40 +674,29 @@ def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, a
                 left = v > idxs[r]
                 his[r] = cutlass.select_(act & left, mid, his[r])
                 los[r] = cutlass.select_(act & (left == False), mid + 1, los[r])  # noqa: E712
-        # slot of a copied expert: lower bound of e in experts_to_copy[d, :] (ascending, -1 = end)
+        # group of expert e on rank d: its home index, or its index in d's slot list, else in d's
+        # remote list (ascending, -1 = end). Found nowhere: inconsistent plan inputs.
         dcs = []
-        slos = []
-        shis = []
         for r in cutlass.range_constexpr(RPW):
             dcs.append(cutlass.min(los[r], Int32(R - 1)))
-            slos.append(Int32(0))
-            shis.append(Int32(B))
-        for _it in cutlass.range_constexpr(LOGB):
-            for r in cutlass.range_constexpr(RPW):
-                mid = (slos[r] + shis[r]) // 2
-                x = e2c[dcs[r] * B + cutlass.min(mid, Int32(B - 1))]
-                act = slos[r] < shis[r]
-                right = (x >= 0) & (x < kcs[r])
-                slos[r] = cutlass.select_(act & right, mid + 1, slos[r])
-                shis[r] = cutlass.select_(act & (right == False), mid, shis[r])  # noqa: E712
-        dsts = []
+        bounds = [_lower_bounds(lst, W, dcs, kcs) for lst, W, _, _ in lists]
+        dsts = los
         grps = []
         css = []
         flags = Int32(0)
         for r in cutlass.range_constexpr(RPW):
             kc = kcs[r]
-            d = los[r]
             dc = dcs[r]
-            hh = kc // epn
-            sl = cutlass.min(slos[r], Int32(B - 1))
-            found = (slos[r] < B) & (e2c[dc * B + sl] == kc)
+            grp = Int32(-1)
+            for (lst, W, g0, _), lo in zip(lists, bounds):  # disjoint lists: at most one hit
+                i = cutlass.min(lo[r], Int32(W - 1))
+                hit = (lo[r] < W) & (lst[dc * W + i] == kc)
+                grp = cutlass.select_(hit, g0 + i, grp)
             cs = cend[kc * R + dc] - alloc[kc * R + dc]
-            has = (keys[r] >= 0) & (d < R)
-            grp = cutlass.select_(d == hh, kc - hh * epn, cutlass.select_(found, epn + sl, Int32(-1)))
-            grp = cutlass.select_(has, grp, Int32(-1))
-            flags = flags | cutlass.select_((keys[r] >= 0) & (d >= R), Int32(STATUS_BAD_PLAN), Int32(0))
-            flags = flags | cutlass.select_(has & (grp < 0), Int32(STATUS_SLOT_OVERFLOW), Int32(0))
-            dsts.append(d)
+            hh = kc // epn
+            grp = cutlass.select_(dsts[r] == hh, kc - hh * epn, grp)
+            grp = cutlass.select_((keys[r] >= 0) & (dsts[r] < R), grp, Int32(-1))
+            flags = flags | cutlass.select_((keys[r] >= 0) & (grp < 0), Int32(STATUS_BAD_PLAN), Int32(0))
             grps.append(grp)
             css.append(cs)
         if flags != 0:
@@ -676,7 +725,7 @@ def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, a
 
 @cute.jit
 def _tok_launch(ids: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor,
-                cu: cute.Tensor, hist: cute.Tensor, cend: cute.Tensor, dst_rank: cute.Tensor,
+                erem: cute.Tensor, cu: cute.Tensor, hist: cute.Tensor, cend: cute.Tensor, dst_rank: cute.Tensor,
                 dst_row: cute.Tensor, primary: cute.Tensor, status: cute.Tensor, rank: Int32, stream,
                 S: Constexpr[int], K: Constexpr[int], E: Constexpr[int], R: Constexpr[int],
                 B: Constexpr[int]):
@@ -686,8 +735,8 @@ def _tok_launch(ids: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor, e2c: 
         grid=(nblk, 1, 1), block=(32 * WPC, 1, 1), stream=stream)
     _tok_scan_kernel(hist, counts, alloc, cend, status, rank, R, E, NCH, _NW_SCAN).launch(
         grid=((E + 31) // 32, 1, 1), block=(32 * _NW_SCAN, 1, 1), stream=stream)
-    _tok_assign_kernel(ids, hist, cend, alloc, e2c, cu, dst_rank, dst_row, primary, status,
-                       S, K, E, R, B, TR, RPW, NCH, WPC, R.bit_length(), B.bit_length()).launch(
+    _tok_assign_kernel(ids, hist, cend, alloc, e2c, erem, cu, dst_rank, dst_row, primary, status,
+                       S, K, E, R, B, TR, RPW, NCH, WPC).launch(
         grid=(nblk, 1, 1), block=(32 * WPC, 1, 1), stream=stream)
 
 
@@ -711,6 +760,16 @@ def _cute_dtype(dt: torch.dtype):
     return cutlass.Int64 if dt == torch.int64 else cutlass.Int32
 
 
+def _list_len(R: int, W: int) -> int:
+    """Elements of an [R, W] expert list as a kernel argument. A list of width 0 (no slots, or no
+    remote groups) is never touched; one int32 stands in for it, as kernel shapes are static."""
+    return R * W if W else 1
+
+
+def _list_arg(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1) if t.numel() else torch.empty(1, dtype=torch.int32, device=t.device)
+
+
 def _compile_count(RB: int, N: int, E: int, id_dtype: torch.dtype):
     key = ("count", RB, N, E, id_dtype, _ARCH_KEY)
     with _LOCK:
@@ -729,8 +788,9 @@ def _compile_global(R: int, E: int, B: int, P: int, TT: int):
         if fn is None:
             epn = E // R
             fn = cute.compile(_plan_global_launch, _fake(Int32, R * E), _fake(Int32, 2 * E + 4 * R),
-                              _fake(Int32, E * R), _fake(Int32, R * B), _fake(Int32, R * (epn + B)),
-                              _fake(Int32, R * (epn + B)), _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
+                              _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
+                              _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
+                              _fake(Int32, R * 2 * epn), _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
                               options="--enable-tvm-ffi")
             _CACHE[key] = fn
     return fn
@@ -745,7 +805,8 @@ def _compile_tokens(S: int, K: int, E: int, R: int, B: int, id_dtype: torch.dtyp
             NCH = _tok_geometry(S, K, E)[3]
             N = S * K
             fn = cute.compile(_tok_launch, _fake(_cute_dtype(id_dtype), N), _fake(Int32, R * E),
-                              _fake(Int32, E * R), _fake(Int32, R * B), _fake(Int32, R * (epn + B)),
+                              _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
+                              _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
                               _fake(Int32, NCH * E), _fake(Int32, E * R), _fake(Int32, N),
                               _fake(Int32, N), _fake(Int32, N), _fake(Int32, 1), Int32(0),
                               _fake_stream(), S, K, E, R, B, options="--enable-tvm-ffi")
@@ -768,9 +829,11 @@ def _status_tensor(status, device) -> torch.Tensor:
 def _check_plan_shapes(R, E, B, S, K, P=1):
     if E % R != 0:
         raise ValueError(f"E={E} must be a positive multiple of R={R}")
+    if not 0 <= B <= E // R:
+        raise ValueError(f"B must be in [0, epn={E // R}] (copy slots per rank), got B={B}")
     if K > 32:
         raise ValueError(f"K must be <= 32 (one token's ids fit a warp), got K={K}")
-    if R * S * K >= 2 ** 31 - 1 or S * K + P * (E // R + B) >= 2 ** 31 - 1:
+    if R * S * K >= 2 ** 31 - 1 or S * K + P * 2 * (E // R) >= 2 ** 31 - 1:
         raise ValueError(f"R*S*K={R * S * K} must fit int32")
     if E * 4 + 6 * R * 4 > _SMEM_LIMIT:
         raise ValueError(f"E={E}, R={R}: plan_global keeps E+6*R int32 in 48 KiB of shared memory")
@@ -780,10 +843,12 @@ def _check_plan_shapes(R, E, B, S, K, P=1):
 # public API
 # ------------------------------------------------------------------------------------------------
 class GPUGlobalPlan(NamedTuple):
+    """The fields of planning.GlobalPlan, in its order."""
     alloc: torch.Tensor            # int32 [E, R]
     experts_to_copy: torch.Tensor  # int32 [R, B]
-    cu_seqlens: torch.Tensor       # int32 [R, epn+B]
-    group_rows: torch.Tensor       # int32 [R, epn+B]
+    cu_seqlens: torch.Tensor       # int32 [R, 2*epn]
+    group_rows: torch.Tensor       # int32 [R, 2*epn]
+    experts_remote: torch.Tensor   # int32 [R, epn-B]
 
 
 class GPUTokenPlan(NamedTuple):
@@ -823,8 +888,10 @@ def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = 
 
 def plan_global_cuda(counts: torch.Tensor, S: int, K: int, B: int, P: int,
                      status: torch.Tensor | None = None):
-    """counts int32 [R, E] on the GPU -> (GPUGlobalPlan, status); equal to planning.plan_global."""
-    S, K, B, P = (need_int(n, v) for n, v in (("S", S), ("K", K), ("B", B), ("P", P)))
+    """counts int32 [R, E] on the GPU -> (GPUGlobalPlan, status); equal to planning.plan_global.
+    B in [0, epn]: copy slots per rank (the foreign experts that get none are read remotely)."""
+    S, K, P = (need_int(n, v) for n, v in (("S", S), ("K", K), ("P", P)))
+    B = need_int("B", B, 0)
     need_tensor("counts", counts, (torch.int32,), ndim=2)
     R, E = counts.shape
     if R < 1 or E < 1:
@@ -835,18 +902,21 @@ def plan_global_cuda(counts: torch.Tensor, S: int, K: int, B: int, P: int,
     dev = counts.device
     alloc = torch.empty(E, R, dtype=torch.int32, device=dev)
     e2c = torch.empty(R, B, dtype=torch.int32, device=dev)
-    cu = torch.empty(R, epn + B, dtype=torch.int32, device=dev)
-    grows = torch.empty(R, epn + B, dtype=torch.int32, device=dev)
+    erem = torch.empty(R, epn - B, dtype=torch.int32, device=dev)
+    cu = torch.empty(R, 2 * epn, dtype=torch.int32, device=dev)
+    grows = torch.empty(R, 2 * epn, dtype=torch.int32, device=dev)
     fn = _compile_global(R, E, B, P, S * K)
     ws = torch.empty(2 * E + 4 * R, dtype=torch.int32, device=dev)
-    fn(counts.view(-1), ws, alloc.view(-1), e2c.view(-1), cu.view(-1), grows.view(-1), status)
-    return GPUGlobalPlan(alloc, e2c, cu, grows), status
+    fn(counts.view(-1), ws, alloc.view(-1), _list_arg(e2c), _list_arg(erem), cu.view(-1), grows.view(-1),
+       status)
+    return GPUGlobalPlan(alloc, e2c, cu, grows, erem), status
 
 
-def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.Tensor,
-                     experts_to_copy: torch.Tensor, cu_seqlens: torch.Tensor, rank: int,
+def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, plan, rank: int,
                      status: torch.Tensor | None = None):
-    """Destinations of rank `rank`'s routed rows -> (GPUTokenPlan, status); equal to planning.plan_tokens."""
+    """Destinations of rank `rank`'s routed rows -> (GPUTokenPlan, status); equal to planning.plan_tokens.
+    `plan`: the global plan (GPUGlobalPlan or planning.GlobalPlan on the GPU); its alloc,
+    experts_to_copy, experts_remote and cu_seqlens are read."""
     need_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2)
     dev = topk_ids.device
     need_tensor("counts", counts, (torch.int32,), ndim=2, device=dev)
@@ -854,19 +924,17 @@ def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.
     S, K = topk_ids.shape
     if S < 1 or K < 1:
         raise ValueError(f"topk_ids must be [S, K] with S, K >= 1, got {tuple(topk_ids.shape)}")
-    need_tensor("alloc", alloc, (torch.int32,), ndim=2, device=dev)
-    need_tensor("experts_to_copy", experts_to_copy, (torch.int32,), ndim=2, device=dev)
-    need_tensor("cu_seqlens", cu_seqlens, (torch.int32,), ndim=2, device=dev)
     if E % R != 0:
         raise ValueError(f"counts: E={E} must be a positive multiple of R={R}")
-    if tuple(alloc.shape) != (E, R):
-        raise ValueError(f"alloc must be [E, R] = [{E}, {R}], got {tuple(alloc.shape)}")
-    if experts_to_copy.shape[0] != R or experts_to_copy.shape[1] < 1:
-        raise ValueError(f"experts_to_copy must be [R, B] = [{R}, B>=1], got {tuple(experts_to_copy.shape)}")
-    B = experts_to_copy.shape[1]
     epn = E // R
-    if tuple(cu_seqlens.shape) != (R, epn + B):
-        raise ValueError(f"cu_seqlens must be [R, epn+B] = [{R}, {epn + B}], got {tuple(cu_seqlens.shape)}")
+    need_tensor("plan.experts_to_copy", plan.experts_to_copy, (torch.int32,), ndim=2, device=dev)
+    B = plan.experts_to_copy.shape[1]
+    if plan.experts_to_copy.shape[0] != R or B > epn:
+        raise ValueError(f"plan.experts_to_copy must be [R, B] = [{R}, B <= epn={epn}], "
+                         f"got {tuple(plan.experts_to_copy.shape)}")
+    need_tensor("plan.alloc", plan.alloc, (torch.int32,), shape=(E, R), device=dev)
+    need_tensor("plan.experts_remote", plan.experts_remote, (torch.int32,), shape=(R, epn - B), device=dev)
+    need_tensor("plan.cu_seqlens", plan.cu_seqlens, (torch.int32,), shape=(R, 2 * epn), device=dev)
     rank = need_rank(rank, R)
     _check_plan_shapes(R, E, B, S, K)
     if 4 * E > _SMEM_LIMIT:
@@ -879,9 +947,9 @@ def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, alloc: torch.
     dst_row = torch.empty(S, K, dtype=torch.int32, device=dev)
     primary = torch.empty(S, K, dtype=torch.int32, device=dev)
     fn = _compile_tokens(S, K, E, R, B, topk_ids.dtype)
-    fn(topk_ids.view(-1), counts.view(-1), alloc.view(-1), experts_to_copy.view(-1),
-       cu_seqlens.view(-1), hist, cend, dst_rank.view(-1), dst_row.view(-1), primary.view(-1),
-       status, rank)
+    fn(topk_ids.view(-1), counts.view(-1), plan.alloc.view(-1), _list_arg(plan.experts_to_copy),
+       _list_arg(plan.experts_remote), plan.cu_seqlens.view(-1), hist, cend, dst_rank.view(-1),
+       dst_row.view(-1), primary.view(-1), status, rank)
     return GPUTokenPlan(dst_rank, dst_row, primary), status
 
 
@@ -919,8 +987,7 @@ def plan_simulated(topk_ids_per_rank: torch.Tensor | None = None, counts: torch.
     if rank is not None:
         if topk_ids_per_rank is None:
             raise ValueError("rank needs topk_ids_per_rank (token placement needs the ids)")
-        tok, status = plan_tokens_cuda(topk_ids_per_rank[rank], counts, plan.alloc,
-                                       plan.experts_to_copy, plan.cu_seqlens, rank, status)
+        tok, status = plan_tokens_cuda(topk_ids_per_rank[rank], counts, plan, rank, status)
     return counts, plan, tok, status
 
 
@@ -928,10 +995,11 @@ def plan_simulated(topk_ids_per_rank: torch.Tensor | None = None, counts: torch.
 # CI: compile every planner kernel for sm_90a without a GPU (run in a child by compile_check)
 # ------------------------------------------------------------------------------------------------
 DEFAULT_CHECK_CONFIGS = [
-    # (R, S, K, E, B, P, id dtype)
+    # (R, S, K, E, B, P, id dtype); B = epn trains, B < epn (inference) adds remote groups
     dict(R=8, S=8192, K=8, E=384, B=48, P=128, ids="int32"),
     dict(R=64, S=8192, K=8, E=2048, B=32, P=128, ids="int64"),
-    dict(R=2, S=7, K=6, E=12, B=3, P=16, ids="int64"),
+    dict(R=8, S=4096, K=8, E=384, B=4, P=128, ids="int32"),
+    dict(R=2, S=7, K=6, E=12, B=0, P=16, ids="int64"),
 ]
 
 

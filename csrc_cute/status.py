@@ -5,19 +5,18 @@ and the layout of the EP group's control block that holds it.
 """
 
 STATUS_BAD_EXPERT_ID = 1      # a topk id outside [0, E): not counted, its row gets -1
-STATUS_SLOT_OVERFLOW = 2      # a rank needs more than B copied experts (CPU reference raises)
+# bit 2 is unused: it meant "slot overflow", which cannot happen since slotless copies are read remotely
 STATUS_BAD_COUNTS = 4         # counts negative or a row sum != S*K (CPU reference raises)
 STATUS_COUNTS_MISMATCH = 8    # plan_tokens: topk_ids histogram != counts[rank]
-STATUS_BAD_PLAN = 16          # plan_tokens: a row's position lies past its expert's alloc
+STATUS_BAD_PLAN = 16          # plan_tokens: a row has no place in the plan (inconsistent inputs)
 STATUS_TIMEOUT = 32           # a cross-rank barrier gave up waiting for a peer
 
 MESSAGES = {
     STATUS_BAD_EXPERT_ID: "topk_ids held an expert id outside [0, E); those rows were routed nowhere",
-    STATUS_SLOT_OVERFLOW: "a rank needed more copied experts than its B slots; the plan is incomplete "
-                          "(B = epn always suffices)",
     STATUS_BAD_COUNTS: "the count matrix had a negative entry or a rank whose counts do not sum to S*K",
     STATUS_COUNTS_MISMATCH: "this rank's topk_ids do not match its row of the count matrix",
-    STATUS_BAD_PLAN: "a token's position lies past its expert's allocation (inconsistent plan inputs)",
+    STATUS_BAD_PLAN: "a token's position lies past its expert's allocation, or its destination holds no "
+                     "group of its expert (inconsistent plan inputs)",
     STATUS_TIMEOUT: "a cross-rank barrier timed out: a peer never arrived (a rank skipped a collective "
                     "moonep op, crashed, or runs a different op order); this EP group is unusable now",
 }

@@ -23,5 +23,6 @@ def plan(topk_ids, E: int, B: int, P: int, R: int, ctrl, group_name: str):
     def i32(*shape):
         return topk_ids.new_empty(shape, dtype=torch.int32)
 
-    # dst_rank, dst_row, primary_row, experts_to_copy, cu_seqlens, group_rows, counts
-    return i32(S, K), i32(S, K), i32(S, K), i32(R, B), i32(E // R + B), i32(E // R + B), i32(R, E)
+    epn = E // R
+    # dst_rank, dst_row, primary_row, experts_to_copy, experts_remote, cu_seqlens, group_rows, counts
+    return i32(S, K), i32(S, K), i32(S, K), i32(R, B), i32(epn - B), i32(2 * epn), i32(2 * epn), i32(R, E)

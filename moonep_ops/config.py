@@ -26,7 +26,8 @@ class EPConfig:
     S: tokens per rank (the same on every rank); H: hidden size; K: routed experts per token;
     E: routed experts in the EP group; F: expert FFN intermediate size; R: EP ranks;
     P: row padding of each expert group; B: copy slots per rank (default: epn, enough for any
-    routing in training; a small number such as 3-4 for inference).
+    routing; training needs it). Inference may use a small B such as 3-4: the copies that get no
+    slot are read from their home rank's weights through the peer mapping.
     """
 
     S: int
@@ -81,8 +82,9 @@ class EPConfig:
 
     @property
     def G(self) -> int:
-        """Expert groups in a rank's receive buffer: epn home experts, then B slots."""
-        return self.epn + self.B
+        """Expert groups in a rank's receive buffer: epn home experts, B slots, epn - B remote reads
+        (a rank's copies come from one donor group, so epn foreign groups always suffice)."""
+        return 2 * self.epn
 
     @property
     def NvS(self) -> int:

@@ -14,8 +14,12 @@ Global plan (`plan_global`), rank-level greedy, deterministic:
   3. Each donor cuts its outflows, in step order, from its home experts' tokens taken hottest first
      (total desc, expert id asc): few experts cover a given number of rows, so few copies are made.
      What is left stays home.
-Rows on rank d: home experts' groups first, then its slots (copied experts by ascending id); each
-group padded to a multiple of P. Tokens of expert e, ordered by (source rank, s*K + k), are cut
+Rows on rank d: home experts' groups first, then its B slots (copied experts, ascending id), then
+its remote groups (ascending id); each group padded to a multiple of P. A rank's foreign experts all
+come from its one donor group, so there are at most epn of them: with B = epn (training) every one
+gets a slot; with B < epn (inference) the B with the most rows on the rank get slots and the others
+are read from the donor's home weights through the peer mapping (remote groups). So a rank has
+G = 2*epn groups whatever B is: epn home, B slots, epn - B remote. Tokens of expert e, ordered by (source rank, s*K + k), are cut
 into consecutive chunks over destination ranks in ascending rank order.
 """
 
@@ -29,8 +33,9 @@ import torch
 class GlobalPlan(NamedTuple):
     alloc: torch.Tensor            # int32 [E, R]: rows of expert e computed on rank d
     experts_to_copy: torch.Tensor  # int32 [R, B]: copied experts hosted by each rank, ascending, -1 = empty
-    cu_seqlens: torch.Tensor       # int32 [R, epn+B]: padded group ends on each rank
-    group_rows: torch.Tensor       # int32 [R, epn+B]: real (unpadded) rows of each group on each rank
+    cu_seqlens: torch.Tensor       # int32 [R, 2*epn]: padded group ends on each rank
+    group_rows: torch.Tensor       # int32 [R, 2*epn]: real (unpadded) rows of each group on each rank
+    experts_remote: torch.Tensor   # int32 [R, epn-B]: experts each rank reads remotely, ascending, -1 = empty
 
     @property
     def n_copies(self) -> int:
@@ -124,22 +129,32 @@ def plan_global(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> GlobalP
 
     home = torch.arange(E) // epn
     foreign = (alloc > 0) & (home[:, None] != torch.arange(R)[None, :])  # [E, R]
-    need = foreign.sum(0)
-    if bool((need > B).any()):
-        d = int(torch.argmax(need))
-        raise ValueError(
-            f"B={B} copy slots per rank are not enough for this routing: rank {d} needs {int(need[d])} "
-            f"copied experts (B=epn={epn} always suffices)")
+    donors = [set((torch.nonzero(foreign[:, d]).flatten() // epn).tolist()) for d in range(R)]
+    assert all(len(g) <= 1 for g in donors), "the rank-level policy gives every receiver one donor"
     experts_to_copy = torch.full((R, B), -1, dtype=torch.long)
-    group_len = torch.zeros(R, epn + B, dtype=torch.long)
+    experts_remote = torch.full((R, epn - B), -1, dtype=torch.long)
+    group_len = torch.zeros(R, 2 * epn, dtype=torch.long)
     for d in range(R):
-        ids = torch.nonzero(foreign[:, d]).flatten()  # ascending expert id
-        experts_to_copy[d, :ids.numel()] = ids
+        slots, remote = split_slots(alloc[:, d], foreign[:, d], B)
+        experts_to_copy[d, :slots.numel()] = slots
+        experts_remote[d, :remote.numel()] = remote
         group_len[d, :epn] = alloc[d * epn:(d + 1) * epn, d]
-        group_len[d, epn:epn + ids.numel()] = alloc[ids, d]
+        group_len[d, epn:epn + slots.numel()] = alloc[slots, d]
+        group_len[d, epn + B:epn + B + remote.numel()] = alloc[remote, d]
     padded = (group_len + P - 1) // P * P
     cu_seqlens = padded.cumsum(1)
-    return GlobalPlan(alloc.int(), experts_to_copy.int(), cu_seqlens.int(), group_len.int())
+    return GlobalPlan(alloc.int(), experts_to_copy.int(), cu_seqlens.int(), group_len.int(), experts_remote.int())
+
+
+def split_slots(rows: torch.Tensor, foreign: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's foreign experts -> (slot experts, remote experts), each by ascending id. The B experts
+    with the most rows on the rank (ties: lower id) get the slots: every M tile of a remote group reads
+    its weights over NVLink, so the slots go where the tiles are."""
+    ids = torch.nonzero(foreign).flatten()                        # ascending id
+    order = torch.argsort(-rows[ids].long(), stable=True)          # most rows first, then id
+    slots = ids[order[:B]].sort().values
+    remote = ids[order[B:]].sort().values
+    return slots, remote
 
 
 def group_of_expert(plan: GlobalPlan, E: int) -> torch.Tensor:
@@ -149,9 +164,9 @@ def group_of_expert(plan: GlobalPlan, E: int) -> torch.Tensor:
     out = torch.full((R, E), -1, dtype=torch.long)
     for d in range(R):
         out[d, d * epn:(d + 1) * epn] = torch.arange(epn)
-        slots = plan.experts_to_copy[d].long()
-        used = slots >= 0
-        out[d, slots[used]] = epn + torch.nonzero(used).flatten()
+        foreign = torch.cat([plan.experts_to_copy[d], plan.experts_remote[d]]).long()  # groups epn, epn+1, ...
+        used = foreign >= 0
+        out[d, foreign[used]] = epn + torch.nonzero(used).flatten()
     return out
 
 

@@ -11,7 +11,8 @@ def test_derived_sizes():
     c = EPConfig(**OK)
     assert (c.epn, c.B, c.G, c.P) == (48, 48, 96, 128)
     assert c.NvS == 77824 == -(-(8192 * 8 + 127 * 96) // 128) * 128
-    assert EPConfig(**OK, B=3).NvS == 8192 * 8 + 128 * 51  # align_up(S*K + 127*(48+3), 128)
+    # inference B=3: 48 home + 3 slot + 45 remote groups, the same rows as training
+    assert (EPConfig(**OK, B=3).G, EPConfig(**OK, B=3).NvS) == (96, 77824)
 
 
 @pytest.mark.parametrize("override, match", [

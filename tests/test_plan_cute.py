@@ -1,8 +1,9 @@
 """GPU planner (CuTe DSL) against the bit-exact CPU reference `moonep_ops.planning`.
 
-CPU (CI): every planner kernel compiles for sm_90a (no GPU needed) and ptxas reports its registers
-and spills; host-side validation. GPU (skipped without CUDA): plans equal the CPU reference bit for
-bit on >= 200 routings, status bits, CUDA-graph capture/replay.
+CPU (CI): every planner kernel compiles for sm_90a (no GPU needed), for B = epn (training) and
+B < epn (inference: slots and remote groups), and ptxas reports its registers and spills; host-side
+validation. GPU (skipped without CUDA): plans equal the CPU reference bit for bit on >= 200 routings,
+with B = epn and B < epn; status bits; CUDA-graph capture/replay.
 
 Timing: benchmarks/bench_planner.py.
 """
@@ -30,9 +31,11 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 # ------------------------------------------------------------------------------------------------
 def test_planner_kernels_compile_sm90a():
     configs = [
-        dict(R=8, S=8192, K=8, E=384, B=48, P=128, ids="int32"),
+        dict(R=8, S=8192, K=8, E=384, B=48, P=128, ids="int32"),    # training: B = epn
         dict(R=64, S=8192, K=8, E=2048, B=32, P=128, ids="int64"),
-        dict(R=1, S=1, K=1, E=4, B=1, P=1, ids="int32"),
+        dict(R=8, S=4096, K=8, E=384, B=4, P=128, ids="int32"),     # inference: slots + remote groups
+        dict(R=2, S=2048, K=2, E=2048, B=3, P=128, ids="int64"),    # epn = 1024 > the expand CTA's threads
+        dict(R=1, S=1, K=1, E=4, B=0, P=1, ids="int32"),            # no slots: every copy is remote
     ]
     check_module_compiles("csrc_cute.plan:compile_all_for_check",
                           ("_count_kernel", "_plan_global_kernel", "_plan_expand_kernel", "_tok_hist_kernel",
@@ -62,8 +65,8 @@ def test_host_validation_errors():
         P.plan_global_cuda(torch.zeros(2, 4, dtype=torch.int64), 1, 1, 1, 1)
     with pytest.raises(ValueError, match="counts.*CUDA"):
         P.plan_global_cuda(torch.zeros(2, 4, dtype=torch.int32), 1, 1, 1, 1)
-    with pytest.raises(ValueError, match="B must be"):
-        P.plan_global_cuda(torch.zeros(2, 4, dtype=torch.int32), 1, 1, 0, 1)
+    with pytest.raises(ValueError, match="B must be >= 0"):
+        P.plan_global_cuda(torch.zeros(2, 4, dtype=torch.int32), 1, 1, -1, 1)
     with pytest.raises(ValueError, match="exactly one"):
         P.plan_simulated(B=1)
     if HAS_CUDA:
@@ -72,33 +75,46 @@ def test_host_validation_errors():
             P.plan_global_cuda(torch.zeros(3, 4, dtype=torch.int32, device=dev), 1, 1, 1, 1)
         with pytest.raises(ValueError, match="contiguous"):
             P.plan_global_cuda(torch.zeros(4, 2, dtype=torch.int32, device=dev).t(), 1, 1, 1, 1)
+        with pytest.raises(ValueError, match=r"B must be in \[0, epn=2\]"):
+            P.plan_global_cuda(torch.zeros(2, 4, dtype=torch.int32, device=dev), 1, 1, 3, 1)
+
+        def plan_of(R, E, B, remote=None):
+            z = lambda *s: torch.zeros(*s, dtype=torch.int32, device=dev)  # noqa: E731
+            epn = E // R
+            return P.GPUGlobalPlan(z(E, R), z(R, B), z(R, 2 * epn), z(R, 2 * epn),
+                                   z(R, epn - B if remote is None else remote))
+
         with pytest.raises(ValueError, match="K must be <= 32"):
             ids = torch.zeros(2, 33, dtype=torch.int32, device=dev)
             c = torch.zeros(1, 64, dtype=torch.int32, device=dev)
-            P.plan_tokens_cuda(ids, c, torch.zeros(64, 1, dtype=torch.int32, device=dev),
-                               torch.zeros(1, 1, dtype=torch.int32, device=dev),
-                               torch.zeros(1, 65, dtype=torch.int32, device=dev), 0)
+            P.plan_tokens_cuda(ids, c, plan_of(1, 64, 1), 0)
         with pytest.raises(ValueError, match="rank must be in"):
             ids = torch.zeros(2, 2, dtype=torch.int32, device=dev)
             c = torch.zeros(2, 4, dtype=torch.int32, device=dev)
-            P.plan_tokens_cuda(ids, c, torch.zeros(4, 2, dtype=torch.int32, device=dev),
-                               torch.zeros(2, 1, dtype=torch.int32, device=dev),
-                               torch.zeros(2, 3, dtype=torch.int32, device=dev), 2)
+            P.plan_tokens_cuda(ids, c, plan_of(2, 4, 1), 2)
+        with pytest.raises(ValueError, match=r"plan.experts_remote must have shape \(2, 1\)"):
+            P.plan_tokens_cuda(ids, c, plan_of(2, 4, 1, remote=2), 0)
+        with pytest.raises(ValueError, match=r"plan.experts_to_copy must be \[R, B\]"):
+            P.plan_tokens_cuda(ids, c, plan_of(2, 4, 3, remote=0), 0)
 
 
-# (R, S, K, E, B, P, ids dtype, number of routings used)
+# (R, S, K, E, B, P, ids dtype, number of routings used); B < epn: slots and remote groups
 CONFIGS = [
     (1, 64, 4, 8, 8, 16, torch.int32, 19),
     (2, 256, 8, 96, 48, 128, torch.int64, 19),
     (2, 2048, 2, 2048, 1024, 128, torch.int32, 19),   # large epn
+    (2, 2048, 2, 2048, 3, 128, torch.int64, 8),       # large epn, few slots: ranking over 1024 experts
     (8, 512, 8, 384, 48, 128, torch.int32, 19),
-    (8, 300, 6, 64, 2, 32, torch.int64, 19),          # few slots: overflow cases
+    (8, 512, 8, 384, 4, 128, torch.int32, 19),        # inference
+    (8, 300, 6, 64, 2, 32, torch.int64, 19),          # few slots
+    (4, 64, 4, 32, 0, 16, torch.int32, 19),           # no slots: every copy is remote
     (16, 128, 4, 64, 4, 8, torch.int32, 19),
     (32, 64, 8, 256, 8, 128, torch.int64, 19),
     (64, 96, 8, 2048, 32, 128, torch.int32, 19),
     (64, 8, 1, 64, 1, 4, torch.int32, 19),            # E = R, K = 1
     (4, 1, 3, 16, 4, 2, torch.int64, 19),             # S = 1
     (8, 8192, 8, 384, 48, 128, torch.int64, 8),       # realistic
+    (8, 8192, 8, 384, 4, 128, torch.int32, 8),        # realistic inference
     (64, 8192, 8, 2048, 32, 128, torch.int32, 4),     # realistic, large R
 ]
 
@@ -112,33 +128,27 @@ def _eq(a, b, what):
 
 
 def _check_routing(P, R, S, K, E, B, Pad, dt, name, ids_cpu, ranks):
+    """GPU plan == CPU plan (every field, then the tokens of `ranks`), no status bit; returns the CPU
+    global plan."""
     dev = torch.device("cuda")
     ids = ids_cpu.to(dt).to(dev).contiguous()
     counts_ref = cpu_counts(ids_cpu, E)
-    try:
-        ref = planning.plan_global(counts_ref, S, K, B, Pad)
-    except ValueError:
-        ref = None
+    ref = planning.plan_global(counts_ref, S, K, B, Pad)
     counts, plan, _, status = P.plan_simulated(ids, E=E, B=B, P=Pad)
     _eq(counts, counts_ref, f"{name} counts")
-    st = int(status.item())
-    if ref is None:
-        assert st & P.STATUS_SLOT_OVERFLOW, (name, st)
-        return "overflow"
-    assert st == 0, (name, st)
-    _eq(plan.alloc, ref.alloc, f"{name} alloc")
-    _eq(plan.experts_to_copy, ref.experts_to_copy, f"{name} experts_to_copy")
-    _eq(plan.cu_seqlens, ref.cu_seqlens, f"{name} cu_seqlens")
-    _eq(plan.group_rows, ref.group_rows, f"{name} group_rows")
+    assert int(status.item()) == 0, (name, int(status.item()))
+    assert plan._fields == ref._fields
+    for field, got, want in zip(plan._fields, plan, ref):
+        assert got.shape == want.shape, (name, field, tuple(got.shape), tuple(want.shape))
+        _eq(got, want, f"{name} {field}")
     for rank in ranks:
         tok_ref = planning.plan_tokens(ids_cpu[rank], counts_ref, ref, rank)
-        tok, status = P.plan_tokens_cuda(ids[rank], counts, plan.alloc, plan.experts_to_copy,
-                                         plan.cu_seqlens, rank)
+        tok, status = P.plan_tokens_cuda(ids[rank], counts, plan, rank)
         assert int(status.item()) == 0, (name, rank, int(status.item()))
         _eq(tok.dst_rank, tok_ref.dst_rank, f"{name} rank {rank} dst_rank")
         _eq(tok.dst_row, tok_ref.dst_row, f"{name} rank {rank} dst_row")
         _eq(tok.primary_row, tok_ref.primary_row, f"{name} rank {rank} primary_row")
-    return "ok"
+    return ref
 
 
 @needs_cuda
@@ -148,12 +158,12 @@ def test_cuda_plan_bitexact(cfg):
 
     R, S, K, E, B, Pad, dt, n = cfg
     rs = routings(R, S, K, E, seed=1000 * R + E + S, n=n)
-    outcomes = {}
+    n_remote = 0
     for i, (name, ids_cpu) in enumerate(rs):
         ranks = sorted({0, R - 1, i % R})
-        o = _check_routing(P, R, S, K, E, B, Pad, dt, name, ids_cpu, ranks)
-        outcomes[o] = outcomes.get(o, 0) + 1
-    print(f"R={R} S={S} K={K} E={E} B={B}: {outcomes}")
+        ref = _check_routing(P, R, S, K, E, B, Pad, dt, name, ids_cpu, ranks)
+        n_remote += int((ref.experts_remote >= 0).sum())
+    print(f"R={R} S={S} K={K} E={E} B={B}: {len(rs)} routings, {n_remote} remote groups")
 
 
 def test_config_routing_total():
@@ -198,7 +208,7 @@ def test_cuda_counts_mismatch_and_bad_counts():
     wrong = counts.clone()
     wrong[0, 0] += 1
     wrong[0, 1] -= 1
-    _, st = P.plan_tokens_cuda(ids[0], wrong, plan.alloc, plan.experts_to_copy, plan.cu_seqlens, 0)
+    _, st = P.plan_tokens_cuda(ids[0], wrong, plan, 0)
     assert int(st.item()) & P.STATUS_COUNTS_MISMATCH
     bad = counts.clone()
     bad[1, 2] += 5
@@ -207,47 +217,45 @@ def test_cuda_counts_mismatch_and_bad_counts():
 
 
 @needs_cuda
-def test_cuda_slot_overflow_status():
-    """B too small for the routing: the CPU reference raises, the GPU sets STATUS_SLOT_OVERFLOW and
-    keeps every output in bounds; where the CPU does not raise, the plans are equal."""
+@pytest.mark.parametrize("B", [1, 3])
+def test_cuda_small_B_bitexact(B):
+    """B < epn: the foreign experts with the most rows get the B slots, the others remote groups; the
+    GPU plan equals the CPU reference on every rank with no status bit. Wiping the remote lists makes
+    the rows bound for remote groups unplaceable: STATUS_BAD_PLAN, and those rows get -1."""
     from csrc_cute import plan as P
 
-    R, S, K, E, B, Pad = 8, 256, 8, 64, 1, 16
-    gen = torch.Generator().manual_seed(11)
-    n_over = 0
+    R, S, K, E, Pad = 8, 256, 8, 64, 16
+    epn = E // R
+    gen = torch.Generator().manual_seed(11 + B)
+    n_remote = n_wiped = 0
     for sigma in (0.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0):
         ids_cpu = lognormal_ids(gen, R, S, K, E, sigma)
-        outcome = _check_routing(P, R, S, K, E, B, Pad, torch.int32, f"overflow{sigma}", ids_cpu, [0])
-        if outcome != "overflow":
-            continue
-        n_over += 1
+        ref = _check_routing(P, R, S, K, E, B, Pad, torch.int32, f"B{B}-sigma{sigma}", ids_cpu, range(R))
+        assert ref.experts_remote.shape == (R, epn - B)
+        n_remote += int((ref.experts_remote >= 0).sum())
         ids = ids_cpu.int().cuda()
-        _, plan, _, status = P.plan_simulated(ids, E=E, B=B, P=Pad)
-        e2c = plan.experts_to_copy.cpu()
-        assert bool(((e2c >= -1) & (e2c < E)).all())
-        cu = plan.cu_seqlens.cpu()
-        assert bool((cu[:, 1:] >= cu[:, :-1]).all()) and bool((cu >= 0).all())
+        counts, plan, _, _ = P.plan_simulated(ids, E=E, B=B, P=Pad)
+        wiped = plan._replace(experts_remote=torch.full_like(plan.experts_remote, -1))
+        group = planning.group_of_expert(ref, E)
         for rank in range(R):
-            tok, st = P.plan_tokens_cuda(ids[rank], plan_counts(P, ids, E), plan.alloc,
-                                         plan.experts_to_copy, plan.cu_seqlens, rank)
-            dr = tok.dst_rank.cpu()
-            assert bool(((dr >= -1) & (dr < R)).all())
-            row = tok.dst_row.cpu()
-            assert bool(((row == -1) == (dr == -1)).all())
-            if bool((dr == -1).any()):
-                assert int(st.item()) & P.STATUS_SLOT_OVERFLOW
-    assert n_over >= 1
-
-
-def plan_counts(P, ids, E):
-    return P.count_experts(ids, E)[0]
+            tok_ref = planning.plan_tokens(ids_cpu[rank], counts.cpu(), ref, rank)
+            lost = group[tok_ref.dst_rank.long(), ids_cpu[rank]] >= epn + B  # rows in remote groups
+            if not bool(lost.any()):
+                continue
+            n_wiped += 1
+            tok, st = P.plan_tokens_cuda(ids[rank], counts, wiped, rank)
+            assert int(st.item()) == P.STATUS_BAD_PLAN, int(st.item())
+            assert torch.equal(tok.dst_rank.cpu(), torch.where(lost, -1, tok_ref.dst_rank))
+            assert torch.equal(tok.dst_row.cpu(), torch.where(lost, -1, tok_ref.dst_row))
+    assert n_remote >= 1 and n_wiped >= 1, (n_remote, n_wiped)
 
 
 @needs_cuda
-def test_cuda_graph_capture_replay_equals_eager():
+@pytest.mark.parametrize("B", [8, 3])
+def test_cuda_graph_capture_replay_equals_eager(B):
     from csrc_cute import plan as P
 
-    R, S, K, E, B, Pad = 8, 1024, 8, 64, 8, 128
+    R, S, K, E, Pad = 8, 1024, 8, 64, 128
     gen = torch.Generator().manual_seed(7)
     ids0 = lognormal_ids(gen, R, S, K, E, 1.0).int().cuda()
     static_ids = ids0.clone()
@@ -274,4 +282,5 @@ def test_cuda_graph_capture_replay_equals_eager():
             assert torch.equal(a, b)
         assert int(status.item()) == int(s2.item()) == 0
         ref = planning.plan_global(c2.cpu(), S, K, B, Pad)
-        assert torch.equal(plan.alloc.cpu(), ref.alloc)
+        for a, b in zip(plan, ref):
+            assert torch.equal(a.cpu(), b)

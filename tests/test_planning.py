@@ -8,7 +8,7 @@ from expecttest import assert_expected_inline
 
 from benchmarks.routing_gen import counts_of, sample_topk
 from moonep_ops.config import EPConfig
-from moonep_ops.planning import maxvio, plan_global, plan_tokens
+from moonep_ops.planning import group_of_expert, maxvio, plan_global, plan_tokens
 
 
 # ----------------------------------------------------------------------------- independent oracles
@@ -153,12 +153,59 @@ def test_receivers_take_one_home_group():
             assert (used // (E // R)).unique().numel() <= 1, name
 
 
-def test_too_few_slots_is_an_error():
+def test_copies_without_a_slot_are_read_remotely():
     # rank 0's experts 0-3 hold 3 rows each: rank 1 must take 4 rows, 3 of one expert and 1 of another
     ids = [torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])[:, None], torch.tensor([2, 3, 3, 3, 4, 5, 6, 7])[:, None]]
-    with pytest.raises(ValueError, match=r"B=1 copy slots per rank are not enough .* rank 1 needs 2"):
-        plan_global(counts_of(ids, 8), 8, 1, 1, 16)
-    assert plan_global(counts_of(ids, 8), 8, 1, 2, 16).n_copies == 2
+    counts = counts_of(ids, 8)
+    one = plan_global(counts, 8, 1, 1, 16)
+    two = plan_global(counts, 8, 1, 2, 16)
+    assert torch.equal(one.alloc, two.alloc)  # B changes where weights come from, never the balance
+    # B=1: the copy with the most rows on rank 1 gets the slot, the other is a remote group
+    foreign = torch.nonzero(one.alloc[:4, 1]).flatten()
+    hot = int(foreign[torch.argmax(one.alloc[foreign, 1])])
+    assert one.experts_to_copy.tolist() == [[-1], [hot]]
+    assert one.experts_remote.tolist() == [[-1, -1, -1], [int(e) for e in foreign if int(e) != hot] + [-1, -1]]
+    assert two.experts_to_copy[1].tolist() == foreign.tolist() and bool((two.experts_remote == -1).all())
+    # groups: 4 home, B slots, 4 - B remote; the same padded rows in total
+    assert one.cu_seqlens.shape == two.cu_seqlens.shape == (2, 8)
+    assert torch.equal(one.cu_seqlens[:, -1], two.cu_seqlens[:, -1])
+    for plan in (one, two):
+        for r in range(2):
+            tp = plan_tokens(ids[r], counts, plan, r)
+            assert torch.equal(tp.dst_rank, plan_tokens(ids[r], counts, one, r).dst_rank)
+
+
+@pytest.mark.parametrize("B", [0, 1, 3])
+def test_small_B_plans_hold_the_invariants(B):
+    """Inference B < epn on every case: each rank's groups hold exactly its allocated rows, slots get
+    the copies with the most rows, and every token lands in its expert's group."""
+    for name, R, S, K, E, ids in CASES:
+        epn = E // R
+        if B >= epn:
+            continue
+        counts = counts_of(ids, E)
+        gp = plan_global(counts, S, K, B, 16)
+        full = plan_global(counts, S, K, epn, 16)
+        assert torch.equal(gp.alloc, full.alloc), name
+        group = group_of_expert(gp, E)
+        for d in range(R):
+            slots = gp.experts_to_copy[d][gp.experts_to_copy[d] >= 0].long()
+            remote = gp.experts_remote[d][gp.experts_remote[d] >= 0].long()
+            if remote.numel():
+                assert slots.numel() == B, name
+            if remote.numel() and B:
+                assert int(gp.alloc[slots, d].min()) >= int(gp.alloc[remote, d].max()), name
+            both = torch.cat([slots, remote]).sort().values
+            full_used = full.experts_to_copy[d][full.experts_to_copy[d] >= 0].long()
+            assert torch.equal(both, full_used), name
+            assert int(gp.group_rows[d].sum()) == S * K, name
+        for r in range(R):
+            tp = plan_tokens(ids[r], counts, gp, r)
+            g = group[tp.dst_rank.long(), ids[r].long()]
+            cu = gp.cu_seqlens.long()
+            start = torch.where(g > 0, cu[tp.dst_rank.long(), (g - 1).clamp(min=0)], 0)
+            assert bool((g >= 0).all()) and bool((tp.dst_row >= start).all()), name
+            assert bool((tp.dst_row < cu[tp.dst_rank.long(), g]).all()), name
 
 
 def test_counts_must_match_S_times_K():
@@ -166,16 +213,17 @@ def test_counts_must_match_S_times_K():
         plan_global(torch.tensor([[8, 0], [4, 4]], dtype=torch.int32), 8, 2, 1, 16)
 
 
-def format_plan(ids, E, S, K, P):
+def format_plan(ids, E, S, K, P, B=None):
     R = len(ids)
     counts = counts_of(ids, E)
-    gp = plan_global(counts, S, K, E // R, P)
+    gp = plan_global(counts, S, K, E // R if B is None else B, P)
     lines = [f"R={R} E={E} S={S} K={K} P={P} maxvio={maxvio(counts):.2f} copies={gp.n_copies}",
              "expert: " + " ".join(f"{e:>3}" for e in range(E)),
              *(f"cnt r{r}: " + " ".join(f"{int(v):>3}" for v in counts[r]) for r in range(R)),
              *(f"alloc{d}: " + " ".join(f"{int(v):>3}" for v in gp.alloc[:, d]) for d in range(R)),
-             *(f"rank {d}: slots={gp.experts_to_copy[d].tolist()} cu_seqlens={gp.cu_seqlens[d].tolist()}"
-               for d in range(R))]
+             *(f"rank {d}: slots={gp.experts_to_copy[d].tolist()}"
+               + (f" remote={gp.experts_remote[d].tolist()}" if gp.experts_remote.shape[1] else "")
+               + f" cu_seqlens={gp.cu_seqlens[d].tolist()}" for d in range(R))]
     for r in range(R):
         tp = plan_tokens(ids[r], counts, gp, r)
         lines.append(f"tokens of rank {r} (expert->rank:row, * = local copy):")
@@ -212,3 +260,33 @@ tokens of rank 1 (expert->rank:row, * = local copy):
   s3: 6->1:32    0->1:70*
   s4: 0->1:71    1->0:20
   s5: 7->1:48    2->0:34""")
+
+
+def test_golden_plan_inference():
+    """B=1 < epn=4: of rank 1's two copies, expert 0 (6 rows) gets the slot and expert 1 (4 rows) is a
+    remote group, read from rank 0's weights (rows 48-63, after the slot's group)."""
+    ids = [torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3], [0, 2], [1, 3]]),
+           torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3], [0, 4], [1, 5]])]
+    assert_expected_inline(format_plan(ids, E=8, S=6, K=2, P=16, B=1), """\
+R=2 E=8 S=6 K=2 P=16 maxvio=1.00 copies=1
+expert:   0   1   2   3   4   5   6   7
+cnt r0:   3   3   3   3   0   0   0   0
+cnt r1:   3   3   2   2   1   1   0   0
+alloc0:   0   2   5   5   0   0   0   0
+alloc1:   6   4   0   0   1   1   0   0
+rank 0: slots=[-1] remote=[-1, -1, -1] cu_seqlens=[0, 16, 32, 48, 48, 48, 48, 48]
+rank 1: slots=[0] remote=[1, -1, -1] cu_seqlens=[16, 32, 32, 32, 48, 64, 64, 64]
+tokens of rank 0 (expert->rank:row, * = local copy):
+  s0: 0->1:32    1->0:0
+  s1: 2->0:16    3->0:32*
+  s2: 0->1:33    1->0:1
+  s3: 2->0:17    3->0:33*
+  s4: 0->1:34    2->0:18
+  s5: 1->1:48    3->0:34
+tokens of rank 1 (expert->rank:row, * = local copy):
+  s0: 0->1:35    1->1:49*
+  s1: 2->0:19    3->0:35*
+  s2: 0->1:36    2->0:20
+  s3: 1->1:50    3->0:36
+  s4: 0->1:37    4->1:0*
+  s5: 1->1:51    5->1:16*""")

@@ -22,8 +22,9 @@ def test_each_bit_named_and_reset():
 
 
 def test_several_bits_and_unknown_bits():
-    code = bits.STATUS_BAD_EXPERT_ID | bits.STATUS_SLOT_OVERFLOW | 1024
+    code = bits.STATUS_BAD_EXPERT_ID | bits.STATUS_COUNTS_MISMATCH | 1024
     with pytest.raises(MoEStatusError) as info:
         check_status(torch.tensor([code], dtype=torch.int32), reset=False)
     text = str(info.value)
-    assert "expert id outside [0, E)" in text and "B slots" in text and "unknown status bits 0x400" in text
+    assert "expert id outside [0, E)" in text and "do not match its row of the count matrix" in text
+    assert "unknown status bits 0x400" in text
