@@ -35,6 +35,23 @@ consumers (``wgmma`` bf16 x bf16 -> fp32, A and B from shared memory); register 
 with ``setmaxnreg``. The forward/dgrad epilogue goes register -> shared (stmatrix) -> global (TMA store)
 in sub-tiles.
 
+Inference: remote groups (``group_gemm_row_scale`` and ``group_gemm_swiglu`` with ``remote=``). Then
+``G = epn + B + n_remote`` and remote group ``j = g - epn - B`` multiplies by expert ``e =
+remote_experts[j]`` (global id; -1: an unused group) of its home rank ``h = e // epn``: ``W_g =
+W_home(rank h)[e % epn]``, read straight from that rank's home weights through the peer mapping (their
+device addresses ``peers[h]``, one array per projection; same shape and strides as ``w_home``). The
+kernel variants with remote groups (separate compiled kernels; the kernels without are unchanged) give
+the producer warp one more descriptor per B ring: at the CTA's first remote tile it copies the home
+atom's TMA descriptor into the CTA's 128-byte slot of a global-memory workspace (allocated per launch
+by the host wrapper), replaces its global address with ``peers[h]`` (``tensormap.replace``), fences
+(``fence.proxy.tensormap::generic`` release, then acquire) and loads every remote tile through it
+(``tma_desc_ptr``), with expert index ``e % epn``. Precondition: every remote expert of a launch comes
+from one donor rank (the planner copies a rank's experts from one donor group). One descriptor per ring
+and CTA then suffices and never changes while loads that use it are in flight; switching donors mid-
+launch would need the ring drained before the descriptor is rewritten (the producer cannot tell when
+the TMA unit has finished reading a descriptor for the loads already issued). A remote group whose
+expert is -1 must be empty (the planner guarantees it; such rows are not a supported input).
+
 Host side: ``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_wgrad`` validate, compile once per
 static key into ``_COMPILED`` (fake tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``,
 environment stream) and launch on torch's current stream. ``compile_group_gemm_for_sm90`` compiles any
@@ -403,15 +420,19 @@ def _build_kernel_classes():
             b_loads,  # per B ring: (TMA atom, (TMA, RestK) of this tile's B, (TMA, stage))
             k_start: cutlass.Int32,
             k_count: cutlass.Int32,
+            b_descs=None,  # None, or per B ring the global-memory descriptor its loads use instead of the atom's
         ):
             """Producer: TMA k tiles [k_start, k_start + k_count) of A and of every B into the ring, one
             mbarrier per stage for all of them."""
+            if cutlass.const_expr(b_descs is None):
+                b_descs = [None] * len(b_loads)
             for k in cutlass.range(k_count, unroll=1):
                 mainloop.producer_acquire(prod_state)
                 bar = mainloop.producer_get_barrier(prod_state)
                 cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
-                for tma_b, tBgB, tBsB in b_loads:
-                    cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
+                    cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
+                              tma_desc_ptr=desc)
                 mainloop.producer_commit(prod_state)
                 prod_state.advance()
             return prod_state
@@ -430,10 +451,12 @@ def _build_kernel_classes():
             b_home,  # per B ring: (TMA atom, (TMA, RestN, RestK, epn), (TMA, stage)) of the home weights
             b_slot,  # the same for the slot weights (group g >= epn reads slot g - epn)
             k_tiles: cutlass.Int32,
+            remote=None,  # None, or the remote groups' (remote_experts, [peers], [home B view], workspace)
         ):
             """Producer warp group of the row-grouped kernels: lowers its register budget, and its warp
             0 loads, over this CTA's tiles, all k tiles of A and of the B operand(s) of the tile's group;
-            tiles past the last group load nothing."""
+            tiles past the last group load nothing. With ``remote`` the last groups are remote groups
+            (``load_remote_row_tiles``)."""
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 bidx, _, _ = cute.arch.block_idx()
@@ -441,21 +464,129 @@ def _build_kernel_classes():
                 num_groups = cute.size(cu_seqlens, mode=[0])
                 num_home = cute.size(b_home[0][1], mode=[3])
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-                for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
-                    m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
-                    if g < num_home:
-                        prod_state = self.load_k_tiles(
-                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                            [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
-                            0, k_tiles,
-                        )
-                    elif g < num_groups:
-                        prod_state = self.load_k_tiles(
-                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                            [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
-                            0, k_tiles,
-                        )
+                if cutlass.const_expr(remote is None):
+                    for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                        m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
+                        if g < num_home:
+                            prod_state = self.load_k_tiles(
+                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
+                                0, k_tiles,
+                            )
+                        elif g < num_groups:
+                            prod_state = self.load_k_tiles(
+                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                                [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
+                                0, k_tiles,
+                            )
+                else:
+                    prod_state = self.load_remote_row_tiles(
+                        mainloop, prod_state, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, b_home, b_slot,
+                        k_tiles, remote,
+                    )
                 mainloop.producer_tail(prod_state)
+
+        @cute.jit
+        def load_remote_row_tiles(
+            self,
+            mainloop,
+            prod_state,
+            cu_seqlens: cute.Tensor,
+            num_n_tiles: cutlass.Int32,
+            num_tiles: cutlass.Int32,
+            tma_a: cute.CopyAtom,
+            tAgA: cute.Tensor,
+            tAsA: cute.Tensor,
+            b_home,
+            b_slot,
+            k_tiles: cutlass.Int32,
+            remote,
+        ):
+            """``load_row_tiles`` (producer warp) with remote groups: groups [epn + B, G) are remote group
+            j = g - epn - B, expert e = remote_experts[j], read from the donor's home weights ``peers[e //
+            epn]`` (per B ring), expert index ``e % epn``. The loads of remote tiles go through a copy of
+            the home atom's descriptor in this CTA's global-memory slot(s), with the donor's address,
+            built once, at the CTA's first remote tile (``build_remote_descriptors``): every remote
+            expert of a launch comes from one donor (the caller's precondition), so the descriptor
+            never changes while loads that use it are in flight. A remote group whose expert is -1 (an
+            unused group) must be empty."""
+            remote_experts, peers, b_views, desc_ws = remote
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            num_groups = cute.size(cu_seqlens, mode=[0])
+            num_home = cute.size(b_home[0][1], mode=[3])
+            slot_end = num_groups - cute.size(remote_experts, mode=[0])
+            desc_slots, descs = self.remote_descriptor_slots(desc_ws, len(b_home))
+            donor = cutlass.Int32(-1)  # the donor rank of this CTA's remote descriptors; -1: not built yet
+            for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
+                m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
+                if g < num_home:
+                    prod_state = self.load_k_tiles(
+                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                        [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
+                        0, k_tiles,
+                    )
+                elif g < slot_end:
+                    prod_state = self.load_k_tiles(
+                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                        [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
+                        0, k_tiles,
+                    )
+                elif g < num_groups:
+                    e = remote_experts[g - slot_end]
+                    if e >= 0:
+                        if donor < 0:
+                            donor = e // num_home
+                            self.build_remote_descriptors(b_home, peers, b_views, desc_slots, descs, donor)
+                        prod_state = self.load_k_tiles(
+                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                            [(tma, tBgB[(None, n_idx, None, e % num_home)], tBsB) for tma, tBgB, tBsB in b_home],
+                            0, k_tiles, descs,
+                        )
+                    else:
+                        prod_state = self.load_k_tiles(
+                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                            [(tma, tBgB[(None, n_idx, None, num_home)], tBsB) for tma, tBgB, tBsB in b_home],
+                            0, k_tiles,
+                        )
+            return prod_state
+
+        @cute.jit
+        def remote_descriptor_slots(self, desc_ws: cute.Tensor, num_rings: cutlass.Constexpr):
+            """This CTA's 128-byte, 128-byte-aligned slots (one per B ring) in the descriptor workspace
+            (int64, 16 per slot, #CTAs x #rings slots, allocated per launch by the host), each as a
+            (global, generic) pair of descriptor pointers: the descriptor is written through the first,
+            the TMA loads take the second."""
+            bidx, _, _ = cute.arch.block_idx()
+            maps = utils.TensorMapManager(utils.TensorMapUpdateMode.GMEM, 128)
+            slots = [desc_ws.iterator + (bidx * num_rings + r) * 16 for r in range(num_rings)]
+            return ([maps.get_tensormap_ptr(p) for p in slots],
+                    [maps.get_tensormap_ptr(p, cute.AddressSpace.generic) for p in slots])
+
+        @cute.jit
+        def build_remote_descriptors(self, b_home, peers, b_views, desc_slots, descs, donor: cutlass.Int32):
+            """Producer warp (all lanes), once per CTA: per B ring, the home atom's descriptor copied
+            into this CTA's slot (one elected lane: 128 bytes of stores) and its global address replaced
+            by the donor's weights (``peers[donor]``, viewed like the home weights: same shape and
+            strides; ``update_tma_descriptor`` elects its lane itself: ``tensormap.replace``). The warp
+            barriers order the copy before the replacement and the replacement before the release
+            fence; each lane then acquires the new descriptors (``fence.proxy.tensormap::generic``
+            release / acquire), so whichever lane issues the TMA loads sees them."""
+            with cute.arch.elect_one():
+                for (tma, _, _), slot in zip(b_home, desc_slots):
+                    cpasync.copy_tensormap(tma, slot)
+            cute.arch.sync_warp()
+            cute.arch.fence_acq_rel_cta()
+            for (tma, _, _), ring_peers, view, slot in zip(b_home, peers, b_views, desc_slots):
+                donor_b = cute.make_tensor(
+                    cute.make_ptr(self.ab_dtype, ring_peers[donor], cute.AddressSpace.gmem, assumed_align=16),
+                    view.layout,
+                )
+                cpasync.update_tma_descriptor(tma, donor_b, slot)
+            cute.arch.sync_warp()
+            cpasync.fence_tma_desc_release()
+            for desc in descs:
+                cpasync.fence_tma_desc_acquire(desc)
 
         @cute.jit
         def mma_stage(self, mainloop, read_state, tiled_mma: cute.TiledMma, accs, tCrA: cute.Tensor, tCrBs):
@@ -560,21 +691,26 @@ def _build_kernel_classes():
             self._launch(x, w_home, w_slot, cu_seqlens, y, None, stream)
 
         @cute.jit
-        def _launch(self, x, w_home, w_slot, cu_seqlens, y, row_w, stream):
-            """Shared by the plain kernel (``row_w`` None) and the row-scaled one (``row_w`` (N,) fp32)."""
+        def _launch(self, x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts=None, peers=None,
+                    desc_ws=None):
+            """Shared by the plain kernel (``row_w`` None) and the row-scaled one (``row_w`` (N,) fp32);
+            with ``remote_experts`` (peers, descriptor workspace) the last groups are remote groups."""
             self._setup_mainloop()
             self._setup_tma_store_epilogue()
             tma_a, mA = self._tma_load_a(x)
-            tma_bh, mBh = self._tma_load_b(self._weights_as_b(w_home))
+            bh_view = self._weights_as_b(w_home)
+            tma_bh, mBh = self._tma_load_b(bh_view)
             tma_bs, mBs = self._tma_load_b(self._weights_as_b(w_slot))
             tma_c, mC = self._tma_store_c(y)
             num_n_tiles, num_tiles = self._row_tiles(x, y)
             self._make_shared_storage(with_c=True)
+            if cutlass.const_expr(remote_experts is None):
+                bh_view = None
             self._launch_persistent(
                 self.kernel(
                     tma_a, mA, tma_bh, mBh, tma_bs, mBs, tma_c, mC, cu_seqlens, row_w,
                     self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-                    num_n_tiles, num_tiles,
+                    num_n_tiles, num_tiles, remote_experts, peers, bh_view, desc_ws,
                 ),
                 num_tiles,
                 stream,
@@ -599,6 +735,10 @@ def _build_kernel_classes():
             epi_smem_staged: cute.ComposedLayout,
             num_n_tiles: cutlass.Int32,
             num_tiles: cutlass.Int32,
+            remote_experts,  # None, or (n_remote,) int32: the remote groups' global expert ids
+            peers,  # None, or (R,) int64: each rank's home weights' address
+            bh_view,  # None, or w_home viewed as B (the layout of a donor's weights)
+            desc_ws,  # None, or the remote descriptors' workspace (int64, 16 per CTA)
         ):
             tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
             self.prefetch_tma_descriptors(warp_idx, (tma_a, tma_bh, tma_bs, tma_c))
@@ -612,9 +752,12 @@ def _build_kernel_classes():
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
             if wg_idx == 0:
+                remote = None
+                if cutlass.const_expr(remote_experts is not None):
+                    remote = (remote_experts, [peers], [bh_view], desc_ws)
                 self.load_row_tiles(
                     warp_idx, mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, [load_bh], [load_bs],
-                    k_tiles,
+                    k_tiles, remote,
                 )
             else:
                 # ---------------- consumer warp groups ----------------
@@ -687,6 +830,27 @@ def _build_kernel_classes():
             stream: cuda.CUstream,
         ):
             self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream)
+
+    class GroupGemmRowScaleRemoteSm90(GroupGemmRowScaleSm90):
+        """The row-scaled forward whose last ``n_remote`` groups are remote groups (inference): remote
+        group j reads expert ``e = remote_experts[j]`` from the home weights of rank ``e // epn``
+        (``peers[e // epn]``, peer-mapped), index ``e % epn`` (see ``load_remote_row_tiles``)."""
+
+        @cute.jit
+        def __call__(
+            self,
+            x: cute.Tensor,  # (N, Kd)
+            w_home: cute.Tensor,  # (epn, Kd, Nd)
+            w_slot: cute.Tensor,  # (B, Kd, Nd)
+            cu_seqlens: cute.Tensor,  # (G = epn + B + n_remote,) int32
+            row_w: cute.Tensor,  # (N,) fp32
+            y: cute.Tensor,  # (N, Nd)
+            remote_experts: cute.Tensor,  # (n_remote,) int32, global expert ids (-1: unused group)
+            peers: cute.Tensor,  # (R,) int64: address of rank r's home weights (epn, Kd, Nd)
+            desc_ws: cute.Tensor,  # (16 * #SMs,) int64: one descriptor slot per CTA
+            stream: cuda.CUstream,
+        ):
+            self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts, peers, desc_ws)
 
     class GroupGemmWgradSm90(_GroupedGemmSm90Base):
         """Varlen-K grouped weight gradient ``dW_g += x_g^T @ dy_g`` (fp32, in place).
@@ -902,24 +1066,34 @@ def _build_kernel_classes():
             up: cute.Tensor,  # (N, F), written only with store_preact
             stream: cuda.CUstream,
         ):
+            self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream)
+
+        @cute.jit
+        def _launch(self, x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream,
+                    remote_experts=None, gate_peers=None, up_peers=None, desc_ws=None):
+            """Shared by the plain kernel and the one with remote groups (``remote_experts`` not None)."""
             self._setup_mainloop()
             self._setup_tma_store_epilogue()
             tma_a, mA = self._tma_load_a(x)
-            tma_gh, mGh = self._tma_load_b(self._weights_as_b(wg_home))
+            bg_view = self._weights_as_b(wg_home)
+            tma_gh, mGh = self._tma_load_b(bg_view)
             tma_gs, mGs = self._tma_load_b(self._weights_as_b(wg_slot))
-            tma_uh, mUh = self._tma_load_b(self._weights_as_b(wu_home))
+            bu_view = self._weights_as_b(wu_home)
+            tma_uh, mUh = self._tma_load_b(bu_view)
             tma_us, mUs = self._tma_load_b(self._weights_as_b(wu_slot))
             tma_h, mH = self._tma_store_c(h)
             tma_g, mG = self._tma_store_c(gate)
             tma_u, mU = self._tma_store_c(up)
             num_n_tiles, num_tiles = self._row_tiles(x, h)
             self._make_shared_storage(b_buffers=("sBg", "sBu"), with_c=True)
+            if cutlass.const_expr(remote_experts is None):
+                bg_view, bu_view = None, None
             self._launch_persistent(
                 self.kernel(
                     tma_a, mA, tma_gh, mGh, tma_gs, mGs, tma_uh, mUh, tma_us, mUs,
                     tma_h, mH, tma_g, mG, tma_u, mU, cu_seqlens,
                     self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-                    num_n_tiles, num_tiles,
+                    num_n_tiles, num_tiles, remote_experts, gate_peers, up_peers, bg_view, bu_view, desc_ws,
                 ),
                 num_tiles,
                 stream,
@@ -943,6 +1117,12 @@ def _build_kernel_classes():
             epi_smem_staged: cute.ComposedLayout,
             num_n_tiles: cutlass.Int32,
             num_tiles: cutlass.Int32,
+            remote_experts,  # None, or (n_remote,) int32: the remote groups' global expert ids
+            gate_peers,  # None, or (R,) int64: each rank's home gate weights' address
+            up_peers,  # None, or (R,) int64: each rank's home up weights' address
+            bg_view,  # None, or the home gate weights viewed as B (the layout of a donor's weights)
+            bu_view,  # None, or the same for up
+            desc_ws,  # None, or the remote descriptors' workspace (int64, 2 x 16 per CTA)
         ):
             tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
             stores = (tma_h, tma_g, tma_u) if cutlass.const_expr(self.store_preact) else (tma_h,)
@@ -962,9 +1142,12 @@ def _build_kernel_classes():
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
             if wg_idx == 0:
+                remote = None
+                if cutlass.const_expr(remote_experts is not None):
+                    remote = (remote_experts, [gate_peers, up_peers], [bg_view, bu_view], desc_ws)
                 self.load_row_tiles(
                     warp_idx, mainloop, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA,
-                    [load_gh, load_uh], [load_gs, load_us], k_tiles,
+                    [load_gh, load_uh], [load_gs, load_us], k_tiles, remote,
                 )
             else:
                 # ---------------- consumer warp groups ----------------
@@ -1024,6 +1207,33 @@ def _build_kernel_classes():
                         epi_count = epi_count + 2 * epi_tiles
                 if warp_idx == self.epi_store_warp:
                     store_pipe.producer_tail()
+
+    class GroupGemmSwigluRemoteSm90(GroupGemmSwigluSm90):
+        """The fused gate/up + SwiGLU kernel whose last ``n_remote`` groups are remote groups
+        (inference): remote group j reads expert ``e = remote_experts[j]`` from the home gate/up weights
+        of rank ``e // epn`` (``gate_peers[e // epn]``, ``up_peers[e // epn]``, peer-mapped), index
+        ``e % epn`` (see ``load_remote_row_tiles``)."""
+
+        @cute.jit
+        def __call__(
+            self,
+            x: cute.Tensor,  # (N, H)
+            wg_home: cute.Tensor,  # (epn, H, F)
+            wg_slot: cute.Tensor,  # (B, H, F)
+            wu_home: cute.Tensor,  # (epn, H, F)
+            wu_slot: cute.Tensor,  # (B, H, F)
+            cu_seqlens: cute.Tensor,  # (G = epn + B + n_remote,) int32
+            h: cute.Tensor,  # (N, F)
+            gate: cute.Tensor,  # (N, F), written only with store_preact
+            up: cute.Tensor,  # (N, F), written only with store_preact
+            remote_experts: cute.Tensor,  # (n_remote,) int32, global expert ids (-1: unused group)
+            gate_peers: cute.Tensor,  # (R,) int64: address of rank r's home gate weights (epn, H, F)
+            up_peers: cute.Tensor,  # (R,) int64: address of rank r's home up weights (epn, H, F)
+            desc_ws: cute.Tensor,  # (2 * 16 * #SMs,) int64: one descriptor slot per CTA and B ring
+            stream: cuda.CUstream,
+        ):
+            self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream, remote_experts,
+                         gate_peers, up_peers, desc_ws)
 
     class GroupGemmSwigluBwdSm90(_GroupedGemmSm90Base):
         """Down-projection dgrad with the SwiGLU backward in the epilogue (see ``group_gemm_swiglu_bwd``).
@@ -1230,7 +1440,8 @@ def _build_kernel_classes():
                         if (lane % 4 == 0) & (r < n_rows):
                             mPart[r, n_idx] = p
 
-    return GroupGemmSm90, GroupGemmWgradSm90, GroupGemmRowScaleSm90, GroupGemmSwigluSm90, GroupGemmSwigluBwdSm90
+    return (GroupGemmSm90, GroupGemmWgradSm90, GroupGemmRowScaleSm90, GroupGemmSwigluSm90, GroupGemmSwigluBwdSm90,
+            GroupGemmRowScaleRemoteSm90, GroupGemmSwigluRemoteSm90)
 
 
 _KERNEL_CLASSES = None
@@ -1248,6 +1459,8 @@ def _kernel_classes():
 # ---------------------------------------------------------------------------------------------------
 
 _COMPILED: dict[tuple, Any] = {}
+# One TMA descriptor (CUtensorMap): its size and the alignment its global-memory copy needs.
+_DESC_BYTES = 128
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -1346,40 +1559,60 @@ def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> 
     return GroupGemmConfig(base.tile_m, 128, num_sms)
 
 
-def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_preact: bool = True):
+def _fake_remote(num_peer_arrays: int):
+    """Fakes of the remote arguments: remote_experts (n_remote,) int32, ``num_peer_arrays`` x peers (R,)
+    int64 and the descriptor workspace (int64, 128-byte aligned), all of symbolic length."""
+    import cutlass
+    import cutlass.cute as cute
+
+    n_remote, num_ranks, ws = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    return (_fake(cutlass.Int32, (n_remote,), 4), *(_fake(cutlass.Int64, (num_ranks,), 8)
+                                                      for _ in range(num_peer_arrays)),
+            _fake(cutlass.Int64, (ws,), _DESC_BYTES))
+
+
+def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_preact: bool = True,
+                              remote: bool = False):
     """The fused gate/up + SwiGLU kernel: takes (x [N, H], w_gate_home, w_gate_slot, w_up_home, w_up_slot
     [*, H, F], cu_seqlens, h [N, F], gate [N, F], up [N, F]); gate/up are written only with
-    ``store_preact`` (otherwise pass any bf16 [N, F] tensor, e.g. h: it is never written)."""
+    ``store_preact`` (otherwise pass any bf16 [N, F] tensor, e.g. h: it is never written). ``remote``:
+    the variant with remote groups, which also takes (remote_experts [n_remote] int32, gate_peers [R]
+    int64, up_peers [R] int64, descriptor workspace int64 [2 * 16 * num_sms]) after ``up``."""
     import cutlass
 
     def build():
         n, epn, nb, ng = _fake_sizes()
         bf = cutlass.BFloat16
+        cls = _kernel_classes()[6 if remote else 3]
         return _compile_for_torch(
-            _kernel_classes()[3](config, store_preact=store_preact),
+            cls(config, store_preact=store_preact),
             _fake(bf, (n, hd)), _fake(bf, (epn, hd, f)), _fake(bf, (nb, hd, f)), _fake(bf, (epn, hd, f)),
             _fake(bf, (nb, hd, f)), _fake(cutlass.Int32, (ng,), 4), _fake(bf, (n, f)), _fake(bf, (n, f)),
-            _fake(bf, (n, f)),
+            _fake(bf, (n, f)), *(_fake_remote(2) if remote else ()),
         )
 
-    return _compile_cached(("group_gemm_swiglu", bool(store_preact), int(hd), int(f), tuple(config)), build)
+    name = "group_gemm_swiglu_remote" if remote else "group_gemm_swiglu"
+    return _compile_cached((name, bool(store_preact), int(hd), int(f), tuple(config)), build)
 
 
-def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig):
+def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig, remote: bool = False):
     """Forward with the per-row scale epilogue: takes (x [N, Kd], w_home, w_slot, cu_seqlens,
-    row_w [N] fp32, y [N, Nd])."""
+    row_w [N] fp32, y [N, Nd]). ``remote``: the variant with remote groups, which also takes
+    (remote_experts [n_remote] int32, peers [R] int64, descriptor workspace int64 [16 * num_sms]) after
+    ``y``."""
     import cutlass
 
     def build():
         n, epn, nb, ng = _fake_sizes()
         bf = cutlass.BFloat16
         return _compile_for_torch(
-            _kernel_classes()[2](config),
+            _kernel_classes()[5 if remote else 2](config),
             _fake(bf, (n, kd)), _fake(bf, (epn, kd, nd)), _fake(bf, (nb, kd, nd)), _fake(cutlass.Int32, (ng,), 4),
-            _fake(cutlass.Float32, (n,), 4), _fake(bf, (n, nd)),
+            _fake(cutlass.Float32, (n,), 4), _fake(bf, (n, nd)), *(_fake_remote(1) if remote else ()),
         )
 
-    return _compile_cached(("group_gemm_row_scale", int(kd), int(nd), tuple(config)), build)
+    name = "group_gemm_row_scale_remote" if remote else "group_gemm_row_scale"
+    return _compile_cached((name, int(kd), int(nd), tuple(config)), build)
 
 
 def select_swiglu_bwd_config(pad: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -1428,13 +1661,16 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
 
 
 def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1, w_names=("w_home", "w_slot"),
-                  check_device=True):
+                  check_device=True, remote=None, peer_names=("peers",)):
     """Checks of the row-grouped kernels; ``red_dim`` is the weight dim that x's columns match
     (1 = Kd: forward, 2 = Nd: dgrad, with x = dy); ``w_names`` name the weights in the errors;
-    ``check_device=False`` leaves out the device and alignment checks."""
+    ``check_device=False`` leaves out the device and alignment checks. ``remote``: None, or the tuple
+    (remote_experts, *peers) of the kernels with remote groups (``peer_names`` name the peers); then
+    cu_seqlens has epn + B + n_remote entries (see ``_check_remote``)."""
     if w_names != ("w_home", "w_slot"):
         try:
-            return _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name, red_dim, check_device=check_device)
+            return _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name, red_dim, check_device=check_device,
+                                 remote=remote, peer_names=peer_names)
         except ValueError as exc:  # name the caller's weights
             msg = str(exc)
             msg = msg.replace("w_home", "\0").replace("w_slot", w_names[1]).replace("\0", w_names[0])
@@ -1472,11 +1708,14 @@ def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1, w_n
         raise ValueError(f"Kd (w_home.shape[1]) must be a positive multiple of 8, got {kd}")
     if nd < 8 or nd % 8:
         raise ValueError(f"Nd (w_home.shape[2]) must be a positive multiple of 8, got {nd}")
-    _check_cu(cu_seqlens, epn + nb)
+    remote_tensors = ()
+    if remote is not None:
+        remote_tensors = _check_remote(remote, peer_names)
+    _check_cu(cu_seqlens, epn + nb, remote_tensors[0][1].shape[0] if remote_tensors else 0)
     if not check_device:
         return n, kd, nd, epn, nb
     dev = x.device
-    for name, t in (("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)):
+    for name, t in (("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)) + remote_tensors:
         if t.device != dev:
             raise ValueError(f"{name} must be on the same device as {x_name} ({dev}), got {t.device}")
     if dev.type != "cuda":
@@ -1487,15 +1726,51 @@ def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1, w_n
     return n, kd, nd, epn, nb
 
 
-def _check_cu(cu_seqlens, num_groups):
+def _check_cu(cu_seqlens, num_groups, n_remote=0):
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != num_groups:
-        raise ValueError(
-            f"cu_seqlens must be 1-D of length epn + B = {num_groups}, got shape {tuple(cu_seqlens.shape)}"
-        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != num_groups + n_remote:
+        what = f"epn + B + n_remote = {num_groups} + {n_remote}" if n_remote else f"epn + B = {num_groups}"
+        raise ValueError(f"cu_seqlens must be 1-D of length {what}, got shape {tuple(cu_seqlens.shape)}")
     if not cu_seqlens.is_contiguous():
         raise ValueError("cu_seqlens must be contiguous")
+
+
+def _check_remote(remote, peer_names):
+    """Checks of ``remote`` = (remote_experts, *peers) (dtype, 1-D, non-empty, contiguous; the caller
+    checks the devices); returns ((name, tensor), ...) of its tensors. The values live on the device and
+    are not checked (no host sync): see the preconditions in ``group_gemm_row_scale``."""
+    names = ("remote_experts",) + tuple(peer_names)
+    if not isinstance(remote, tuple) or len(remote) != len(names):
+        raise ValueError(f"remote must be None or a tuple ({', '.join(names)}), got {type(remote).__name__}"
+                         + (f" of length {len(remote)}" if isinstance(remote, tuple) else ""))
+    for (name, what, dtype), t in zip(
+        [("remote_experts", "at least one remote group (n_remote >= 1)", torch.int32)]
+        + [(pn, "at least one rank's address (R >= 1)", torch.int64) for pn in peer_names],
+        remote,
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must be {str(dtype).replace('torch.', '')}, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        if t.shape[0] < 1:
+            raise ValueError(f"{name} must hold {what}, got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if len(peer_names) > 1 and any(t.shape != remote[1].shape for t in remote[2:]):
+        raise ValueError(f"{', '.join(peer_names)} must have the same length (one address per rank), got "
+                         f"{', '.join(str(tuple(t.shape)) for t in remote[1:])}")
+    return tuple(zip(names, remote))
+
+
+def _desc_workspace(device: torch.device, num_rings: int) -> torch.Tensor:
+    """Per launch of a kernel with remote groups: one 128-byte descriptor slot per CTA (at most #SMs)
+    and B ring, 128-byte aligned (the caching allocator's blocks are 512-byte aligned)."""
+    ws = torch.empty(num_rings * _device_info(device)[1] * (_DESC_BYTES // 8), dtype=torch.int64, device=device)
+    assert ws.data_ptr() % _DESC_BYTES == 0
+    return ws
 
 
 _DEVICE_INFO: dict[int, tuple[tuple[int, int], int]] = {}
@@ -1514,17 +1789,19 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
 
 def _compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     """The kernel of ``op`` ("fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
-    "swiglu_bwd") for static (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
+    "swiglu_bwd"; "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote": with remote groups) for
+    static (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
         return compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
-    if op == "row_scale":
-        return compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms))
-    if op in ("swiglu", "swiglu_h_only"):
-        return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu")
+    if op in ("row_scale", "row_scale_remote"):
+        return compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms), op == "row_scale_remote")
+    if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
+        return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms),
+                                         op in ("swiglu", "swiglu_remote"), op.endswith("_remote"))
     if op == "swiglu_bwd":
         return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms))
     raise ValueError(f"unknown op {op!r}")
@@ -1603,11 +1880,26 @@ def group_gemm_row_scale(
     row_w: torch.Tensor,
     pad: int = 128,
     out: torch.Tensor | None = None,
+    remote: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``y[r] = (x[r] @ W_g) * row_w[r]``: the forward with a per-row fp32 scale applied to the fp32
     accumulators before the bf16 convert (the route weights of the down projection). Rows past the last
-    group are zero. ``row_w`` is fp32 ``[N]``. No host sync."""
-    n, kd, nd, epn, nb = _check_inputs(x, w_home, w_slot, cu_seqlens, pad, check_device=False)
+    group are zero. ``row_w`` is fp32 ``[N]``. No host sync.
+
+    ``remote`` (inference): None, or ``(remote_experts, peers)``: then the last ``n_remote`` groups are
+    remote groups, whose weights are read straight from their home rank (peer-mapped), and
+    ``cu_seqlens`` has ``G = epn + B + n_remote`` entries. ``remote_experts`` int32 ``[n_remote >= 1]``
+    (CUDA) holds the remote groups' global expert ids (ascending, -1 = an unused group); ``peers`` int64
+    ``[R]`` (CUDA) holds ``peers[r]`` = the device address (valid on this GPU, e.g. torch symmetric memory)
+    of rank r's home weights, a contiguous bf16 ``[epn, Kd, Nd]`` tensor like ``w_home``. Remote group j
+    multiplies by ``W = (rank e // epn's home weights)[e % epn]``, ``e = remote_experts[j]``.
+    Preconditions (on the device values, not checked: no host sync): every remote expert of a launch
+    comes from one donor rank (each CTA builds its remote descriptor once, at its first remote tile: a
+    different donor would need a new descriptor while loads that use the old one are in flight, i.e. the
+    ring drained first; the kernel would read the first donor's weights instead), ``0 <= e < R * epn``
+    for every used group, an unused group (-1) is empty, and every peer
+    address is 16-byte aligned."""
+    n, kd, nd, epn, nb = _check_inputs(x, w_home, w_slot, cu_seqlens, pad, check_device=False, remote=remote)
     if not isinstance(row_w, torch.Tensor):
         raise ValueError(f"row_w must be a torch.Tensor, got {type(row_w).__name__}")
     if row_w.dtype != torch.float32:
@@ -1616,13 +1908,16 @@ def group_gemm_row_scale(
         raise ValueError(f"row_w must be 1-D [N={n}] (one scale per row of x), got shape {tuple(row_w.shape)}")
     if not row_w.is_contiguous():
         raise ValueError("row_w must be contiguous")
-    _check_inputs(x, w_home, w_slot, cu_seqlens, pad)
+    _check_inputs(x, w_home, w_slot, cu_seqlens, pad, remote=remote)
     if row_w.device != x.device:
         raise ValueError(f"row_w must be on the same device as x ({x.device}), got {row_w.device}")
-    fn = _launcher("row_scale", kd, nd, pad, x.device)
+    fn = _launcher("row_scale" if remote is None else "row_scale_remote", kd, nd, pad, x.device)
     y = _out_tensor(out, n, nd, x.device)
     if n:
-        fn(x, w_home, _slot_map(w_slot, w_home), cu_seqlens, row_w, y)
+        if remote is None:
+            fn(x, w_home, _slot_map(w_slot, w_home), cu_seqlens, row_w, y)
+        else:
+            fn(x, w_home, _slot_map(w_slot, w_home), cu_seqlens, row_w, y, *remote, _desc_workspace(x.device, 1))
     return y
 
 
@@ -1638,29 +1933,44 @@ def group_gemm_swiglu(
     out: torch.Tensor | None = None,
     gate_out: torch.Tensor | None = None,
     up_out: torch.Tensor | None = None,
+    remote: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Fused gate/up projection with a SwiGLU epilogue, one kernel: per group g,
     ``gate = x_g @ Wgate_g``, ``up = x_g @ Wup_g`` (fp32 accumulators, never rounded before the
     activation) and ``h = silu(gate) * up`` in fp32, stored bf16. Returns ``(h, gate, up)``: gate and up
     are the bf16 pre-activations (what backward needs) when ``store_preact``, else None (inference).
-    Weights ``[epn, H, F]`` home and ``[B, H, F]`` slot, as in ``group_gemm_fwd``. No host sync."""
+    Weights ``[epn, H, F]`` home and ``[B, H, F]`` slot, as in ``group_gemm_fwd``. No host sync.
+
+    ``remote`` (inference): None, or ``(remote_experts, gate_peers, up_peers)``: the last ``n_remote``
+    groups are remote groups, read from their home rank's gate and up weights (``gate_peers[r]``,
+    ``up_peers[r]``: addresses of rank r's ``[epn, H, F]`` home weights, like ``w_gate_home`` /
+    ``w_up_home``), with ``G = epn + B + n_remote``; as in ``group_gemm_row_scale``, preconditions
+    included (one donor rank per launch)."""
     gate_names, up_names = ("w_gate_home", "w_gate_slot"), ("w_up_home", "w_up_slot")
+    peer_names = ("gate_peers", "up_peers")
     n, hd, f, epn, nb = _check_inputs(x, w_gate_home, w_gate_slot, cu_seqlens, pad, w_names=gate_names,
-                                      check_device=False)
+                                      check_device=False, remote=remote, peer_names=peer_names)
     for name, t, like, ref in (("w_up_home", w_up_home, "w_gate_home", w_gate_home),
                                ("w_up_slot", w_up_slot, "w_gate_slot", w_gate_slot)):
         if isinstance(t, torch.Tensor) and t.shape != ref.shape:
             raise ValueError(f"{name} must have the shape of {like} {tuple(ref.shape)}, got {tuple(t.shape)}")
-    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names, check_device=False)
-    _check_inputs(x, w_gate_home, w_gate_slot, cu_seqlens, pad, w_names=gate_names)
-    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names)
-    fn = _launcher("swiglu" if store_preact else "swiglu_h_only", hd, f, pad, x.device)
+    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names, check_device=False, remote=remote,
+                  peer_names=peer_names)
+    _check_inputs(x, w_gate_home, w_gate_slot, cu_seqlens, pad, w_names=gate_names, remote=remote,
+                  peer_names=peer_names)
+    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names, remote=remote, peer_names=peer_names)
+    op = "swiglu" if store_preact else "swiglu_h_only"
+    fn = _launcher(op if remote is None else op + "_remote", hd, f, pad, x.device)
     h = _out_tensor(out, n, f, x.device)
     gate = _out_tensor(gate_out, n, f, x.device) if store_preact else None
     up = _out_tensor(up_out, n, f, x.device) if store_preact else None
     if n:
-        fn(x, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home, _slot_map(w_up_slot, w_up_home),
-           cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
+        args = (x, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home, _slot_map(w_up_slot, w_up_home),
+                cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
+        if remote is None:
+            fn(*args)
+        else:
+            fn(*args, *remote, _desc_workspace(x.device, 2))
     return h, gate, up
 
 
@@ -1850,10 +2160,11 @@ def compile_group_gemm_for_sm90(
     dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
     op: str = "fwd",
 ):
-    """Compile one kernel (``op`` = "fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only" or
-    "swiglu_bwd"; for the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine)
-    and return a ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers,
-    shared memory, spills)."""
+    """Compile one kernel (``op`` = "fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
+    "swiglu_bwd", or with remote groups "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote"; for
+    the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
+    ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,
+    spills)."""
     from csrc_cute.compile_check import run_compile_check
 
     return run_compile_check(

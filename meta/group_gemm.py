@@ -6,12 +6,22 @@ import torch
 from .checks import ROW_DTYPES, check_pad, check_tensor
 
 
-def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device) -> tuple[int, int]:
+def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device, experts_remote=None) -> tuple[int, int]:
     check_tensor(op, "w_home", w_home, (dtype,), (None, None, None), device)
     epn, Kd, Nd = w_home.shape
     check_tensor(op, "w_slot", w_slot, (dtype,), (None, Kd, Nd), device)
-    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (epn + w_slot.shape[0],), device)
+    check_groups(op, cu_seqlens, epn + w_slot.shape[0], experts_remote, device)
     return Kd, Nd
+
+
+def check_groups(op: str, cu_seqlens, local_groups: int, experts_remote, device) -> None:
+    """cu_seqlens holds the home and slot groups, then one group per entry of experts_remote (int32
+    [n_remote], inference) when it is given."""
+    n_remote = 0
+    if experts_remote is not None:
+        check_tensor(op, "experts_remote", experts_remote, (torch.int32,), (None,), device)
+        n_remote = experts_remote.shape[0]
+    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (local_groups + n_remote,), device)
 
 
 def check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P) -> int:
@@ -58,7 +68,7 @@ def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, P: int) -> None:
     check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
 
 
-def check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P) -> int:
+def check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote=None) -> int:
     op = "group_gemm_swiglu"
     check_tensor(op, "x", x, ROW_DTYPES, (None, None))
     check_pad(op, P)
@@ -67,29 +77,30 @@ def check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seql
     check_tensor(op, "w_gate_slot", w_gate_slot, (x.dtype,), (None, H, F), x.device)
     check_tensor(op, "w_up_home", w_up_home, (x.dtype,), (epn, H, F), x.device)
     check_tensor(op, "w_up_slot", w_up_slot, (x.dtype,), (w_gate_slot.shape[0], H, F), x.device)
-    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (epn + w_gate_slot.shape[0],), x.device)
+    check_groups(op, cu_seqlens, epn + w_gate_slot.shape[0], experts_remote, x.device)
     return F
 
 
-def group_gemm_swiglu(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P: int, save_preact: bool):
-    F = check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P)
+def group_gemm_swiglu(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P: int, save_preact: bool,
+                      experts_remote=None, group_name: str = ""):
+    F = check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote)
     n_pre = x.shape[0] if save_preact else 0
     return x.new_empty((x.shape[0], F)), x.new_empty((n_pre, F)), x.new_empty((n_pre, F))
 
 
-def check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P) -> int:
+def check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote=None) -> int:
     op = "group_gemm_row_scale"
     check_tensor(op, "x", x, ROW_DTYPES, (None, None))
     check_pad(op, P)
-    Kd, Nd = check_weights(op, w_home, w_slot, cu_seqlens, x.dtype, x.device)
+    Kd, Nd = check_weights(op, w_home, w_slot, cu_seqlens, x.dtype, x.device, experts_remote)
     if x.shape[1] != Kd:
         raise ValueError(f"moonep.{op}: x has {x.shape[1]} columns but w_home rows are {Kd} long")
     check_tensor(op, "row_w", row_w, (torch.float32,), (x.shape[0],), x.device)
     return Nd
 
 
-def group_gemm_row_scale(x, w_home, w_slot, cu_seqlens, row_w, P: int):
-    Nd = check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P)
+def group_gemm_row_scale(x, w_home, w_slot, cu_seqlens, row_w, P: int, experts_remote=None, group_name: str = ""):
+    Nd = check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
     return x.new_empty((x.shape[0], Nd))
 
 

@@ -112,13 +112,14 @@ class _ExpertsFFN(torch.autograd.Function):
     layer's copies again."""
 
     @staticmethod
-    def forward(ctx, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
+    def forward(ctx, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
                 pool_gate, pool_up, pool_down, ctrl, P, group_name, ep_key, save_preact):
         ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name)
-        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu_seqlens, P, save_preact)
+        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu_seqlens, P, save_preact,
+                                                 experts_remote, group_name)
         ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up)
         ctx.P, ctx.ep_key = P, ep_key
-        return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu_seqlens, row_w, P)
+        return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu_seqlens, row_w, P, experts_remote, group_name)
 
     @staticmethod
     def backward(ctx, g_y):
@@ -126,13 +127,18 @@ class _ExpertsFFN(torch.autograd.Function):
         # collective: every rank runs the whole backward whatever it needs
         grads = ops.experts_ffn_backward(g_y.contiguous(), rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up,
                                          ctx.P, ctx.ep_key)
-        return grads + (None,) * 10
+        return grads + (None,) * 11
 
 
 def experts_ffn(ep: EPGroup, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                cu_seqlens: Tensor, experts_to_copy: Tensor) -> Tensor:
-    """Differentiable SwiGLU experts with copied slots: rows [NvS, H] -> route-weighted outputs [NvS, H]."""
+                cu_seqlens: Tensor, experts_to_copy: Tensor, experts_remote: Tensor) -> Tensor:
+    """Differentiable SwiGLU experts with copied slots: rows [NvS, H] -> route-weighted outputs [NvS, H].
+    With B < epn (inference) the copies without a slot (`experts_remote`) are read from their home rank."""
     # inference (no_grad, or nothing requires grad) keeps no pre-activations for a backward that never runs
     save_preact = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, row_w, w_gate, w_up, w_down))
-    return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, *ep.pools,
-                             ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact)
+    if save_preact and ep.cfg.B < ep.cfg.epn:
+        raise RuntimeError(
+            f"MoE experts: EPConfig.B={ep.cfg.B} < epn={ep.cfg.epn} is inference only (remote weight reads "
+            f"have no gradient path); run under torch.no_grad() / inference_mode, or train with B = epn")
+    return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
+                             *ep.pools, ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact)

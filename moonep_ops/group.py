@@ -88,6 +88,7 @@ class EPGroup:
         # per-row values (route-weight gradients) read back by the tokens' ranks
         self.row_scratch = self._buffer(c.NvS, dtype=torch.float32)
         self._pools = self._reduce = None
+        self._home_weights = []  # symmetric home-expert weights (inference with B < epn reads them remotely)
         if self._symmetric:
             _GROUP_OF_CTRL[self.ctrl.data_ptr()] = weakref.ref(self)
             torch.cuda.synchronize(device)
@@ -142,6 +143,17 @@ class EPGroup:
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)
 
+    def home_weight(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A home-expert weight tensor that peers can read (collective on CUDA): with B < epn the grouped
+        GEMM reads the copies that got no slot straight from their home rank's weights (DESIGN.md,
+        "Memory contract"). On CUDA it is symmetric memory; on the CPU an ordinary tensor."""
+        t = self._buffer(*shape, dtype=dtype)
+        self._home_weights.append(t)
+        if self._symmetric:
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+        return t
+
     def _weight_buffers(self):
         if self._pools is None:
             raise RuntimeError("EPGroup: call alloc_weight_buffers() first (MoEExperts does it)")
@@ -166,9 +178,10 @@ class EPGroup:
             if t is not None:
                 _PEERS.pop(t.data_ptr(), None)
             setattr(self, name, None)
-        for t in (self._pools or ()) + (self._reduce or ()):
+        for t in (self._pools or ()) + (self._reduce or ()) + tuple(self._home_weights):
             _PEERS.pop(t.data_ptr(), None)
         self._pools = self._reduce = None
+        self._home_weights = []
         self._handles.clear()
         _GROUP_OF_KEY.pop(self.key, None)
 

@@ -16,6 +16,8 @@ class MoEExperts(nn.Module):
     """This rank's home experts, SwiGLU: y = (silu(x W_gate) * (x W_up)) W_down, times the route weight.
 
     Weights: w_gate, w_up [epn, H, F]; w_down [epn, F, H]. Experts e = rank*epn + i for i in [0, epn).
+    With B < epn (inference) peers read them remotely, so on CUDA they live in symmetric memory: load
+    a checkpoint in place (`load_state_dict`, `copy_`), never by replacing the tensors.
     """
 
     def __init__(self, ep: EPGroup, dtype: torch.dtype | None = None):
@@ -24,9 +26,15 @@ class MoEExperts(nn.Module):
         self.ep = ep
         ep.alloc_weight_buffers()
         dtype = dtype or ep.dtype
-        self.w_gate = nn.Parameter(torch.empty(c.epn, c.H, c.F, dtype=dtype, device=ep.device))
-        self.w_up = nn.Parameter(torch.empty(c.epn, c.H, c.F, dtype=dtype, device=ep.device))
-        self.w_down = nn.Parameter(torch.empty(c.epn, c.F, c.H, dtype=dtype, device=ep.device))
+        if c.B < c.epn:
+            def weight(*shape):
+                return ep.home_weight(*shape, dtype=dtype)
+        else:
+            def weight(*shape):
+                return torch.empty(*shape, dtype=dtype, device=ep.device)
+        self.w_gate = nn.Parameter(weight(c.epn, c.H, c.F))
+        self.w_up = nn.Parameter(weight(c.epn, c.H, c.F))
+        self.w_down = nn.Parameter(weight(c.epn, c.F, c.H))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -35,10 +43,10 @@ class MoEExperts(nn.Module):
             nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
     def forward(self, rows: torch.Tensor, row_w: torch.Tensor, cu_seqlens: torch.Tensor,
-                experts_to_copy: torch.Tensor) -> torch.Tensor:
-        """rows [NvS, H] grouped by cu_seqlens (home experts, then slots) -> weighted outputs [NvS, H]."""
+                experts_to_copy: torch.Tensor, experts_remote: torch.Tensor) -> torch.Tensor:
+        """rows [NvS, H] grouped by cu_seqlens (home experts, slots, remote reads) -> weighted outputs."""
         return autograd.experts_ffn(self.ep, rows, row_w, self.w_gate, self.w_up, self.w_down, cu_seqlens,
-                                    experts_to_copy)
+                                    experts_to_copy, experts_remote)
 
 
 class MoELayer(nn.Module):
@@ -64,11 +72,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: x holds {tokens.shape[0]} tokens of size H={c.H}, EPConfig.S={c.S}")
         tokens = tokens.to(ep.dtype).contiguous()
         route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
-        dst_rank, dst_row, primary_row, experts_to_copy, cu_seqlens, group_rows, counts = ops.plan(
+        dst_rank, dst_row, primary_row, experts_to_copy, experts_remote, cu_seqlens, group_rows, counts = ops.plan(
             ids, c.E, c.B, c.P, c.R, ep.ctrl, ep.group_name)
         rows, row_w, row_primary, row_next = autograd.dispatch(ep, tokens, route_w, dst_rank, dst_row, primary_row,
                                                                cu_seqlens, group_rows)
-        out_rows = self.experts(rows, row_w, cu_seqlens, experts_to_copy)
+        out_rows = self.experts(rows, row_w, cu_seqlens, experts_to_copy, experts_remote)
         out = autograd.combine(ep, out_rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens,
                                group_rows)
         if not torch.compiler.is_compiling():

@@ -31,10 +31,11 @@ Tensor = torch.Tensor
 # ---------------------------------------------------------------------------------------------- plan
 @custom_op("moonep::plan", mutates_args=("ctrl",), device_types="cpu")
 def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_name: str
-         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Router top-k ids [S, K] -> (dst_rank, dst_row, primary_row [S, K], experts_to_copy [R, B],
-    cu_seqlens [epn+B] and group_rows [epn+B] (real rows per group) of this rank, counts [R, E] of all
-    ranks), all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status)."""
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Router top-k ids [S, K] -> (dst_rank, dst_row, primary_row [S, K], experts_to_copy [R, B] of all
+    ranks, then of this rank: experts_remote [epn-B] (copies read from their home rank, B < epn only),
+    cu_seqlens [2*epn] and group_rows [2*epn] (real rows per group), and counts [R, E] of all ranks),
+    all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status)."""
     meta.plan.check_plan_args(topk_ids, E, B, P, R, ctrl)
     group = resolve_group("plan", group_name, R)
     S, K = topk_ids.shape
@@ -49,8 +50,8 @@ def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_n
     gp = planning.plan_global(counts, S, K, B, P)
     rank = torch.distributed.get_rank(group)
     tp = planning.plan_tokens(topk_ids, counts, gp, rank)
-    return (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.cu_seqlens[rank].clone(),
-            gp.group_rows[rank].clone(), counts)
+    return (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.experts_remote[rank].clone(),
+            gp.cu_seqlens[rank].clone(), gp.group_rows[rank].clone(), counts)
 
 
 plan.register_fake(meta.plan.plan)
@@ -67,10 +68,9 @@ def _plan_cuda(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, g
     kplan.count_experts(topk_ids, E, ep.status, out=counts[ep.rank])
     sync.exchange_counts(peers("plan", "ctrl", ctrl), ctrl, counts, ep.rank, ep.timeout_s)
     gp, _ = kplan.plan_global_cuda(counts, S, K, B, P, ep.status)
-    tp, _ = kplan.plan_tokens_cuda(topk_ids, counts, gp.alloc, gp.experts_to_copy, gp.cu_seqlens, ep.rank,
-                                   ep.status)
-    out = (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.cu_seqlens[ep.rank].clone(),
-           gp.group_rows[ep.rank].clone(), counts)
+    tp, _ = kplan.plan_tokens_cuda(topk_ids, counts, gp, ep.rank, ep.status)
+    out = (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.experts_remote[ep.rank].clone(),
+           gp.cu_seqlens[ep.rank].clone(), gp.group_rows[ep.rank].clone(), counts)
     _debug_check(ep, "plan")
     return out
 
@@ -252,8 +252,12 @@ def _group_bounds(op: str, cu_seqlens: Tensor, n_rows: int, P: int) -> list[tupl
     return [(g, s, e) for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
 
 
-def _weight(w_home: Tensor, w_slot: Tensor, g: int) -> Tensor:
-    return w_home[g] if g < w_home.shape[0] else w_slot[g - w_home.shape[0]]
+def _weight(w_home: Tensor, w_slot: Tensor, g: int, w_remote: Tensor | None = None) -> Tensor:
+    """W_g: home experts, then slots, then (inference) the remote groups' weights."""
+    epn, B = w_home.shape[0], w_slot.shape[0]
+    if g < epn:
+        return w_home[g]
+    return w_slot[g - epn] if g < epn + B else w_remote[g - epn - B]
 
 
 @custom_op("moonep::group_gemm", mutates_args=(), device_types="cpu")
@@ -318,20 +322,53 @@ def _group_gemm_wgrad_cuda(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: T
     wgrad_kernel(x, dy, cu_seqlens, dw_home, dw_slot, pad=P)
 
 
+def _remote_home_weights(op: str, w_home: Tensor, experts_remote: Tensor | None, group_name: str) -> Tensor | None:
+    """CPU reference of the remote groups' weight reads: [n_remote, ...] = the home weights of each
+    expert in `experts_remote` (-1: an empty group, zeros), fetched from its home rank with gloo
+    (collective: every rank calls it). None when there are no remote groups (training, B = epn)."""
+    if experts_remote is None or experts_remote.numel() == 0:
+        return None
+    if not group_name:
+        raise ValueError(f"moonep.{op}: experts_remote needs group_name (the EP process group the home "
+                         f"weights are read over)")
+    group = resolve_group(op, group_name)
+    every = [torch.empty_like(w_home) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(every, w_home.contiguous(), group=group)
+    every = torch.cat(every)  # [E, ...] in expert order
+    ids = experts_remote.long()
+    return torch.where((ids >= 0)[:, None, None], every[ids.clamp(min=0)], 0)
+
+
+def _weights_cuda(op: str, name: str, w_home: Tensor, experts_remote: Tensor | None) -> Tensor | None:
+    """The remote-group operands of a CUDA GEMM: None (no remote groups) or the home weights' peer
+    addresses (int64 [R]); the home weights must then be an EPGroup's symmetric weights."""
+    if experts_remote is None or experts_remote.numel() == 0:
+        return None
+    return peers(op, name, w_home)
+
+
 @custom_op("moonep::group_gemm_swiglu", mutates_args=(), device_types="cpu")
 def group_gemm_swiglu(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_home: Tensor, w_up_slot: Tensor,
-                      cu_seqlens: Tensor, P: int, save_preact: bool) -> tuple[Tensor, Tensor, Tensor]:
+                      cu_seqlens: Tensor, P: int, save_preact: bool, experts_remote: Tensor | None = None,
+                      group_name: str = "") -> tuple[Tensor, Tensor, Tensor]:
     """Fused gate/up projection: per group g, gate = x_g @ Wgate_g and up = x_g @ Wup_g in fp32, then
     h = silu(gate) * up from the fp32 values (never rounded before the activation). Returns (h [N, F],
     gate [N, F], up [N, F]) in x's dtype; with save_preact=False gate and up are empty [0, F] (inference:
-    nothing for backward). Weights are addressed like group_gemm's; rows past the last group are zero."""
-    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P)
+    nothing for backward). Weights are addressed like group_gemm's; rows past the last group are zero.
+    Inference with B < epn: `experts_remote` [n_remote] (global expert ids, -1 = empty) names the groups
+    after the slots, whose weights are read from their home rank (CUDA: through the peer mapping of the
+    symmetric home weights; CPU: gloo, over the process group `group_name`)."""
+    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
+                                          experts_remote)
+    op = "group_gemm_swiglu"
+    remote_gate = _remote_home_weights(op, w_gate_home, experts_remote, group_name)
+    remote_up = _remote_home_weights(op, w_up_home, experts_remote, group_name)
     n = x.shape[0]
     h = x.new_zeros((n, F))
     gate, up = x.new_zeros((n if save_preact else 0, F)), x.new_zeros((n if save_preact else 0, F))
-    for g, s, e in _group_bounds("group_gemm_swiglu", cu_seqlens, n, P):
-        gf = x[s:e].float() @ _weight(w_gate_home, w_gate_slot, g).float()
-        uf = x[s:e].float() @ _weight(w_up_home, w_up_slot, g).float()
+    for g, s, e in _group_bounds(op, cu_seqlens, n, P):
+        gf = x[s:e].float() @ _weight(w_gate_home, w_gate_slot, g, remote_gate).float()
+        uf = x[s:e].float() @ _weight(w_up_home, w_up_slot, g, remote_up).float()
         h[s:e] = (torch.nn.functional.silu(gf) * uf).to(x.dtype)
         if save_preact:
             gate[s:e], up[s:e] = gf.to(x.dtype), uf.to(x.dtype)
@@ -343,12 +380,18 @@ group_gemm_swiglu.register_fake(meta.group_gemm.group_gemm_swiglu)
 
 @group_gemm_swiglu.register_kernel("cuda")
 def _group_gemm_swiglu_cuda(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_home: Tensor,
-                            w_up_slot: Tensor, cu_seqlens: Tensor, P: int, save_preact: bool):
-    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P)
+                            w_up_slot: Tensor, cu_seqlens: Tensor, P: int, save_preact: bool,
+                            experts_remote: Tensor | None = None, group_name: str = ""):
+    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
+                                          experts_remote)
     from csrc_cute.group_gemm import group_gemm_swiglu as swiglu_kernel  # CuTe DSL loads on first CUDA use only
 
+    op = "group_gemm_swiglu"
+    gate_peers = _weights_cuda(op, "w_gate_home", w_gate_home, experts_remote)
+    remote = None if gate_peers is None else (
+        experts_remote, gate_peers, _weights_cuda(op, "w_up_home", w_up_home, experts_remote))
     h, gate, up = swiglu_kernel(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, pad=P,
-                                store_preact=save_preact)
+                                store_preact=save_preact, remote=remote)
     if not save_preact:
         gate, up = x.new_empty((0, F)), x.new_empty((0, F))
     return h, gate, up
@@ -356,14 +399,15 @@ def _group_gemm_swiglu_cuda(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor,
 
 @custom_op("moonep::group_gemm_row_scale", mutates_args=(), device_types="cpu")
 def group_gemm_row_scale(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, row_w: Tensor,
-                         P: int) -> Tensor:
+                         P: int, experts_remote: Tensor | None = None, group_name: str = "") -> Tensor:
     """y[r] = (x[r] @ W_g) * row_w[r] for r in group g: fp32 accumulation, the fp32 per-row scale (route
     weight, row_w [N] fp32) applied before the single rounding to x's dtype; rows past the last group
-    are zero."""
-    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P)
+    are zero. Remote groups (`experts_remote`, `group_name`) as in group_gemm_swiglu."""
+    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
+    remote = _remote_home_weights("group_gemm_row_scale", w_home, experts_remote, group_name)
     y = x.new_zeros((x.shape[0], w_home.shape[2]))
     for g, s, e in _group_bounds("group_gemm_row_scale", cu_seqlens, x.shape[0], P):
-        y[s:e] = ((x[s:e].float() @ _weight(w_home, w_slot, g).float()) * row_w[s:e, None]).to(x.dtype)
+        y[s:e] = ((x[s:e].float() @ _weight(w_home, w_slot, g, remote).float()) * row_w[s:e, None]).to(x.dtype)
     return y
 
 
@@ -372,11 +416,13 @@ group_gemm_row_scale.register_fake(meta.group_gemm.group_gemm_row_scale)
 
 @group_gemm_row_scale.register_kernel("cuda")
 def _group_gemm_row_scale_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, row_w: Tensor,
-                               P: int) -> Tensor:
-    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P)
+                               P: int, experts_remote: Tensor | None = None, group_name: str = "") -> Tensor:
+    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
     from csrc_cute.group_gemm import group_gemm_row_scale as row_scale_kernel  # CuTe DSL loads on first CUDA use
 
-    return row_scale_kernel(x, w_home, w_slot, cu_seqlens, row_w, pad=P)
+    home_peers = _weights_cuda("group_gemm_row_scale", "w_home", w_home, experts_remote)
+    remote = None if home_peers is None else (experts_remote, home_peers)
+    return row_scale_kernel(x, w_home, w_slot, cu_seqlens, row_w, pad=P, remote=remote)
 
 
 @custom_op("moonep::group_gemm_swiglu_bwd", mutates_args=(), device_types="cpu")

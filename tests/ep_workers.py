@@ -49,6 +49,33 @@ def forward_backward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...]
     return out
 
 
+def inference_forward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...]):
+    """Inference (B < epn, no_grad): per skew this rank's output, eager and compiled, and how many
+    copies the plan read remotely (every rank's, from the plan op itself)."""
+    from moonep_ops import ops
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    out = {}
+    for skew in skews:
+        layer, x, _ = build_layer(cfg, rank, skew)
+        with torch.no_grad():
+            y = layer(x)
+            ids = torch.topk(layer.router(x), cfg.K).indices
+            remote = ops.plan(ids, cfg.E, cfg.B, cfg.P, cfg.R, layer.ep.ctrl, layer.ep.group_name)[4]
+            compiled = torch.compile(layer, fullgraph=True)(x)
+        out[skew] = dict(y=y, compiled=compiled, n_remote=int((remote >= 0).sum()))
+    return out
+
+
+def train_small_B(rank: int, R: int, cfg_kwargs: dict) -> str:
+    layer, x, _ = build_layer(EPConfig(R=R, **cfg_kwargs), rank, "extreme")
+    try:
+        layer(x)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def _moonep_calls(graph) -> list[str]:
     """moonep ops called by an FX graph, in order (functionalised calls shown as such)."""
     calls = []
@@ -127,11 +154,11 @@ def partial_use(rank: int, R: int, cfg_kwargs: dict):
     ep = layer.ep
     x.requires_grad_()
     ids = torch.topk(layer.router(x), cfg.K).indices
-    dst_rank, dst_row, primary_row, experts_to_copy, cu, group_rows, _ = ops.plan(
+    dst_rank, dst_row, primary_row, experts_to_copy, experts_remote, cu, group_rows, _ = ops.plan(
         ids, cfg.E, cfg.B, cfg.P, cfg.R, ep.ctrl, ep.group_name)
     route_w = torch.full(ids.shape, 0.5, requires_grad=True)
     rows, _, row_primary, row_next = ag.dispatch(ep, x, route_w, dst_rank, dst_row, primary_row, cu, group_rows)
-    y = layer.experts(rows, torch.ones(rows.shape[0]), cu, experts_to_copy)  # the row weights go unused
+    y = layer.experts(rows, torch.ones(rows.shape[0]), cu, experts_to_copy, experts_remote)  # the row weights go unused
     out = ag.combine(ep, y, row_primary, row_next, dst_rank, dst_row, primary_row, cu, group_rows)
     out.sum().backward()
     e = layer.experts

@@ -28,7 +28,7 @@ def op_cases(group):
     keeps alive (the backward ops find it by key, and the registry holds it weakly)."""
     c = CFG
     ids = ids_fixture()
-    dst_rank, dst_row, primary_row, etc, cu, group_rows, counts = plan_of(ids, group)
+    dst_rank, dst_row, primary_row, etc, _, cu, group_rows, counts = plan_of(ids, group)
     x = torch.randn(c.S, c.H)
     route_w = torch.rand(c.S, c.K)
     ep = EPGroup(c, dtype=torch.float32)
@@ -88,7 +88,7 @@ def test_dispatch_combine_values(gloo1):
     """Rows land at their planned rows, duplicates are copied locally, combine sums a token's K rows."""
     c = CFG
     ids = ids_fixture()
-    dst_rank, dst_row, primary_row, _, cu, group_rows, _ = plan_of(ids, gloo1)
+    dst_rank, dst_row, primary_row, _, _, cu, group_rows, _ = plan_of(ids, gloo1)
     x = torch.arange(c.S, dtype=torch.float32)[:, None].repeat(1, c.H) + 1  # row s holds s+1
     route_w = torch.arange(c.S * c.K, dtype=torch.float32).view(c.S, c.K) / 100
     ep = EPGroup(c, dtype=torch.float32)
