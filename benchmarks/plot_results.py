@@ -121,8 +121,46 @@ def plot_e2e(path: str) -> None:
     fig.savefig(path.replace(".json", ".png"), dpi=120)
 
 
+INFERENCE_SERIES = (("ours_full", "moonep B=epn", "o-"), ("ours_b3", "moonep small B", "s-"),
+                    ("ours_b3_graph", "moonep small B, CUDA graph", "^-"), ("base", "NCCL a2a baseline", "o--"))
+
+
+def plot_inference(path: str) -> None:
+    """bench_inference: forward time vs maxvio per variant, and the copies ours_b3's plan used (max over ranks),
+    one row per S. Missing points (OOM, skipped) are left out."""
+    d = json.load(open(path))
+    sizes = list(dict.fromkeys(r["S"] for r in d["rows"]))
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(12, 4.2 * len(sizes)), squeeze=False)
+    for S, (a, b) in zip(sizes, axes):
+        rows = [r for r in d["rows"] if r["S"] == S]
+        for variant, label, style in INFERENCE_SERIES:
+            pts = [(r["maxvio"], r.get(f"{variant}_ms")) for r in rows
+                   if isinstance(r.get(f"{variant}_ms"), (int, float))]
+            if pts:
+                a.plot(*zip(*pts), style, label=label)
+        for key, label, style in (("ours_full_slots_used", "B=epn: copies (slots used)", "o--"),
+                                  ("ours_b3_slots_used", f"B={d['small_B']}: slots used", "s-"),
+                                  ("ours_b3_remote_groups", f"B={d['small_B']}: remote groups", "^-")):
+            pts = [(r["maxvio"], max(r[key])) for r in rows if r.get(key)]
+            if pts:
+                b.plot(*zip(*pts), style, label=label)
+        a.set_title(f"S={S}: MoE layer forward (no_grad), ms, max over ranks", fontsize=9)
+        b.set_title(f"S={S}: copies per rank in the plan (max over ranks)", fontsize=9)
+        for ax in (a, b):
+            ax.set_xlabel("maxvio")
+            ax.set_ylim(bottom=0)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    pools = ", ".join(f"B={p['B']}: {p['pool_bytes'] / 1e9:.2f} GB" for p in d["pools"].values())
+    fig.suptitle(f"Inference, EP{d['R']}, H={d['H']} F={d['F']} K={d['K']} epn={d['epn']}; slot pools per rank "
+                 f"{pools}\n" + caption(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+
+
 if __name__ == "__main__":
     for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
-                       ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e)):
+                       ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e),
+                       ("bench_inference.json", plot_inference)):
         if os.path.exists(os.path.join(RESULTS, name)):
             plot(os.path.join(RESULTS, name))

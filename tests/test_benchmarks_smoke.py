@@ -75,3 +75,55 @@ def test_bench_e2e_plot(e2e_smoke):
     _, _, path = e2e_smoke
     plot_e2e(str(path))
     assert os.path.getsize(str(path).replace(".json", ".png")) > 10_000
+
+
+@pytest.fixture(scope="module")
+def inference_smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_inference")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_inference.py"), "--smoke", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout, json.load(open(out / "bench_inference.json")), out / "bench_inference.json"
+
+
+def test_bench_inference_smoke_runs_every_cpu_variant(inference_smoke):
+    import math
+
+    stdout, d, path = inference_smoke
+    assert d["smoke"] and d["device"] == "cpu" and d["R"] == 2 and d["S"] == [32, 64]
+    for key in ("gpu", "command", "commit", "date", "torch"):
+        assert key in d
+    # E = 16, K = 2: maxvio capped at E/K - 1 = 7, so 0.2, 1, 2, 5 run and 10 is skipped
+    assert [(r["S"], r["maxvio_target"]) for r in d["rows"]] == [(S, t) for S in (32, 64) for t in (0.2, 1.0, 2.0, 5.0)]
+    H, F, epn, B = d["H"], d["F"], d["epn"], d["small_B"]
+    assert d["pools"]["ours_full"]["pool_bytes"] == 3 * epn * H * F * 2
+    assert d["pools"]["ours_b3"]["pool_bytes"] == 3 * B * H * F * 2
+    for r in d["rows"]:
+        for v in ("ours_full", "ours_b3", "base"):
+            assert math.isfinite(r[f"{v}_ms"]) and r[f"{v}_ms"] > 0, (v, r)
+            assert r[f"{v}_peak_gb"] is None  # CPU: no peak memory
+            assert r[f"{v}_routing_ok"], (v, r)
+            assert math.isfinite(r[f"{v}_rel_diff_vs_full"]), (v, r)
+        assert r["ours_full_planned_counts_ok"] and r["ours_b3_planned_counts_ok"], r
+        assert r["ours_full_rel_diff_vs_full"] == 0.0
+        assert r["ours_b3_rel_diff_vs_full"] < 1e-2 and r["base_rel_diff_vs_full"] < 5e-2, r  # the same weights
+        # the same copies whatever B: B = epn puts them all in slots, small B reads the rest remotely
+        assert [s + g for s, g in zip(r["ours_b3_slots_used"], r["ours_b3_remote_groups"])] == r["ours_full_slots_used"]
+        assert all(s <= B for s in r["ours_b3_slots_used"]) and r["ours_full_remote_groups"] == [0, 0]
+        assert "ours_b3_graph_ms" not in r  # CPU: no CUDA graph
+        assert r["b3_over_full"] > 0 and r["full_speedup_vs_base"] > 0
+    assert any(sum(r["ours_b3_remote_groups"]) > 0 for r in d["rows"])  # the remote-read path ran
+    assert "skipped" in d["notes"]["S32_ours_b3_graph"]
+    assert "b3/full" in stdout
+    log = open(str(path).replace(".json", ".log")).read()
+    assert "ours_b3" in log and "b3/full" in log
+
+
+def test_bench_inference_plot(inference_smoke):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plot_results import plot_inference
+
+    _, _, path = inference_smoke
+    plot_inference(str(path))
+    assert os.path.getsize(str(path).replace(".json", ".png")) > 10_000
