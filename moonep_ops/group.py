@@ -130,15 +130,17 @@ class EPGroup:
         return self.send_rows, self.recv_w, self.recv_primary, self.recv_next, self.recv_src
 
     def alloc_weight_buffers(self) -> None:
-        """Allocate the copy slots (bf16 [B, H, F] x2, [B, F, H]) shared by every layer and the fp32
-        gradients of the copies; symmetric on CUDA (collective: every rank calls it, as MoEExperts does).
-        A user of the communication ops alone never pays for them."""
+        """Allocate the copy slots (bf16 [B, H, F] x2, [B, F, H]) shared by every layer and, when the
+        group can train (B = epn), the fp32 gradients of the copies; symmetric on CUDA (collective: every
+        rank calls it, as MoEExperts does). A user of the communication ops alone never pays for them,
+        and an inference group (B < epn) never pays for gradient buffers."""
         if self._pools is not None:
             return
         c = self.cfg
         shapes = ((c.B, c.H, c.F), (c.B, c.H, c.F), (c.B, c.F, c.H))
         self._pools = tuple(self._buffer(*shape) for shape in shapes)
-        self._reduce = tuple(self._buffer(*shape, dtype=torch.float32) for shape in shapes)
+        if c.B == c.epn:
+            self._reduce = tuple(self._buffer(*shape, dtype=torch.float32) for shape in shapes)
         if self._symmetric:
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)
@@ -165,7 +167,11 @@ class EPGroup:
 
     @property
     def reduce_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._weight_buffers()[1]
+        reduce = self._weight_buffers()[1]
+        if reduce is None:
+            raise RuntimeError(f"EPGroup: B={self.cfg.B} < epn={self.cfg.epn} is inference only: it has no "
+                               f"gradient buffers (train with B = epn)")
+        return reduce
 
     def destroy(self) -> None:
         """Release the buffers (before the process group is destroyed)."""

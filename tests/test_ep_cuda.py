@@ -106,10 +106,11 @@ def test_moe_layer_matches_dense_reference(R, skew):
 
 @pytest.mark.parametrize("R", world_sizes())
 def test_inference_small_B(R):
-    """B=3 slots of epn=8: copies without a slot are read from their home rank's weights through the
+    """B=3 slots of epn=16: copies without a slot are read from their home rank's weights through the
     peer mapping. The output is bitwise the B=epn layer's, close to the dense fp32 formula, and the
-    same compiled and under CUDA-graph replay; at R=2 the skewed routing really reads copies remotely."""
-    cfg_kwargs = dict(S=256, H=256, K=4, E=8 * R, F=128, P=64)
+    same compiled and under CUDA-graph replay; at R=2 the skewed routing really reads copies remotely
+    (rank 0 takes 5 of rank 1's experts: 3 slots, 2 remote groups)."""
+    cfg_kwargs = dict(S=256, H=256, K=8, E=16 * R, F=128, P=64)
     res = run_ranks(cuda_workers.inference_small_B, R, cfg_kwargs, 3, ("uniform", "extreme"), backend="nccl")
     for rank, r in enumerate(res):
         assert r["status"] == [0, 0], (rank, r)

@@ -224,13 +224,16 @@ def test_cuda_small_B_bitexact(B):
     the rows bound for remote groups unplaceable: STATUS_BAD_PLAN, and those rows get -1."""
     from csrc_cute import plan as P
 
-    R, S, K, E, Pad = 8, 256, 8, 64, 16
-    epn = E // R
     gen = torch.Generator().manual_seed(11 + B)
     n_remote = n_wiped = 0
-    for sigma in (0.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0):
-        ids_cpu = lognormal_ids(gen, R, S, K, E, sigma)
-        ref = _check_routing(P, R, S, K, E, B, Pad, torch.int32, f"B{B}-sigma{sigma}", ids_cpu, range(R))
+    # lognormal skews at R=8 (few copies per rank), then every token of both ranks on rank 0's 32
+    # experts at R=2: rank 1 takes ~16 copies, so B slots cannot hold them all
+    cases = [(8, 64, lognormal_ids(gen, 8, 256, 8, 64, sigma)) for sigma in (0.0, 1.0, 2.0, 3.0, 4.0)]
+    cases.append((2, 64, torch.rand(2, 256, 32, generator=gen).argsort(-1)[..., :8]))
+    S, K, Pad = 256, 8, 16
+    for R, E, ids_cpu in cases:
+        epn = E // R
+        ref = _check_routing(P, R, S, K, E, B, Pad, torch.int32, f"B{B}-R{R}", ids_cpu, range(R))
         assert ref.experts_remote.shape == (R, epn - B)
         n_remote += int((ref.experts_remote >= 0).sum())
         ids = ids_cpu.int().cuda()
