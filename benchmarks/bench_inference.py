@@ -186,9 +186,11 @@ def bench_rank(rank: int, R: int, opts: dict) -> dict:
             torch.manual_seed(opts["seed"] + 7919 * rank)  # the same weights in every variant
             module = BaselineMoE(S, H, F, K, E, R, dtype, device) if ep is None else MoELayer(ep)
             if ep is not None:
+                # an inference-only group (B < epn) allocates no fp32 gradient buffers
+                reduce = ep.reduce_buffers if B == epn else ()
                 pools["ours_full" if B == epn else "ours_b3"] = dict(B=B, **{
                     f"{k}_bytes": sum(p.numel() * p.element_size() for p in bufs)
-                    for k, bufs in (("pool", ep.pools), ("reduce", ep.reduce_buffers))})
+                    for k, bufs in (("pool", ep.pools), ("reduce", reduce))})
             module.router = ForcedRouter(module.router, S)
             with torch.no_grad():
                 for v in names:
