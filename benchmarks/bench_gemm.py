@@ -8,8 +8,11 @@ after balancing a skewed routing (R=2, E=96, K=8, S=8192, maxvio 5); (c) 16 grou
 the gate/up projection (H -> F) and the down projection (F -> H), and for each of
   fwd    y = x @ W_g                 vs _grouped_mm(x, W, offs)
   dgrad  dx = dy @ W_g^T             vs _grouped_mm(dy, W.transpose(-1, -2), offs)
-  wgrad  dW_g += x_g^T @ dy_g (fp32) vs _grouped_mm(x.t(), dy, offs) (2d x 2d -> [G, Kd, Nd], bf16 out;
-         ours reads and writes the fp32 gradient, 2x4 bytes per weight against 2)
+  wgrad  dW_g = x_g^T @ dy_g vs _grouped_mm(x.t(), dy, offs) (2d x 2d -> [G, Kd, Nd], bf16 out), like for
+         like: every group is passed as a home group, which our kernel writes as a fresh bf16 gradient
+         (fp32 accumulation, one rounding, 2 bytes per weight as _grouped_mm); no slot groups
+  wgrad_ep  (cases with slot groups) the MoE layer's layout: home groups written bf16, slot groups
+         accumulated into fp32 reduce buffers (read-add-write, 8 bytes per weight) vs the same baseline
 and the fused epilogues (same run, same shapes):
   swiglu       h, gate, up = group_gemm_swiglu(x, W_gate, W_up) (one kernel, pre-activations stored for
                backward) vs _grouped_mm gate + _grouped_mm up + F.silu(gate) * up ("unfused pair"), and
@@ -54,7 +57,9 @@ def group_cases(P: int = 128):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default=None, help="comma-separated ops (fwd,dgrad,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated ops (fwd,dgrad,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd; wgrad includes "
+                         "wgrad_ep)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     from csrc_cute.group_gemm import (group_gemm_dgrad, group_gemm_fwd, group_gemm_row_scale, group_gemm_swiglu,
@@ -75,7 +80,11 @@ def main() -> None:
             flops = 2.0 * n * kd * nd  # every row of every group, padding included: both kernels compute it
             out = torch.empty(n, nd, device="cuda", dtype=torch.bfloat16)
             dx = torch.empty(n, kd, device="cuda", dtype=torch.bfloat16)
-            dw_home = torch.zeros(epn, kd, nd, device="cuda", dtype=torch.float32)
+            # like for like with _grouped_mm: all G groups are home groups (written bf16), no slots
+            dw_all = torch.empty(G, kd, nd, device="cuda", dtype=torch.bfloat16)
+            no_slots = torch.empty(0, kd, nd, device="cuda", dtype=torch.float32)
+            # the layer's layout: epn home groups (bf16, written), G - epn slots (fp32, accumulated)
+            dw_home = torch.empty(epn, kd, nd, device="cuda", dtype=torch.bfloat16)
             dw_slot = torch.zeros(G - epn, kd, nd, device="cuda", dtype=torch.float32)
             w_t = w_all.transpose(-1, -2)
             x_t = x.t()
@@ -84,17 +93,23 @@ def main() -> None:
                         lambda: torch._grouped_mm(x, w_all, offs=cu), lambda: torch.mm(x, w_all[0])),
                 "dgrad": (lambda: group_gemm_dgrad(dy, w_home, w_slot, cu, pad=P, out=dx),
                           lambda: torch._grouped_mm(dy, w_t, offs=cu), lambda: torch.mm(dy, w_t[0])),
-                "wgrad": (lambda: group_gemm_wgrad(x, dy, cu, dw_home, dw_slot, pad=P),
+                "wgrad": (lambda: group_gemm_wgrad(x, dy, cu, dw_all, no_slots, pad=P),
                           lambda: torch._grouped_mm(x_t, dy, offs=cu), lambda: torch.mm(x_t, dy)),
             }
-            variants = {k: v for k, v in variants.items() if only is None or k in only}
+            if G > epn:
+                variants["wgrad_ep"] = (lambda: group_gemm_wgrad(x, dy, cu, dw_home, dw_slot, pad=P),
+                                        lambda: torch._grouped_mm(x_t, dy, offs=cu), lambda: torch.mm(x_t, dy))
+            variants = {k: v for k, v in variants.items()
+                        if only is None or k in only or k.removesuffix("_ep") in only}
             for op, (ours_fn, base_fn, dense_fn) in variants.items():
-                # correctness first (wgrad: one call onto zeroed gradients), then timings
-                dw_home.zero_()
+                # correctness first (wgrad_ep: one call onto zeroed slot gradients), then timings
                 dw_slot.zero_()
                 ours_fn()
                 ref = base_fn()
-                got = {"fwd": out, "dgrad": dx, "wgrad": torch.cat([dw_home, dw_slot])}[op]
+                if op == "wgrad_ep":
+                    got = torch.cat([dw_home.float(), dw_slot])
+                else:
+                    got = {"fwd": out, "dgrad": dx, "wgrad": dw_all}[op]
                 err = (got.float() - ref.float()).abs().max().item()
                 ok = torch.allclose(got.float(), ref.float(), atol=5e-2, rtol=5e-2)
                 if not ok:  # recorded and reported, the timings still run
@@ -107,7 +122,7 @@ def main() -> None:
                            grouped_mm_tflops=flops / base / 1e9, dense_tflops=flops / dense / 1e9,
                            speedup=base / ours, matches_grouped_mm=ok, max_abs_err=err)
                 rows.append(row)
-                print(f"{name:42s} {proj:13s} {op:5s} ours {ours:7.3f} ms {row['ours_tflops']:6.1f} TF/s | "
+                print(f"{name:42s} {proj:13s} {op:8s} ours {ours:7.3f} ms {row['ours_tflops']:6.1f} TF/s | "
                       f"_grouped_mm {base:7.3f} ms {row['grouped_mm_tflops']:6.1f} TF/s | dense "
                       f"{row['dense_tflops']:6.1f} TF/s | x{row['speedup']:.3f}", flush=True)
             if proj == "down F->H" and (only is None or "row_scale" in only):

@@ -8,7 +8,8 @@ in ``moonep_ops/ops.py``)::
     W_g = w_home[g] if g < epn else w_slot[g - epn]
     forward  y[s:e]  = (x[s:e] @ W_g)    bf16, fp32 accumulation; rows at or past cu[G-1] are zero
     dgrad    dx[s:e] = (dy[s:e] @ W_g^T) bf16, likewise
-    wgrad    dW_g   += x[s:e]^T @ dy[s:e] fp32, in place (dw_home / dw_slot); empty groups untouched
+    wgrad    home groups: dw_home[g] = x[s:e]^T @ dy[s:e] written, bf16 (fp32 accumulation; zeros if empty)
+             slot groups: dw_slot[g - epn] += x[s:e]^T @ dy[s:e] fp32, in place; empty ones untouched
 
 Forward and dgrad: one kernel class (``GroupGemmSm90``) with a static flag for the majorness of B. Every
 group length is a multiple of the padding ``P``, so with ``tile_M`` dividing ``P`` each M tile of the
@@ -25,15 +26,17 @@ Wgrad (``GroupGemmWgradSm90``): per group g a GEMM with M = Kd, N = Nd and K = t
 A = ``x^T`` (M-major in memory) and B = ``dy^T`` (N-major), each read through one tensor map over all
 rows: group g's k tiles are rows ``[cu[g-1], cu[g]) / 64`` (64 | P). Work items (group, m tile, n tile),
 group-major, are strided over ``min(G * #m tiles * #n tiles, #SMs)`` persistent CTAs; each item's K extent
-is read from ``cu_seqlens`` on the device and empty groups' items are skipped. Every output tile belongs
-to one work item, so the fp32 epilogue adds the accumulators straight into ``dw`` in global memory
-(read-add-write, no atomics), predicated on partial tiles.
+is read from ``cu_seqlens`` on the device. Every output tile belongs to one work item (no atomics). Home
+items store bf16 through the row kernels' TMA-store epilogue (below) into ``dw_home`` viewed (Kd, Nd, epn)
+(partial tiles clipped by the TMA bounds); an empty home group's items run with no k tiles and store
+zeros. Slot items (the copies' fp32 reduce buffers) add the accumulators straight into ``dw_slot`` in
+global memory (read-add-write, predicated on partial tiles); empty slot groups' items are skipped.
 
 Shared by all three (``_GroupedGemmSm90Base``): warp group 0 is the producer (one warp issues TMA loads
 of the A and B tiles into a multi-stage shared-memory ring guarded by mbarriers), warp groups 1.. are
 consumers (``wgmma`` bf16 x bf16 -> fp32, A and B from shared memory); register budgets are rebalanced
-with ``setmaxnreg``. The forward/dgrad epilogue goes register -> shared (stmatrix) -> global (TMA store)
-in sub-tiles.
+with ``setmaxnreg``. The bf16 epilogue (forward/dgrad, the fused kernels' stored outputs, wgrad's home
+groups) goes register -> shared (stmatrix) -> global (TMA store) in sub-tiles.
 
 Inference: remote groups (``group_gemm_row_scale`` and ``group_gemm_swiglu`` with ``remote=``). Then
 ``G = epn + B + n_remote`` and remote group ``j = g - epn - B`` multiplies by expert ``e =
@@ -853,15 +856,20 @@ def _build_kernel_classes():
             self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts, peers, desc_ws)
 
     class GroupGemmWgradSm90(_GroupedGemmSm90Base):
-        """Varlen-K grouped weight gradient ``dW_g += x_g^T @ dy_g`` (fp32, in place).
+        """Varlen-K grouped weight gradient: home groups ``dw_home[g] = x_g^T @ dy_g`` (written, bf16),
+        slot groups ``dw_slot[j] += x_g^T @ dy_g`` (fp32, in place).
 
         GEMM view per group g: M = Kd, N = Nd, K = the group's rows. A = x viewed (Kd, N) is M-major,
         B = dy viewed (Nd, N) is N-major; both are read with one tensor map each, the k tiles of group g
         being rows [cu[g-1], cu[g]) / tile_k (every group length is a multiple of P, and tile_k | P).
         Work items are (group, m tile, n tile), group-major, strided over persistent CTAs; each item's K
-        extent comes from ``cu_seqlens`` on the device, and empty groups' items are skipped (their dW
-        is not touched). Each output tile belongs to exactly one item, so the epilogue is a plain
-        read-add-write of fp32 from the accumulators to global memory (predicated on partial tiles).
+        extent comes from ``cu_seqlens`` on the device. Each output tile belongs to exactly one item (no
+        atomics). Home items store bf16 from the fp32 accumulators through the row kernels' registers ->
+        shared (stmatrix) -> global (TMA store) epilogue, over ``dw_home`` viewed (Kd, Nd, epn), so
+        partial tiles are clipped by the TMA bounds; an empty home group's items run with no k tiles
+        and store zeros, so every tile of ``dw_home`` is written. Slot items (the copies' fp32 reduce
+        buffers) read-add-write fp32 from the accumulators straight to global memory (predicated on
+        partial tiles); empty slot groups' items are skipped (their dW is not touched).
         """
 
         def __init__(self, config: GroupGemmConfig):
@@ -869,7 +877,7 @@ def _build_kernel_classes():
                 config,
                 LayoutEnum.COL_MAJOR,  # A = x^T (Kd, rows): M-major
                 LayoutEnum.COL_MAJOR,  # B = dy^T (Nd, rows): N-major
-                0,
+                self._init_tma_store_epilogue(config.tile_m),
             )
 
         @cute.jit
@@ -878,11 +886,12 @@ def _build_kernel_classes():
             x: cute.Tensor,  # (N, Kd), Kd contiguous
             dy: cute.Tensor,  # (N, Nd), Nd contiguous
             cu_seqlens: cute.Tensor,  # (G,) int32
-            dw_home: cute.Tensor,  # (epn, Kd, Nd) fp32, Nd contiguous
-            dw_slot: cute.Tensor,  # (B, Kd, Nd) fp32, Nd contiguous
+            dw_home: cute.Tensor,  # (epn, Kd, Nd) bf16, Nd contiguous: written
+            dw_slot: cute.Tensor,  # (B, Kd, Nd) fp32, Nd contiguous: accumulated
             stream: cuda.CUstream,
         ):
             self._setup_mainloop()
+            self._setup_tma_store_epilogue()
             a_view = cute.make_tensor(x.iterator, cute.select(x.layout, mode=[1, 0]))  # (Kd, N)
             b_view = cute.make_tensor(dy.iterator, cute.select(dy.layout, mode=[1, 0]))  # (Nd, N)
             # (Kd, Nd, E) views of the gradients
@@ -891,15 +900,16 @@ def _build_kernel_classes():
 
             tma_a, mA = self._tma_load_a(a_view)
             tma_b, mB = self._tma_load_b(b_view)
+            tma_c, mC = self._tma_store_c(d_home)
 
             num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m)
             num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n)
             num_tiles = cute.size(cu_seqlens, mode=[0]) * (num_m_tiles * num_n_tiles)
-            self._make_shared_storage()
+            self._make_shared_storage(with_c=True)
             self._launch_persistent(
                 self.kernel(
-                    tma_a, mA, tma_b, mB, cu_seqlens, d_home, d_slot,
-                    self.tiled_mma, self.a_smem_staged, self.b_smem_staged,
+                    tma_a, mA, tma_b, mB, tma_c, mC, cu_seqlens, d_slot,
+                    self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
                     num_n_tiles, num_m_tiles * num_n_tiles, num_tiles,
                 ),
                 num_tiles,
@@ -953,21 +963,25 @@ def _build_kernel_classes():
             mA: cute.Tensor,
             tma_b: cute.CopyAtom,
             mB: cute.Tensor,
+            tma_c: cute.CopyAtom,
+            mC: cute.Tensor,  # TMA view (Kd, Nd, epn) of dw_home (bf16)
             cu_seqlens: cute.Tensor,
-            mDh: cute.Tensor,
-            mDs: cute.Tensor,
+            mDs: cute.Tensor,  # (Kd, Nd, B) view of dw_slot (fp32)
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
+            epi_smem_staged: cute.ComposedLayout,
             num_n_tiles: cutlass.Int32,
             tiles_per_group: cutlass.Int32,
             num_tiles: cutlass.Int32,
         ):
             tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
-            self.prefetch_tma_descriptors(warp_idx, (tma_a, tma_b))
-            num_home = cute.size(mDh, mode=[2])
-            mainloop, sA, (sB,), _ = self.shared_tensors(a_smem_staged, b_smem_staged, ("sB",))
+            self.prefetch_tma_descriptors(warp_idx, (tma_a, tma_b, tma_c))
+            num_home = cute.size(mC, mode=[2])
+            mainloop, sA, (sB,), sC = self.shared_tensors(a_smem_staged, b_smem_staged, ("sB",), epi_smem_staged)
             tAgA, tAsA, ((_, tBgB, tBsB),), _ = self.partition_loads(tma_a, mA, sA, [(tma_b, mB, sB)])
+            # (bM, bN, RestM, RestN, E) tiles of the home gradients (TMA coordinates)
+            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None, None))
 
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -993,32 +1007,49 @@ def _build_kernel_classes():
                     tiled_mma, tidx, wg_idx, sA, [sB]
                 )
 
-                dims = (cute.size(mDh, mode=[0]), cute.size(mDh, mode=[1]))  # (Kd, Nd), static
-                # (bM, bN, RestM, RestN, E) tiles of the gradients and of their coordinates
-                gDh = cute.local_tile(mDh, (self.tile_m, self.tile_n), (None, None, None))
+                dims = (cute.size(mDs, mode=[0]), cute.size(mDs, mode=[1]))  # (Kd, Nd), static
+                # (bM, bN, RestM, RestN, B) tiles of the slot gradients and (bM, bN, RestM, RestN) of
+                # their coordinates
                 gDs = cute.local_tile(mDs, (self.tile_m, self.tile_n), (None, None, None))
                 cD = cute.local_tile(
                     cute.make_identity_tensor(dims), (self.tile_m, self.tile_n), (None, None)
                 )
                 acc = cute.make_rmem_tensor(
-                    self.epilogue_partition(tiled_mma, mma_tidx, gDh[(None, None, 0, 0, 0)]).shape, self.acc_dtype
+                    self.epilogue_partition(tiled_mma, mma_tidx, cD[(None, None, 0, 0)]).shape, self.acc_dtype
                 )
+                tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+                    tiled_mma, mma_tidx, sC
+                )
+                tRS_rAcc = tiled_copy_r2s.retile(acc)
+
+                epi_count = cutlass.Int32(0)
                 for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
                     g, m_idx, n_idx, k_start, k_count = self.work_item(
                         cu_seqlens, tile, num_n_tiles, tiles_per_group
                     )
-                    if k_count > 0:
+                    is_home = g < num_home
+                    # home items always run (an empty group: no k tiles, zeros stored); empty slot
+                    # groups' items are skipped
+                    if is_home | (k_count > 0):
                         read_state, release_state = self.mma_k_tiles(
                             mainloop, read_state, release_state, tiled_mma, [acc], tCrA, [tCrB], k_count
                         )
-                        tCcD = self.epilogue_partition(tiled_mma, mma_tidx, cD[(None, None, m_idx, n_idx)])
-                        full = self.is_full_tile(m_idx, n_idx, dims)
-                        if g < num_home:
-                            self.add_into(
-                                acc, self.epilogue_partition(tiled_mma, mma_tidx, gDh[(None, None, m_idx, n_idx, g)]),
-                                tCcD, dims, full,
+                        if is_home:
+                            # home: written in bf16 (registers -> shared -> TMA store)
+                            bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
+                                tma_c, sC, gC[(None, None, m_idx, n_idx, g)]
                             )
+                            for e in cutlass.range_constexpr(epi_tiles):
+                                self.acc_subtile_to_bf16(tRS_rAcc, e, tRS_rD, tRS_rOut)
+                                self.store_subtile(
+                                    tiled_copy_r2s, tRS_rOut, tRS_sD, (epi_count + e) % self.epi_stage, epi_bar,
+                                    warp_idx, store_pipe, tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
+                                )
+                            epi_count = epi_count + epi_tiles
                         else:
+                            # slot: fp32 read-add-write into the reduce buffer
+                            tCcD = self.epilogue_partition(tiled_mma, mma_tidx, cD[(None, None, m_idx, n_idx)])
+                            full = self.is_full_tile(m_idx, n_idx, dims)
                             self.add_into(
                                 acc,
                                 self.epilogue_partition(
@@ -1026,6 +1057,8 @@ def _build_kernel_classes():
                                 ),
                                 tCcD, dims, full,
                             )
+                if warp_idx == self.epi_store_warp:
+                    store_pipe.producer_tail()
 
     class GroupGemmSwigluSm90(_GroupedGemmSm90Base):
         """Fused gate/up projection with a SwiGLU epilogue (see ``group_gemm_swiglu``).
@@ -1535,8 +1568,9 @@ def compile_group_gemm_dgrad(kd: int, nd: int, config: GroupGemmConfig):
 
 
 def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
-    """The varlen-K wgrad kernel: takes (x [N, Kd], dy [N, Nd], cu_seqlens, dw_home fp32, dw_slot fp32)
-    and adds ``x_g^T dy_g`` into ``dw_g``. ``config.tile_m`` tiles Kd, ``config.tile_n`` tiles Nd."""
+    """The varlen-K wgrad kernel: takes (x [N, Kd], dy [N, Nd], cu_seqlens, dw_home bf16, dw_slot fp32),
+    writes ``x_g^T dy_g`` into the home groups' ``dw_home[g]`` (bf16) and adds it into the slot groups'
+    ``dw_slot[g - epn]`` (fp32). ``config.tile_m`` tiles Kd, ``config.tile_n`` tiles Nd."""
     import cutlass
 
     def build():
@@ -1545,7 +1579,7 @@ def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
         return _compile_for_torch(
             _kernel_classes()[1](config),
             _fake(bf, (n, kd)), _fake(bf, (n, nd)), _fake(cutlass.Int32, (ng,), 4),
-            _fake(f32, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
+            _fake(bf, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
         )
 
     return _compile_cached(("group_gemm_wgrad", int(kd), int(nd), tuple(config)), build)
@@ -2030,16 +2064,18 @@ def group_gemm_wgrad(
     dw_slot: torch.Tensor,
     pad: int = 128,
 ) -> None:
-    """``dw_g += x[rows of g]^T @ dy[rows of g]`` in fp32, in place: home groups into ``dw_home``
-    ``[epn, Kd, Nd]``, slot groups into ``dw_slot`` ``[B, Kd, Nd]``; empty groups' gradients are not
-    touched (no host sync). ``pad`` is P (a power of two >= 64)."""
+    """Home groups: ``dw_home[g] = x[rows of g]^T @ dy[rows of g]``, *written* in bf16 (fp32
+    accumulation, one rounding; a home group with no rows gets zeros: every element of ``dw_home``
+    ``[epn, Kd, Nd]`` is written). Slot groups: ``dw_slot[j] += x[rows of g]^T @ dy[rows of g]`` in fp32,
+    in place (``dw_slot`` ``[B, Kd, Nd]``, the copies' reduce buffers); empty slot groups are not
+    touched. No host sync. ``pad`` is P (a power of two >= 64)."""
     for name, t in (("x", x), ("dy", dy), ("cu_seqlens", cu_seqlens), ("dw_home", dw_home), ("dw_slot", dw_slot)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     for name, t, dt in (("x", x, torch.bfloat16), ("dy", dy, torch.bfloat16),
-                        ("dw_home", dw_home, torch.float32), ("dw_slot", dw_slot, torch.float32)):
+                        ("dw_home", dw_home, torch.bfloat16), ("dw_slot", dw_slot, torch.float32)):
         if t.dtype != dt:
             raise ValueError(f"{name} must be {str(dt).replace('torch.', '')}, got {t.dtype}")
     if x.dim() != 2 or dy.dim() != 2 or dy.shape[0] != x.shape[0]:
@@ -2063,8 +2099,17 @@ def group_gemm_wgrad(
         if t.numel() and t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
     fn = _launcher("wgrad", kd, nd, pad, dev)
-    if n:
-        fn(x, dy, cu_seqlens, dw_home, _slot_map(dw_slot, dw_home))
+    if n == 0:  # no rows: every group is empty, the home gradients are zero
+        dw_home.zero_()
+        return
+    fn(x, dy, cu_seqlens, dw_home, dw_slot if dw_slot.shape[0] else _no_slots_f32(dw_home))
+
+
+def _no_slots_f32(dw_home: torch.Tensor) -> torch.Tensor:
+    """The wgrad kernel's fp32 slot argument when B == 0: an empty ``[0, Kd, Nd]`` fp32 view at
+    ``dw_home``'s (valid, 16-byte aligned) address. No work item touches it: there are no slot groups."""
+    _, kd, nd = dw_home.shape
+    return dw_home.view(torch.float32).as_strided((0, kd, nd), (kd * nd, nd, 1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2082,7 +2127,8 @@ def _compile_only(kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int =
 
 
 def _wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
-    """CPU check of the wgrad epilogue's thread -> element map (layout algebra at trace time only).
+    """CPU check of the wgrad slot-group epilogue's thread -> element map (the fp32 read-add-write into
+    the reduce buffers; layout algebra at trace time only).
 
     Returns how many (row, col) of a ``tile_m x tile_n`` output tile the consumer threads' partitions
     (``GroupGemmWgradSm90.epilogue_partition``) write, how many distinct ones, and the tile size: every

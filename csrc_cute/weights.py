@@ -4,9 +4,11 @@ Semantics (R ranks, B slots, epn home experts per rank, `experts_to_copy` [R, B]
   prefetch_push  for every slot (d, j) whose expert e has this rank as home: the gate, up and down
                  weights of e (this rank's w[e - rank*epn]) are written into slot j of rank d's pools
                  (remote writes over NVLink, 16-byte vectors). Empty slots are left as they are.
-  reduce_pull    for every home expert i of this rank and every rank d (ascending) that holds a copy
-                 of it in slot j: home[i] += rank d's reduce[j] (fp32, remote reads). One thread owns
-                 a chunk for all copies, so the sum order is fixed: bitwise deterministic.
+  reduce_pull    for every home expert i of this rank with copies: home[i] = bf16(float(home[i]) +
+                 reduce[j] of every rank d (ascending) that holds a copy of it in slot j), the sum in
+                 fp32 registers, one rounding (the home gradients are bf16, the reduce buffers fp32;
+                 remote reads). One lane owns a chunk for all copies, so the sum order is fixed:
+                 bitwise deterministic. Home experts without copies are not touched.
   reduce_zero    this rank zeroes its used reduce slots (after every home rank has read them).
 The caller runs the cross-rank barriers around these kernels (moonep_ops/ops.py).
 
@@ -21,7 +23,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Constexpr, Float32, Int32, Int64
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
@@ -94,39 +96,63 @@ def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.
                         home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor, rank: Int32,
                         R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
                         NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
+    # EB: bytes of one expert's fp32 gradient (the sources); the bf16 home gradient has EB // 2
     NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
     lane, gw, nwarps = _warp_grid(NT, NCTA)
     tidx, _, _ = cute.arch.thread_idx()
-    # slot_of[i * R + d]: the slot of rank d holding a copy of home expert i, or -1 (one per rank at most)
+    # slot_of[i * R + d]: the slot of rank d holding a copy of home expert i, or -1 (one per rank at most);
+    # has_copy[i]: whether home expert i has a copy on any rank (the others are not touched)
     smem = cutlass.utils.SmemAllocator()
     slot_of = smem.allocate_tensor(Int32, cute.make_layout(EPN * R), byte_alignment=16)
+    has_copy = smem.allocate_tensor(Int32, cute.make_layout(EPN), byte_alignment=16)
     for i in cutlass.range(tidx, EPN * R, NT):
         slot_of[i] = -1
+    for i in cutlass.range(tidx, EPN, NT):
+        has_copy[i] = 0
     cute.arch.sync_threads()
     for p in cutlass.range(tidx, R * B, NT):
         e = etc[p]
         if (e >= 0) & (e // EPN == rank):
             d = p // B
             slot_of[(e - rank * EPN) * R + d] = p - d * B
+            has_copy[e - rank * EPN] = 1
     cute.arch.sync_threads()
     homes = (addr_of(home_gate), addr_of(home_up), addr_of(home_down))
     for item in cutlass.range(gw, EPN * 3 * NSEG, nwarps):
         i, t, seg = _split(item, NSEG)
-        home = _pick(t, *homes) + Int64(i) * EB
+        if has_copy[i] != 0:
+            home = _pick(t, *homes) + Int64(i) * (EB // 2)
+            _on_segment(_reduce_segment, (home, slot_of, i * R, t, peer_gate, peer_up, peer_down, R, EB), seg, lane,
+                        U, NC, nfull, UT, clamp)
+
+
+def _bf16x4(addr):
+    """4 bf16 values (8 bytes) at global address `addr` (8-byte aligned)."""
+    return cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=8),
+                            cute.make_layout(4))
+
+
+@cute.jit
+def _reduce_segment(home, slot_of: cute.Tensor, row, t, peer_gate: cute.Tensor, peer_up: cute.Tensor,
+                    peer_down: cute.Tensor, R: Constexpr[int], EB: Constexpr[int], c0, lane, U: Constexpr[int],
+                    NC: Constexpr[int], clamp: Constexpr[bool]):
+    """Over this lane's U 16-byte chunks of the fp32 gradients (4 values each; 8 bytes of the bf16 home
+    gradient at half the offset): home = bf16(float(home) + the copy of every rank d holding one,
+    slot_of[row + d] >= 0, added in ascending d), the sum in fp32 registers, one rounding."""
+    if cutlass.const_expr(U > 0):  # U = 0: the (traced, never taken) tail of a gradient without one
+        offs = chunk_offsets(c0, lane, U, NC, clamp)
+        acc = cute.make_rmem_tensor((4, U), Float32)
+        for u in cutlass.range_constexpr(U):
+            acc[None, u].store(_bf16x4(home + offs[u] // 2).load().to(Float32))
         for d in cutlass.range(R):
-            j = slot_of[i * R + d]
+            j = slot_of[row + d]
             if j >= 0:
                 src = _pick(t, peer_gate[d], peer_up[d], peer_down[d]) + Int64(j) * EB
-                _on_segment(_add_segment, (src, home), seg, lane, U, NC, nfull, UT, clamp)
-
-
-def _add_segment(src, dst, c0, lane, U: int, NC: int, clamp: bool):
-    """dst += src over this lane's U 16-byte chunks of fp32 (4 values each)."""
-    offs = chunk_offsets(c0, lane, U, NC, clamp)
-    got = [vec_tensor(Float32, src + o, 4).load() for o in offs]
-    for o, g in zip(offs, got):
-        acc = vec_tensor(Float32, dst + o, 4)
-        acc.store(acc.load() + g)
+                got = [vec_tensor(Float32, src + o, 4).load() for o in offs]
+                for u in cutlass.range_constexpr(U):
+                    acc[None, u].store(acc[None, u].load() + got[u])
+        for u in cutlass.range_constexpr(U):
+            _bf16x4(home + offs[u] // 2).store(acc[None, u].load().to(BFloat16))
 
 
 @cute.kernel
@@ -183,11 +209,11 @@ def _compile_prefetch(R, B, epn, HF, dtype, ncta):
 
 
 def _compile_reduce(R, B, epn, HF, ncta):
-    EB = HF * 4
+    EB = HF * 4  # one expert's fp32 copy gradient; the bf16 home gradient is HF * 2 bytes
 
     def build():
         peers = [fake(Int64, R, 8) for _ in range(3)]
-        homes = [fake(Float32, epn * HF) for _ in range(3)]
+        homes = [fake(BFloat16, epn * HF) for _ in range(3)]
         return cute.compile(_reduce_pull_launch, fake(Int32, R * B, 4), *peers, *homes, Int32(0), fake_stream(),
                             R, B, epn, EB, ncta, options="--enable-tvm-ffi")
     return compiled(("reduce_pull", R, B, epn, HF, ncta), build)
@@ -238,14 +264,16 @@ def prefetch_push(w_gate, w_up, w_down, experts_to_copy, peer_pool_gate, peer_po
 
 def reduce_pull(experts_to_copy, peer_reduce_gate, peer_reduce_up, peer_reduce_down, home_gate, home_up, home_down,
                 rank: int, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
-    """home[i] += every copy of home expert i's fp32 gradient, read from the ranks that computed it."""
+    """For every home expert i with copies: home[i] = bf16(float(home[i]) + every copy's fp32 gradient, in
+    ascending rank order), the copies read from the ranks that computed them (their fp32 reduce
+    buffers); one rounding. The home gradients are bf16 [epn, H, F] / [epn, F, H]."""
     dev = home_gate.device
     R, B = _check_table(experts_to_copy, dict(peer_reduce_gate=peer_reduce_gate, peer_reduce_up=peer_reduce_up,
                                               peer_reduce_down=peer_reduce_down), dev)
-    epn, HF = _check_weights("home", (home_gate, home_up, home_down), (torch.float32,), None, dev)
+    epn, HF = _check_weights("home", (home_gate, home_up, home_down), (torch.bfloat16,), None, dev)
     rank, num_ctas = need_rank(rank, R), need_int("num_ctas", num_ctas)
-    if 4 * epn * R > 48 * 1024:
-        raise ValueError(f"epn*R={epn * R}: the slot table must fit 48 KiB of shared memory")
+    if 4 * epn * (R + 1) > 48 * 1024:
+        raise ValueError(f"epn*(R+1)={epn * (R + 1)}: the slot tables must fit 48 KiB of shared memory")
     if HF % 128:
         raise ValueError(f"home: H*F must be a multiple of 128 (fp32 gradients are added in whole 32-lane "
                          f"steps of 16-byte chunks), got H*F={HF}")

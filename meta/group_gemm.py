@@ -58,7 +58,8 @@ def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P) -> None:
     N, Kd = x.shape
     check_tensor("group_gemm_wgrad", "dy", dy, (x.dtype,), (N, None), x.device)
     Nd = dy.shape[1]
-    check_tensor("group_gemm_wgrad", "dw_home", dw_home, (torch.float32,), (None, Kd, Nd), x.device)
+    # home gradients are written in the rows' dtype; slot gradients (the reduce buffers) accumulate in fp32
+    check_tensor("group_gemm_wgrad", "dw_home", dw_home, (x.dtype,), (None, Kd, Nd), x.device)
     check_tensor("group_gemm_wgrad", "dw_slot", dw_slot, (torch.float32,), (None, Kd, Nd), x.device)
     G = dw_home.shape[0] + dw_slot.shape[0]
     check_tensor("group_gemm_wgrad", "cu_seqlens", cu_seqlens, (torch.int32,), (G,), x.device)

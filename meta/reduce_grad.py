@@ -2,7 +2,7 @@
 
 import torch
 
-from .checks import check_tensor
+from .checks import ROW_DTYPES, check_tensor
 
 
 def check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl) -> None:
@@ -14,10 +14,11 @@ def check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl) -> None:
     H, F = reduce_bufs[0].shape[1:]
     check_tensor(op, "reduce_up", reduce_bufs[1], (torch.float32,), (B, H, F), dev)
     check_tensor(op, "reduce_down", reduce_bufs[2], (torch.float32,), (B, F, H), dev)
-    check_tensor(op, "home_gate", homes[0], (torch.float32,), (None, H, F), dev)
-    epn = homes[0].shape[0]
-    check_tensor(op, "home_up", homes[1], (torch.float32,), (epn, H, F), dev)
-    check_tensor(op, "home_down", homes[2], (torch.float32,), (epn, F, H), dev)
+    # the home gradients are in the weights' dtype (bf16 on CUDA); the copies' reduce buffers are fp32
+    check_tensor(op, "home_gate", homes[0], ROW_DTYPES, (None, H, F), dev)
+    epn, dtype = homes[0].shape[0], homes[0].dtype
+    check_tensor(op, "home_up", homes[1], (dtype,), (epn, H, F), dev)
+    check_tensor(op, "home_down", homes[2], (dtype,), (epn, F, H), dev)
     check_tensor(op, "ctrl", ctrl, (torch.int32,), (None,), dev)
 
 

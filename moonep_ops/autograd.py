@@ -35,10 +35,10 @@ def _gemm_backward(ctx, dy):
     if ctx.needs_input_grad[0]:
         dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu_seqlens, ctx.P)
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        dw_home = w_home.new_zeros(w_home.shape, dtype=torch.float32)
-        dw_slot = w_slot.new_zeros(w_slot.shape, dtype=torch.float32)
+        dw_home = torch.empty_like(w_home)  # written by wgrad in the weights' dtype (zeros for empty groups)
+        dw_slot = w_slot.new_zeros(w_slot.shape, dtype=torch.float32)  # slot groups accumulate in fp32
         ops.group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, ctx.P)
-        dw_home, dw_slot = dw_home.to(w_home.dtype), dw_slot.to(w_slot.dtype)
+        dw_slot = dw_slot.to(w_slot.dtype)
     return dx, dw_home, dw_slot, None, None
 
 

@@ -305,10 +305,19 @@ def _group_gemm_dgrad_cuda(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlen
 
 @custom_op("moonep::group_gemm_wgrad", mutates_args=("dw_home", "dw_slot"), device_types="cpu")
 def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor, P: int) -> None:
-    """dW_g += x[rows of g]^T @ dy[rows of g] in fp32: home groups into dw_home, slots into dw_slot."""
+    """Weight gradients x[rows of g]^T @ dy[rows of g], fp32 accumulation. Home groups (g < epn) *write*
+    dw_home[g] (x's dtype: one rounding of the fp32 product; a home group with no rows gets zeros, so all
+    of dw_home is written). Slot groups accumulate into dw_slot[g - epn] += ... in fp32 (the copies'
+    reduce buffers); empty slot groups are not touched."""
     meta.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
+    epn = dw_home.shape[0]
+    dw_home.zero_()  # home groups without rows
     for g, s, e in _group_bounds("group_gemm_wgrad", cu_seqlens, x.shape[0], P):
-        _weight(dw_home, dw_slot, g).add_(x[s:e].float().t() @ dy[s:e].float())
+        dw = x[s:e].float().t() @ dy[s:e].float()
+        if g < epn:
+            dw_home[g] = dw  # rounded once to dw_home's dtype
+        else:
+            dw_slot[g - epn].add_(dw)
 
 
 group_gemm_wgrad.register_fake(meta.group_gemm.group_gemm_wgrad)
@@ -501,9 +510,12 @@ def _prefetch_weights_cuda(w_gate, w_up, w_down, experts_to_copy, pool_gate, poo
 def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor, reduce_down: Tensor,
                 home_gate: Tensor, home_up: Tensor, home_down: Tensor, ctrl: Tensor, group_name: str) -> None:
     """Fold the copies' weight gradients home. The reduce buffers hold, per slot, the fp32 gradient of
-    the copy this rank computed (the wgrad GEMMs accumulate into them). Each home rank adds its experts'
-    copy gradients from every rank, in rank order (bitwise deterministic), into its fp32 home gradients
-    [epn, ...]; then every rank zeroes the slots it used, ready for the next layer or micro-batch."""
+    the copy this rank computed (the wgrad GEMMs accumulate into them). The home gradients [epn, ...]
+    are in the weights' dtype (bf16 on CUDA; any float dtype here), as wgrad wrote them. For each home
+    expert i with copies: home[i] = round(float(home[i]) + copy_d0 + copy_d1 + ...), the copies added in
+    fp32 in ascending rank order and rounded once at the end (bitwise deterministic); experts without
+    copies are not touched. Then every rank zeroes the slots it used, ready for the next layer or
+    micro-batch."""
     reduce_bufs, homes = (reduce_gate, reduce_up, reduce_down), (home_gate, home_up, home_down)
     meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
     group = resolve_group("reduce_grad", group_name, experts_to_copy.shape[0])
@@ -513,8 +525,14 @@ def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor,
     ranks, slots = torch.nonzero((copies >= 0) & (copies // epn == me), as_tuple=True)  # row-major: rank, slot
     for buf, home in zip(reduce_bufs, homes):
         got = pull(buf, ranks, slots, group)
+        sums: dict[int, Tensor] = {}  # home expert -> fp32 running sum, copies added in rank order
         for i, e in enumerate(copies[ranks, slots].tolist()):
-            home[e - me * epn] += got[i]
+            k = e - me * epn
+            if k not in sums:
+                sums[k] = home[k].to(torch.float32, copy=True)
+            sums[k] += got[i]
+        for k, acc in sums.items():
+            home[k] = acc  # one rounding to the home dtype
     # `pull` returned only after every peer's read of these buffers was served; now they can be zeroed
     used = torch.nonzero(copies[me] >= 0).flatten()
     for buf in reduce_bufs:
@@ -587,8 +605,9 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     y = route_w * (h W_down), with the copies in the slot pools; `gate`/`up` are the saved
     pre-activations): (g_rows, g_row_w, dw_gate, dw_up, dw_down). The pools hold another layer's copies
     by now, so this prefetches the layer's copies again; the down-projection dgrad carries the SwiGLU
-    backward and the route-weight gradient in its epilogue; the wgrad GEMMs accumulate the copies'
-    gradients into the reduce buffers and `reduce_grad` folds them into the home gradients."""
+    backward and the route-weight gradient in its epilogue; the wgrad GEMMs write the home experts'
+    gradients in the weights' dtype and accumulate the copies' gradients into the fp32 reduce buffers,
+    and `reduce_grad` adds those to the home gradients (one more rounding for experts with copies)."""
     meta.backward.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
                                                   gate, up, ep_key)
     ep = group_by_key("experts_ffn_backward", ep_key)
@@ -596,7 +615,9 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     reduce_gate, reduce_up, reduce_down = ep.reduce_buffers
     prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ep.ctrl, ep.group_name)
     g_gate, g_up, h_w, g_row_w = group_gemm_swiglu_bwd(g_y, w_down, pool_down, cu_seqlens, row_w, gate, up, P)
-    dw_gate, dw_up, dw_down = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in (w_gate, w_up, w_down))
+    # the home gradients in the weights' dtype: wgrad writes every home expert's (zeros for an expert
+    # without rows), reduce_grad adds the copies' fp32 gradients to those with copies (docs/design-notes.md)
+    dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
     group_gemm_wgrad(h_w, g_y, cu_seqlens, dw_down, reduce_down, P)
     # the two halves of the input gradient are added in the rows' dtype (one rounding of each GEMM's
     # fp32 result, then of the sum): an fp32 sum would move 4 [NvS, H] fp32 tensors more per layer
@@ -605,7 +626,7 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     group_gemm_wgrad(rows, g_gate, cu_seqlens, dw_gate, reduce_gate, P)
     group_gemm_wgrad(rows, g_up, cu_seqlens, dw_up, reduce_up, P)
     reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl, ep.group_name)
-    return (g_rows, g_row_w, dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype))
+    return g_rows, g_row_w, dw_gate, dw_up, dw_down
 
 
 experts_ffn_backward.register_fake(meta.backward.experts_ffn_backward)

@@ -1,4 +1,5 @@
-"""Tests of the CuTe DSL grouped GEMM kernels (csrc_cute/group_gemm.py): forward, dgrad, wgrad.
+"""Tests of the CuTe DSL grouped GEMM kernels (csrc_cute/group_gemm.py): forward, dgrad, wgrad (home
+groups written in bf16, slot groups accumulated in fp32), the fused SwiGLU / route-weight kernels.
 
 CPU (CI): every kernel compiles for sm_90a without a GPU, ptxas reports no spills; input validation.
 GPU (Hopper): results against the CPU reference ops, CUDA-graph capture/replay, dispatch of the
@@ -312,13 +313,20 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     assert mma, "no wgmma in the PTX"
     trans = {"dgrad": "0, 0;", "wgrad": "1, 1;"}[op]
     assert all(ln.replace(" ", "").endswith(trans.replace(" ", "")) for ln in mma), mma[0][-60:]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if op == "wgrad":
+        # home groups: bf16 through stmatrix and a TMA store over dw_home viewed (Kd, Nd, epn); slot
+        # groups: the fp32 read-add-write
+        assert "stmatrix" in ptx and "cp.async.bulk.tensor.3d.global.shared" in ptx
+        assert "cvt.rn.bf16x2.f32" in ptx and "ld.global.f32" in ptx and "st.global.f32" in ptx
 
 
 @pytest.mark.parametrize("tile_m, tile_n", [(128, 256), (64, 128)])
 def test_wgrad_epilogue_threads_cover_the_tile_once(tile_m, tile_n):
-    """The wgrad epilogue adds each thread's accumulators straight into dW: the consumer threads'
-    partitions of an output tile must cover every element exactly once (layout algebra at trace time,
-    no GPU). Guards against slicing the tiled MMA by warp group instead of by thread."""
+    """The wgrad epilogue of the slot groups adds each thread's accumulators straight into the fp32 dW:
+    the consumer threads' partitions of an output tile must cover every element exactly once (layout
+    algebra at trace time, no GPU). Guards against slicing the tiled MMA by warp group instead of by
+    thread."""
     res = layout_probe("_wgrad_epilogue_coverage", tile_m, tile_n)
     n = tile_m * tile_n
     assert res == dict(writes=n, distinct=n, elements=n, inside=True), res
@@ -349,9 +357,11 @@ def test_dgrad_bad_inputs():
 def test_wgrad_bad_inputs():
     x, wh, ws, cu = _inputs()
     dy = x.clone()
-    dwh, dws = wh.float(), ws.float()
-    with pytest.raises(ValueError, match=r"^dw_home must be float32"):
-        group_gemm_wgrad(x, dy, cu, wh, dws)
+    dwh, dws = wh.clone(), ws.float()  # home gradients bf16 (written), slot gradients fp32 (accumulated)
+    with pytest.raises(ValueError, match=r"^dw_home must be bfloat16"):
+        group_gemm_wgrad(x, dy, cu, wh.float(), dws)
+    with pytest.raises(ValueError, match=r"^dw_slot must be float32"):
+        group_gemm_wgrad(x, dy, cu, dwh, ws)
     with pytest.raises(ValueError, match=r"^x must be bfloat16"):
         group_gemm_wgrad(x.float(), dy, cu, dwh, dws)
     with pytest.raises(ValueError, match=r"^x \[N, Kd\] and dy \[N, Nd\]"):
@@ -384,10 +394,13 @@ def reference_dgrad(dy, wh, ws, cu, pad=128):
     return torch.ops.moonep.group_gemm_dgrad(dy.cpu(), wh.cpu(), ws.cpu(), cu.cpu(), pad).to(dy.device)
 
 
-def reference_wgrad(x, dy, cu, dwh, dws, pad=128):
-    """CPU reference of the in-place op on copies: returns the updated (dw_home, dw_slot) on x's device."""
-    h, s = dwh.cpu().clone(), dws.cpu().clone()
-    torch.ops.moonep.group_gemm_wgrad(x.cpu(), dy.cpu(), cu.cpu(), h, s, pad)
+def reference_wgrad(x, dy, cu, dws, epn, pad=128):
+    """Float reference of the wgrad op (the CPU op on fp32 copies of the bf16 inputs): returns the fp32
+    home gradients [epn, Kd, Nd] (x_g^T dy_g, zeros for empty groups: what the kernel rounds to bf16
+    once) and dws (fp32 slot gradients) with the slot groups' products added, on x's device."""
+    h = torch.full((epn, x.shape[1], dy.shape[1]), float("nan"))
+    s = dws.cpu().clone()
+    torch.ops.moonep.group_gemm_wgrad(x.cpu().float(), dy.cpu().float(), cu.cpu(), h, s, pad)
     return h.to(x.device), s.to(x.device)
 
 
@@ -396,28 +409,44 @@ def _check_dgrad(dy, wh, ws, cu, pad=128):
     return _check_rows(group_gemm_dgrad(dy, wh, ws, cu, pad=pad, out=out), reference_dgrad(dy, wh, ws, cu, pad), cu)
 
 
-WGRAD_TOL = dict(atol=1e-2, rtol=1e-3)  # fp32 accumulation both sides: only the summation order differs
+WGRAD_TOL = dict(atol=1e-2, rtol=1e-3)  # fp32 slot gradients: only the summation order differs
+# bf16 home gradients against the fp32 reference: one rounding (relative error <= 2^-9), after fp32
+# accumulation in a different order
+WGRAD_HOME_TOL = dict(atol=1e-3, rtol=4e-3)
+
+
+def _nan_home(epn, kd, nd):
+    """bf16 home gradients filled with NaN: every element the kernel does not write stays NaN."""
+    return torch.full((epn, kd, nd), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def _check_wgrad(dwh, dws, ref_h, ref_s):
+    torch.cuda.synchronize()
+    assert not dwh.isnan().any(), "every tile of dw_home must be written"
+    torch.testing.assert_close(dwh.float(), ref_h, **WGRAD_HOME_TOL)
+    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
 
 
 def _wgrad_case(x, dy, cu, epn, pad=128, seed=0):
+    """wgrad onto NaN home gradients and random fp32 slot gradients, against the float reference: home
+    groups written (an empty one: zeros), slot groups accumulated, empty slot groups untouched."""
     g = torch.Generator().manual_seed(seed)
     kd, nd, G = x.shape[1], dy.shape[1], cu.shape[0]
-    dwh0 = torch.randn(epn, kd, nd, generator=g).to(x.device)
     dws0 = torch.randn(G - epn, kd, nd, generator=g).to(x.device)
-    dwh, dws = dwh0.clone(), dws0.clone()
+    dwh, dws = _nan_home(epn, kd, nd), dws0.clone()
     group_gemm_wgrad(x, dy, cu, dwh, dws, pad=pad)
-    torch.cuda.synchronize()
-    ref_h, ref_s = reference_wgrad(x, dy, cu, dwh0, dws0, pad)
-    torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
-    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+    ref_h, ref_s = reference_wgrad(x, dy, cu, dws0, epn, pad)
+    _check_wgrad(dwh, dws, ref_h, ref_s)
     lengths = torch.diff(cu.cpu().long(), prepend=torch.zeros(1, dtype=torch.long))
     for grp in range(G):
-        before, after = (dwh0[grp], dwh[grp]) if grp < epn else (dws0[grp - epn], dws[grp - epn])
-        if lengths[grp] == 0:
-            assert torch.equal(before, after), f"empty group {grp}: dW must be left untouched"
+        if grp < epn:
+            if lengths[grp] == 0:
+                assert not dwh[grp].any(), f"empty home group {grp}: dW must be written as zeros"
+        elif lengths[grp] == 0:
+            assert torch.equal(dws0[grp - epn], dws[grp - epn]), f"empty slot group {grp}: dW must be untouched"
         else:
-            assert not torch.equal(before, after), f"group {grp} with rows: dW was not updated"
-    return dwh0, dws0, dwh, dws
+            assert not torch.equal(dws0[grp - epn], dws[grp - epn]), f"slot group {grp} with rows: dW not updated"
+    return dws0, dwh, dws
 
 
 def _random_lengths(pad, epn, nb, hi, seed):
@@ -483,21 +512,33 @@ def test_wgrad_many_work_items_big_k():
 
 @gpu
 def test_wgrad_all_rows_one_group_and_b0():
+    # all rows in one home group (the other home groups: zeros), all in the slot group (every home
+    # group: zeros), and B = 0
     for lengths, epn in (([0, 0, 2048, 0], 3), ([0, 0, 0, 2048], 3), ([0, 640, 128], 3)):
         x, dy, wh, ws, cu = _make_bwd(lengths, epn, kd=256, nd=384, n_total=sum(lengths) + 128, seed=7)
         _wgrad_case(x, dy, cu, epn=epn, seed=7)
 
 
 @gpu
-def test_wgrad_accumulates_over_calls():
+def test_wgrad_all_home_groups_empty_writes_zeros():
+    # no rows at all in any group (the padding rows past the end are ignored): every home tile is zeros
+    x, dy, wh, ws, cu = _make_bwd([0, 0, 0, 0], 2, kd=520, nd=200, n_total=256, seed=8)
+    _, dwh, _ = _wgrad_case(x, dy, cu, epn=2, seed=8)
+    assert not dwh.any()
+
+
+@gpu
+def test_wgrad_home_overwritten_slots_accumulate_over_calls():
     lengths = [256, 0, 384, 128]
     x, dy, wh, ws, cu = _make_bwd(lengths, 2, kd=256, nd=256, seed=3)
-    dwh0, dws0, dwh, dws = _wgrad_case(x, dy, cu, epn=2, seed=3)
-    group_gemm_wgrad(x, dy, cu, dwh, dws)  # a second call adds the same product again
-    ref_h, ref_s = reference_wgrad(x, dy, cu, *reference_wgrad(x, dy, cu, dwh0, dws0))
-    torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
-    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
-    assert torch.equal(dwh[1], dwh0[1])
+    dws0, dwh, dws = _wgrad_case(x, dy, cu, epn=2, seed=3)
+    first_h = dwh.clone()
+    group_gemm_wgrad(x, dy, cu, dwh, dws)  # the home gradients are written again, the slots add again
+    _, once_s = reference_wgrad(x, dy, cu, dws0, 2)
+    ref_h, ref_s = reference_wgrad(x, dy, cu, once_s, 2)
+    _check_wgrad(dwh, dws, ref_h, ref_s)
+    assert torch.equal(dwh, first_h), "the home gradients must be overwritten (bitwise the same values)"
+    assert not dwh[1].any()
 
 
 def _routing(epn, nb, n, seed):
@@ -513,7 +554,7 @@ def test_dgrad_and_wgrad_cuda_graph_replay_matches_eager():
     cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
     cu.copy_(_routing(epn, nb, n, 0))
     dx = torch.empty(n, kd, dtype=torch.bfloat16, device="cuda")
-    dwh = torch.zeros(epn, kd, nd, device="cuda")
+    dwh = torch.zeros(epn, kd, nd, dtype=torch.bfloat16, device="cuda")
     dws = torch.zeros(nb, kd, nd, device="cuda")
     group_gemm_dgrad(dy, wh, ws, cu, out=dx)  # compile + warm up outside capture
     group_gemm_wgrad(x, dy, cu, dwh, dws)
@@ -528,22 +569,19 @@ def test_dgrad_and_wgrad_cuda_graph_replay_matches_eager():
     gen = torch.Generator().manual_seed(1)
     for seed in range(1, 5):  # new routings land on the device only; the graph is replayed as is
         cu.copy_(_routing(epn, nb, n, seed))
-        init_h = torch.randn(epn, kd, nd, generator=gen).cuda()
         init_s = torch.randn(nb, kd, nd, generator=gen).cuda()
-        dwh.copy_(init_h)
+        dwh.fill_(float("nan"))
         dws.copy_(init_s)
         dx.fill_(float("nan"))
         graph.replay()
         eager_dx = group_gemm_dgrad(dy, wh, ws, cu)
-        eager_h, eager_s = init_h.clone(), init_s.clone()
+        eager_h, eager_s = _nan_home(epn, kd, nd), init_s.clone()
         group_gemm_wgrad(x, dy, cu, eager_h, eager_s)
         torch.cuda.synchronize()
         assert torch.equal(dx, eager_dx), f"dgrad: graph replay differs from eager (seed {seed})"
         assert torch.equal(dwh, eager_h) and torch.equal(dws, eager_s), f"wgrad: replay != eager (seed {seed})"
         torch.testing.assert_close(dx.float(), reference_dgrad(dy, wh, ws, cu).float(), atol=2e-2, rtol=2e-2)
-        ref_h, ref_s = reference_wgrad(x, dy, cu, init_h, init_s)
-        torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
-        torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+        _check_wgrad(dwh, dws, *reference_wgrad(x, dy, cu, init_s, epn))
 
 
 @gpu
@@ -554,15 +592,14 @@ def test_registered_dgrad_and_wgrad_ops_dispatch_to_the_kernels():
     dx = torch.ops.moonep.group_gemm_dgrad(dy, wh, ws, cu, 128)
     assert dx.is_cuda and torch.equal(dx, group_gemm_dgrad(dy, wh, ws, cu, pad=128))
     torch.testing.assert_close(dx.float(), reference_dgrad(dy, wh, ws, cu).float(), atol=2e-2, rtol=2e-2)
-    dwh = torch.ones(2, 256, 192, device="cuda")
+    dwh = _nan_home(2, 256, 192)
     dws = torch.ones(2, 256, 192, device="cuda")
     h2, s2 = dwh.clone(), dws.clone()
     assert torch.ops.moonep.group_gemm_wgrad(x, dy, cu, dwh, dws, 128) is None
     group_gemm_wgrad(x, dy, cu, h2, s2, pad=128)
     assert torch.equal(dwh, h2) and torch.equal(dws, s2)
-    ref_h, ref_s = reference_wgrad(x, dy, cu, torch.ones_like(dwh), torch.ones_like(dws))
-    torch.testing.assert_close(dwh, ref_h, **WGRAD_TOL)
-    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+    _check_wgrad(dwh, dws, *reference_wgrad(x, dy, cu, torch.ones_like(dws), 2))
+    assert not dwh[1].any()  # the empty home group
 
 
 @gpu
@@ -1160,13 +1197,15 @@ def test_swiglu_bwd_op_autograd_chain_and_cuda_graph():
     # (h_w itself is checked against the fp32 reference above; here the bf16 h_w the kernel wrote is the
     # operand, so only the fp32 summation order differs; against fp32 h the bf16 rounding of h_w, summed
     # over a group's rows, exceeds atol 0.1 already with the CPU reference's h_w)
-    dwh, dws = torch.zeros(epn, f, hd, device="cuda"), torch.zeros(nb, f, hd, device="cuda")
+    dwh, dws = _nan_home(epn, f, hd), torch.zeros(nb, f, hd, device="cuda")
     group_gemm_wgrad(got[2], g_y, cu, dwh, dws)
     hw = got[2].cpu().float()
     for g in range(epn + nb):
         ref = hw[cu_l[g]:cu_l[g + 1]].t() @ g_y.cpu().float()[cu_l[g]:cu_l[g + 1]]
-        have = (dwh[g] if g < epn else dws[g - epn]).cpu()
-        torch.testing.assert_close(have, ref, **WGRAD_TOL)
+        if g < epn:  # home: bf16, written
+            torch.testing.assert_close(dwh[g].float().cpu(), ref, **WGRAD_HOME_TOL)
+        else:
+            torch.testing.assert_close(dws[g - epn].cpu(), ref, **WGRAD_TOL)
     # CUDA graph: capture once, replay with new routings on the device
     outs = [torch.empty_like(t) for t in got]
     graph = torch.cuda.CUDAGraph()

@@ -132,11 +132,44 @@ def test_group_gemm_values():
     dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu, P)
     torch.testing.assert_close(dx[16:48], dy[16:48] @ w_slot[0].t())
     assert not dx[64:].any()
-    dw_home, dw_slot = torch.ones(epn, Kd, Nd), torch.ones(B, Kd, Nd)
-    ops.group_gemm_wgrad(x, dy, cu, dw_home, dw_slot, P)  # accumulates onto existing content
-    torch.testing.assert_close(dw_home[0], 1 + x[:16].t() @ dy[:16])
-    torch.testing.assert_close(dw_home[1], torch.ones(Kd, Nd))
+    # home groups are written (an empty one gets zeros), slot groups accumulate onto their fp32 content
+    dw_home, dw_slot = torch.full((epn, Kd, Nd), float("nan")), torch.ones(B, Kd, Nd)
+    ops.group_gemm_wgrad(x, dy, cu, dw_home, dw_slot, P)
+    torch.testing.assert_close(dw_home[0], x[:16].t() @ dy[:16])
+    assert torch.equal(dw_home[1], torch.zeros(Kd, Nd))
+    torch.testing.assert_close(dw_slot[0], 1 + x[16:48].t() @ dy[16:48])
     torch.testing.assert_close(dw_slot[1], 1 + x[48:64].t() @ dy[48:64])
+    # bf16 rows: the home gradient is the fp32 product rounded once; an empty slot group is untouched
+    xb, dyb = x.bfloat16(), dy.bfloat16()
+    cu2 = torch.tensor([16, 48, 48, 64], dtype=torch.int32)  # slot 0 empty
+    hb, sb = torch.full((epn, Kd, Nd), float("nan"), dtype=torch.bfloat16), torch.ones(B, Kd, Nd)
+    ops.group_gemm_wgrad(xb, dyb, cu2, hb, sb, P)
+    assert torch.equal(hb[0], (xb[:16].float().t() @ dyb[:16].float()).bfloat16())
+    assert torch.equal(hb[1], (xb[16:48].float().t() @ dyb[16:48].float()).bfloat16())
+    assert torch.equal(sb[0], torch.ones(Kd, Nd))
+    torch.testing.assert_close(sb[1], 1 + xb[48:64].float().t() @ dyb[48:64].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_grad_values(gloo1, dtype):
+    """One rank whose slots hold copies of its own experts (a hand-made table): each home expert with
+    copies becomes round(float(home) + its copies in rank order), the others are untouched; the used
+    reduce slots are zeroed, the empty one kept."""
+    epn, B, H, F = 3, 3, 16, 8
+    cfg = EPConfig(S=4, H=H, K=1, E=epn, F=F, R=1, P=16)
+    ctrl = EPGroup(cfg).ctrl
+    etc = torch.tensor([[2, -1, 0]], dtype=torch.int32)  # slot 0: expert 2, slot 2: expert 0, slot 1 empty
+    red = [torch.randn(B, H, F), torch.randn(B, H, F), torch.randn(B, F, H)]
+    homes = [torch.randn(epn, H, F).to(dtype), torch.randn(epn, H, F).to(dtype), torch.randn(epn, F, H).to(dtype)]
+    want = [h.clone() for h in homes]
+    for w, r in zip(want, red):
+        w[2] = (w[2].float() + r[0]).to(dtype)
+        w[0] = (w[0].float() + r[2]).to(dtype)
+    red_before = [r.clone() for r in red]
+    ops.reduce_grad(etc, *red, *homes, ctrl, gloo1)
+    for h, w, r, r0 in zip(homes, want, red, red_before):
+        assert h.dtype == dtype and torch.equal(h, w)
+        assert not r[0].any() and not r[2].any() and torch.equal(r[1], r0[1])
 
 
 def test_group_gemm_swiglu_and_row_scale_values():

@@ -1,8 +1,9 @@
 """Weight-path kernels (csrc_cute/weights.py): prefetch of expert copies and the copy-gradient reduce.
 
 CPU (CI): the kernels compile for sm_90a with no spills; host validation. GPU (one device, R ranks
-simulated with one buffer set per rank and peer tables of their addresses): exact copies, bitwise
-reduce in rank order, zeroing of used slots only, CUDA-graph replay.
+simulated with one buffer set per rank and peer tables of their addresses): exact copies, the reduce
+bitwise equal to bf16(float(home) + the fp32 copies in rank order) on bf16 home gradients (experts
+without copies untouched), zeroing of used slots only, CUDA-graph replay.
 """
 
 
@@ -40,6 +41,17 @@ def test_host_validation():
             weights.prefetch_push(wc, wc, wc, ec, pc, pc, pc, 2)
         with pytest.raises(ValueError, match="peer_pool_up"):
             weights.prefetch_push(wc, wc, wc, ec, pc, pc[:1], pc, 0)
+        # reduce_pull: the home gradients are bf16 (the copies' fp32 reduce buffers are read by address)
+        hf = torch.zeros(2, 8, 16, device=dev)
+        hd = torch.zeros(2, 16, 8, device=dev)
+        with pytest.raises(ValueError, match="home_gate must have dtype"):
+            weights.reduce_pull(ec, pc, pc, pc, hf, hf, hd, 0)
+        hb, hdb = hf.bfloat16(), hd.bfloat16()
+        with pytest.raises(ValueError, match="home_down must have shape"):
+            weights.reduce_pull(ec, pc, pc, pc, hb, hb, hb, 0)
+        with pytest.raises(ValueError, match="H\\*F must be a multiple of 128"):
+            weights.reduce_pull(ec, pc, pc, pc, hb[:, :, :8].contiguous(), hb[:, :, :8].contiguous(),
+                                hdb[:, :8].contiguous(), 0)
 
 
 def _plan_slots(R, epn, B, seed):
@@ -85,16 +97,23 @@ def test_prefetch_reduce_simulated(R, epn, B, H, F):
                 else:
                     assert torch.equal(got, w[e // epn][t][e % epn].cpu()), (d, j, t, e)
 
-    red = [[torch.randn(B, *s, device=dev) for s in shapes] for _ in range(R)]
-    home = [[torch.randn(epn, *s, device=dev) for s in shapes] for _ in range(R)]
+    red = [[torch.randn(B, *s, device=dev) for s in shapes] for _ in range(R)]  # fp32 copy gradients
+    home = [[torch.randn(epn, *s, device=dev).to(torch.bfloat16) for s in shapes] for _ in range(R)]
     want = [[h.clone().cpu() for h in home[r]] for r in range(R)]
+    n_folded = 0
     for r in range(R):
         for i in range(epn):
-            for d in range(R):  # rank order
-                for j in range(B):
-                    if int(etc_cpu[d, j]) == r * epn + i:
-                        for t in range(3):
-                            want[r][t][i] += red[d][t][j].cpu()
+            for t in range(3):
+                acc, copies = want[r][t][i].float(), 0
+                for d in range(R):  # rank order, fp32, then one rounding
+                    for j in range(B):
+                        if int(etc_cpu[d, j]) == r * epn + i:
+                            acc, copies = acc + red[d][t][j].cpu(), copies + 1
+                if copies:
+                    want[r][t][i] = acc.to(torch.bfloat16)
+                    n_folded += 1
+    if R > 1:
+        assert n_folded > 0
     red_before = [[b.clone().cpu() for b in red[r]] for r in range(R)]
     peer_red = [_peers([red[r][t] for r in range(R)]) for t in range(3)]
     for r in range(R):
@@ -102,7 +121,9 @@ def test_prefetch_reduce_simulated(R, epn, B, H, F):
     torch.cuda.synchronize()
     for r in range(R):
         for t in range(3):
-            assert torch.equal(home[r][t].cpu(), want[r][t]), (r, t)  # bitwise: same order of adds
+            # bitwise: the same fp32 adds in the same order, one round-to-nearest-even; experts without
+            # copies keep their values
+            assert torch.equal(home[r][t].cpu(), want[r][t]), (r, t)
     for r in range(R):
         weights.reduce_zero(etc, *red[r], r, num_ctas=2)
     torch.cuda.synchronize()
