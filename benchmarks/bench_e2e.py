@@ -86,7 +86,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_info, write_json  # noqa: E402
+from benchmarks.common import apply_smoke_defaults, run_info, write_json  # noqa: E402
 from benchmarks.routing_gen import realized_maxvio, routing_for_maxvio  # noqa: E402
 
 MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0, 20.0)
@@ -703,11 +703,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU with gloo, 2 processes")
     args = ap.parse_args(argv)
     if args.smoke:
-        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
-                 if a.startswith("--")}
-        for k, v in SMOKE.items():
-            if k not in given:
-                setattr(args, k, v)
+        apply_smoke_defaults(args, argv, SMOKE)
     args.dtype = args.dtype or "bfloat16"
     args.compile_backend = args.compile_backend or "inductor"
     opts = vars(args)

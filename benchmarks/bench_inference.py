@@ -46,7 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import BaselineMoE, Bench, ForcedRouter, Routings, counts_of, short_error  # noqa: E402
-from benchmarks.common import run_info, write_json  # noqa: E402
+from benchmarks.common import apply_smoke_defaults, run_info, write_json  # noqa: E402
 from benchmarks.routing_gen import realized_maxvio  # noqa: E402
 
 VARIANTS = ("ours_full", "ours_b3", "ours_b3_graph", "base")
@@ -243,11 +243,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU with gloo, 2 processes")
     args = ap.parse_args(argv)
     if args.smoke:
-        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
-                 if a.startswith("--")}
-        for k, v in SMOKE.items():
-            if k not in given:
-                setattr(args, k, v)
+        apply_smoke_defaults(args, argv, SMOKE)
     opts = vars(args)
     opts["variants"] = [v for v in args.variants.split(",") if v]
     if set(opts["variants"]) - set(VARIANTS):

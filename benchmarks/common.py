@@ -46,6 +46,15 @@ def run_info() -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
+def apply_smoke_defaults(args, argv: list[str] | None, smoke: dict) -> None:
+    """`--smoke`: the tiny CPU shapes in `smoke`, except for the options given on the command line."""
+    given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
+             if a.startswith("--")}
+    for k, v in smoke.items():
+        if k not in given:
+            setattr(args, k, v)
+
+
 def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
     out_dir = out_dir or RESULTS
     os.makedirs(out_dir, exist_ok=True)

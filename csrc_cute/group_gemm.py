@@ -441,6 +441,18 @@ def _build_kernel_classes():
             return prod_state
 
         @cute.jit
+        def load_expert_tile(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
+                             m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None):
+            """Producer: every k tile of output tile (m_idx, n_idx), with B from expert ``expert`` of the
+            weights in ``rings`` (per B ring: TMA atom, (TMA, RestN, RestK, experts), (TMA, stage)),
+            through ``descs`` (descriptors in global memory, one per ring) when given."""
+            return self.load_k_tiles(
+                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+                [(tma, tBgB[(None, n_idx, None, expert)], tBsB) for tma, tBgB, tBsB in rings],
+                0, k_tiles, descs,
+            )
+
+        @cute.jit
         def load_row_tiles(
             self,
             warp_idx,
@@ -470,18 +482,11 @@ def _build_kernel_classes():
                 if cutlass.const_expr(remote is None):
                     for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
                         m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
+                        load = (mainloop, prod_state, tma_a, tAgA, tAsA, m_idx, n_idx, k_tiles)
                         if g < num_home:
-                            prod_state = self.load_k_tiles(
-                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
-                                0, k_tiles,
-                            )
+                            prod_state = self.load_expert_tile(*load, b_home, g)
                         elif g < num_groups:
-                            prod_state = self.load_k_tiles(
-                                mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                                [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
-                                0, k_tiles,
-                            )
+                            prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
                 else:
                     prod_state = self.load_remote_row_tiles(
                         mainloop, prod_state, cu_seqlens, num_n_tiles, num_tiles, tma_a, tAgA, tAsA, b_home, b_slot,
@@ -523,35 +528,20 @@ def _build_kernel_classes():
             donor = cutlass.Int32(-1)  # the donor rank of this CTA's remote descriptors; -1: not built yet
             for tile in cutlass.range(bidx, num_tiles, gdim, unroll=1):
                 m_idx, n_idx, g = self.row_tile(cu_seqlens, tile, num_n_tiles)
+                load = (mainloop, prod_state, tma_a, tAgA, tAsA, m_idx, n_idx, k_tiles)
                 if g < num_home:
-                    prod_state = self.load_k_tiles(
-                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                        [(tma, tBgB[(None, n_idx, None, g)], tBsB) for tma, tBgB, tBsB in b_home],
-                        0, k_tiles,
-                    )
+                    prod_state = self.load_expert_tile(*load, b_home, g)
                 elif g < slot_end:
-                    prod_state = self.load_k_tiles(
-                        mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                        [(tma, tBgB[(None, n_idx, None, g - num_home)], tBsB) for tma, tBgB, tBsB in b_slot],
-                        0, k_tiles,
-                    )
+                    prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
                 elif g < num_groups:
                     e = remote_experts[g - slot_end]
                     if e >= 0:
                         if donor < 0:
                             donor = e // num_home
                             self.build_remote_descriptors(b_home, peers, b_views, desc_slots, descs, donor)
-                        prod_state = self.load_k_tiles(
-                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                            [(tma, tBgB[(None, n_idx, None, e % num_home)], tBsB) for tma, tBgB, tBsB in b_home],
-                            0, k_tiles, descs,
-                        )
+                        prod_state = self.load_expert_tile(*load, b_home, e % num_home, descs)
                     else:
-                        prod_state = self.load_k_tiles(
-                            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-                            [(tma, tBgB[(None, n_idx, None, num_home)], tBsB) for tma, tBgB, tBsB in b_home],
-                            0, k_tiles,
-                        )
+                        prod_state = self.load_expert_tile(*load, b_home, num_home)
             return prod_state
 
         @cute.jit

@@ -31,14 +31,19 @@ def test_forced_router_picks_the_target_experts():
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
 
 
-@pytest.fixture(scope="module")
-def e2e_smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_e2e")
+def run_smoke(tmp_path_factory, name: str):
+    """`benchmarks/<name>.py --smoke` (CPU, gloo) into a temporary folder: (stdout, its JSON, the JSON's path)."""
+    out = tmp_path_factory.mktemp(name)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_e2e.py"), "--smoke", "--out",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), "--smoke", "--out",
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout, json.load(open(out / "bench_e2e.json")), out / "bench_e2e.json"
+    return proc.stdout, json.load(open(out / f"{name}.json")), out / f"{name}.json"
+
+
+@pytest.fixture(scope="module")
+def e2e_smoke(tmp_path_factory):
+    return run_smoke(tmp_path_factory, "bench_e2e")
 
 
 def test_bench_e2e_smoke_runs_every_cpu_variant(e2e_smoke):
@@ -79,12 +84,7 @@ def test_bench_e2e_plot(e2e_smoke):
 
 @pytest.fixture(scope="module")
 def inference_smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_inference")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_inference.py"), "--smoke", "--out",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout, json.load(open(out / "bench_inference.json")), out / "bench_inference.json"
+    return run_smoke(tmp_path_factory, "bench_inference")
 
 
 def test_bench_inference_smoke_runs_every_cpu_variant(inference_smoke):

@@ -259,14 +259,7 @@ def test_cuda_graph_replay_matches_eager():
     cu.copy_(routing(0))
     group_gemm_fwd(x, wh, ws, cu)  # compile + warm up outside capture
     out = torch.empty(n, nd, dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        group_gemm_fwd(x, wh, ws, cu, out=out)
-        with torch.cuda.graph(graph, stream=stream):
-            group_gemm_fwd(x, wh, ws, cu, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture(lambda: group_gemm_fwd(x, wh, ws, cu, out=out), warm=True)
     for seed in range(1, 5):  # new routings land on the device only; the graph is replayed as is
         cu.copy_(routing(seed))
         out.fill_(float("nan"))
@@ -541,6 +534,21 @@ def test_wgrad_home_overwritten_slots_accumulate_over_calls():
     assert not dwh[1].any()
 
 
+def _capture(fn, warm: bool = False) -> "torch.cuda.CUDAGraph":
+    """fn() captured once in a CUDA graph on a side stream (its kernels compiled beforehand; ``warm``: run
+    it once more on that stream before the capture)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        if warm:
+            fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
 def _routing(epn, nb, n, seed):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (epn + nb,), generator=gen) * 128
@@ -558,14 +566,7 @@ def test_dgrad_and_wgrad_cuda_graph_replay_matches_eager():
     dws = torch.zeros(nb, kd, nd, device="cuda")
     group_gemm_dgrad(dy, wh, ws, cu, out=dx)  # compile + warm up outside capture
     group_gemm_wgrad(x, dy, cu, dwh, dws)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            group_gemm_dgrad(dy, wh, ws, cu, out=dx)
-            group_gemm_wgrad(x, dy, cu, dwh, dws)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture(lambda: (group_gemm_dgrad(dy, wh, ws, cu, out=dx), group_gemm_wgrad(x, dy, cu, dwh, dws)))
     gen = torch.Generator().manual_seed(1)
     for seed in range(1, 5):  # new routings land on the device only; the graph is replayed as is
         cu.copy_(_routing(epn, nb, n, seed))
@@ -920,14 +921,9 @@ def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
     # capture the fused FFN forward (swiglu -> row-scaled down) once, replay with new routings
     bufs = [torch.empty(n, nd, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     y_out = torch.empty(n, kd, dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
-            group_gemm_row_scale(bufs[0], wdh, wds, cu, row_w, out=y_out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture(lambda: (
+        group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, out=bufs[0], gate_out=bufs[1], up_out=bufs[2]),
+        group_gemm_row_scale(bufs[0], wdh, wds, cu, row_w, out=y_out)))
     for seed in range(1, 4):
         cu.copy_(_routing(epn, nb, n, seed))
         for b in bufs + [y_out]:
@@ -1047,13 +1043,7 @@ def test_remote_groups_cuda_graph_replay():
     ffn()  # compile + warm up outside capture
     h_out = torch.empty(n, nd, dtype=torch.bfloat16, device="cuda")
     y_out = torch.empty(n, kd, dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            ffn(h_out, y_out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture(lambda: ffn(h_out, y_out))
     for seed in range(1, 4):
         cu.copy_(routing(seed))
         h_out.fill_(float("nan"))
@@ -1208,15 +1198,12 @@ def test_swiglu_bwd_op_autograd_chain_and_cuda_graph():
             torch.testing.assert_close(dws[g - epn].cpu(), ref, **WGRAD_TOL)
     # CUDA graph: capture once, replay with new routings on the device
     outs = [torch.empty_like(t) for t in got]
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            res = group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)
-            for o, r in zip(outs, res):
-                o.copy_(r)
-    torch.cuda.current_stream().wait_stream(stream)
+
+    def bwd_into_outs():
+        for o, r in zip(outs, group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)):
+            o.copy_(r)
+
+    graph = _capture(bwd_into_outs)
     for seed in range(1, 4):
         cu.copy_(_routing(epn, nb, n, seed))
         graph.replay()
