@@ -279,6 +279,34 @@ def test_expert_id_out_of_range(gloo1):
         plan_of(ids, gloo1)
 
 
+def test_remote_groups_read_the_home_ranks_weights(gloo1):
+    """Inference groups after the slots: remote group j computes with expert experts_remote[j]'s home
+    weights (here R=1, so this rank's own), -1 is an empty group; both fused ops, values and opcheck;
+    and the arguments are checked by name."""
+    epn, B, Kd, Nd, P = 3, 1, 16, 8, 16
+    wg_h, wu_h, wd_h = torch.randn(epn, Kd, Nd), torch.randn(epn, Kd, Nd), torch.randn(epn, Nd, Kd)
+    wg_s, wu_s, wd_s = torch.randn(B, Kd, Nd), torch.randn(B, Kd, Nd), torch.randn(B, Nd, Kd)
+    remote = torch.tensor([2, 0, -1], dtype=torch.int32)
+    cu = torch.tensor([16, 16, 16, 32, 48, 80, 80], dtype=torch.int32)  # home 0, slot 0, remote 2 and 0
+    x = torch.randn(96, Kd)
+    h, _, _ = ops.group_gemm_swiglu(x, wg_h, wg_s, wu_h, wu_s, cu, P, False, remote, gloo1)
+    row_w = torch.rand(96)
+    y = ops.group_gemm_row_scale(x[:, :Nd].contiguous(), wd_h, wd_s, cu, row_w, P, remote, gloo1)
+    for rows, e in ((slice(0, 16), 0), (slice(32, 48), 2), (slice(48, 80), 0)):
+        torch.testing.assert_close(h[rows], torch.nn.functional.silu(x[rows] @ wg_h[e]) * (x[rows] @ wu_h[e]))
+        torch.testing.assert_close(y[rows], (x[rows, :Nd] @ wd_h[e]) * row_w[rows, None])
+    torch.testing.assert_close(h[16:32], torch.nn.functional.silu(x[16:32] @ wg_s[0]) * (x[16:32] @ wu_s[0]))
+    assert not h[80:].any() and not y[80:].any()
+    opcheck(ops.group_gemm_swiglu.default, (x, wg_h, wg_s, wu_h, wu_s, cu, P, True, remote, gloo1))
+    opcheck(ops.group_gemm_row_scale.default, (x[:, :Nd].contiguous(), wd_h, wd_s, cu, row_w, P, remote, gloo1))
+    with pytest.raises(ValueError, match=r"moonep.group_gemm_swiglu: experts_remote must have dtype int32"):
+        ops.group_gemm_swiglu(x, wg_h, wg_s, wu_h, wu_s, cu, P, False, remote.long(), gloo1)
+    with pytest.raises(ValueError, match=r"moonep.group_gemm_row_scale: cu_seqlens must have shape \[6\]"):
+        ops.group_gemm_row_scale(x[:, :Nd].contiguous(), wd_h, wd_s, cu, row_w, P, remote[:2], gloo1)
+    with pytest.raises(ValueError, match=r"experts_remote needs group_name"):
+        ops.group_gemm_swiglu(x, wg_h, wg_s, wu_h, wu_s, cu, P, False, remote)
+
+
 def test_group_gemm_rejects_bad_groups():
     x, w = torch.randn(64, 8), torch.randn(2, 8, 8)
     with pytest.raises(ValueError, match=r"moonep.group_gemm: cu_seqlens must be non-decreasing multiples of P=16"):
