@@ -137,6 +137,9 @@ class EPGroup:
         if self._pools is not None:
             return
         c = self.cfg
+        if self._symmetric and c.B == 0:
+            raise ValueError("EPGroup: EPConfig.B=0 (every copy read remotely) runs on the CPU reference only; "
+                             "on CUDA use B >= 1 (the slot pools are symmetric buffers, which cannot be empty)")
         shapes = ((c.B, c.H, c.F), (c.B, c.H, c.F), (c.B, c.F, c.H))
         self._pools = tuple(self._buffer(*shape) for shape in shapes)
         if c.B == c.epn:
