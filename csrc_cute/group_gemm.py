@@ -540,7 +540,8 @@ def _build_kernel_classes():
                             donor = e // num_home
                             self.build_remote_descriptors(b_home, peers, b_views, desc_slots, descs, donor)
                         prod_state = self.load_expert_tile(*load, b_home, e % num_home, descs)
-                    else:
+                    else:  # an unused group with rows (never in a valid plan): still fill the stages the
+                        # consumers will wait for (out-of-bounds expert: TMA zero fill), so nothing hangs
                         prod_state = self.load_expert_tile(*load, b_home, num_home)
             return prod_state
 
