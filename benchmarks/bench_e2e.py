@@ -195,14 +195,17 @@ class BaselineModel(nn.Module):
 
 # ------------------------------------------------------------------------------------------ harness
 class Bench:
-    def __init__(self, rank: int, R: int, opts: dict, device: torch.device, group):
+    def __init__(self, rank: int, R: int, opts: dict, device: torch.device, group, name: str = "bench_e2e"):
         self.rank, self.R, self.opts, self.device, self.group = rank, R, opts, device, group
         self.cuda = device.type == "cuda"
         self.t0 = time.perf_counter()
+        self.name = name
+        self.lines: list[str] = []  # rank 0's log lines
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"[bench_e2e {time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+            self.lines.append(f"[{self.name} {time.perf_counter() - self.t0:7.1f}s] {msg}")
+            print(self.lines[-1], flush=True)
 
     def sync(self) -> None:
         if self.cuda:
@@ -254,6 +257,22 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def failure(self, e: BaseException, label: str, ep) -> float:
+        """The failure code of a measurement that raised `e` (an OOM or a kernel's status error, e.g. a
+        barrier timeout): 1.0 OOM (caches freed), 2.0 status error (logged, the status word cleared)."""
+        if isinstance(e, torch.OutOfMemoryError):
+            self.free()
+            return 1.0
+        self.log(f"{label}: {e}")
+        if ep is not None:
+            ep.status.zero_()
+        return 2.0
+
+    def agreed_error(self, failed: float) -> str | None:
+        """The error every rank records for a measurement (collective): None if no rank failed."""
+        failed = self.agree([failed])[0]
+        return None if not failed else "OOM" if failed == 1.0 else "status error (see the log)"
 
 
 def grad_clearer(module: nn.Module, x: torch.Tensor):
@@ -451,17 +470,11 @@ def run_sweep(b: Bench, name: str, module: nn.Module, routers: list[ForcedRouter
                 if opts.get("profile") and b.cuda and t == targets[0]:
                     notes[f"{name}_{variant}_kernels"] = kernel_breakdown(step, b.rank == 0)
                 failed = 0.0
-            except torch.OutOfMemoryError:
-                failed = 1.0
-                b.free()
-            except MoEStatusError as e:  # a kernel reported a problem (e.g. a barrier timeout): record it
-                failed = 2.0
-                b.log(f"{name} {variant}: {e}")
-                if ep is not None:
-                    ep.status.zero_()
-            failed = b.agree([failed])[0]
-            if failed:
-                res = dict(error="OOM" if failed == 1.0 else "status error (see the log)")
+            except (torch.OutOfMemoryError, MoEStatusError) as e:
+                failed = b.failure(e, f"{name} {variant}", ep)
+            error = b.agreed_error(failed)
+            if error:
+                res = dict(error=error)
             else:
                 ms, peak, resident, used = b.agree([res["ms"], res.get("peak_gb"), res.get("resident_gb"),
                                                     res.get("device_used_gb")])

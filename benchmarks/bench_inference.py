@@ -55,17 +55,6 @@ MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0)
 SMOKE = dict(S=[32, 64], H=64, F=32, K=2, epn=8, P=16, small_B=0, iters=2, repeats=1, warmup=1)
 
 
-class IBench(Bench):
-    def __init__(self, *a):
-        super().__init__(*a)
-        self.lines: list[str] = []
-
-    def log(self, msg: str) -> None:
-        if self.rank == 0:
-            self.lines.append(f"[bench_inference {time.perf_counter() - self.t0:7.1f}s] {msg}")
-            print(self.lines[-1], flush=True)
-
-
 def plan_usage(b: Bench, layer, ids: torch.Tensor) -> dict:
     """What the plan of `ids` uses on each rank: slots, remote groups, their rows and M tiles (collective)."""
     ep, c = layer.ep, layer.ep.cfg
@@ -98,7 +87,7 @@ def capture(module, x: torch.Tensor, warm: int):
     return graph, out
 
 
-def measure(b: IBench, v: str, module, routings: Routings, x: torch.Tensor, rows: dict, ref: dict, notes: dict):
+def measure(b: Bench, v: str, module, routings: Routings, x: torch.Tensor, rows: dict, ref: dict, notes: dict):
     """Time variant `v` of `module` at every target maxvio; results go into rows[t] as `{v}_{field}`."""
     from moonep_ops import MoEStatusError
     from moonep_ops.routing import route
@@ -126,15 +115,11 @@ def measure(b: IBench, v: str, module, routings: Routings, x: torch.Tensor, rows
                 ep.check(f"bench_inference {v}")
             res["peak_gb"], _, res["device_used_gb"] = b.memory(step, lambda: None)
             y = (out if graph is not None else step()).float().cpu()
-        except torch.OutOfMemoryError:
-            failed = 1.0
-            b.free()
-        except MoEStatusError as e:  # a kernel reported a problem (e.g. a barrier timeout): record it
-            failed = 2.0
-            b.log(f"S={S} {v}: {e}")
-            ep.status.zero_()
-        if b.agree([failed])[0]:
-            res = dict(error="OOM" if failed == 1.0 else "status error (see the log)")
+        except (torch.OutOfMemoryError, MoEStatusError) as e:
+            failed = b.failure(e, f"S={S} {v}", ep)
+        error = b.agreed_error(failed)
+        if error:
+            res = dict(error=error)
         else:
             if v == "ours_full":
                 ref[t] = y
@@ -162,7 +147,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     H, F, K, epn, P, small_B = (opts[k] for k in ("H", "F", "K", "epn", "P", "small_B"))
     E, dtype = epn * R, torch.bfloat16
-    b = IBench(rank, R, opts, device, dist.group.WORLD)
+    b = Bench(rank, R, opts, device, dist.group.WORLD, name="bench_inference")
     warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated.*")  # baseline_ep's choice
     cap, asked = E / K - 1, opts["maxvios"] or MAXVIOS
     targets, skipped = [m for m in asked if m <= cap + 1e-9], [m for m in asked if m > cap + 1e-9]
