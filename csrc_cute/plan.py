@@ -46,7 +46,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Constexpr, Int32
+from cutlass import Constexpr, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -127,21 +127,28 @@ def _ptr(t, i):
     return (t.iterator + i).llvm_ptr
 
 
-def _lower_bounds(lst, W, rows, keys):
-    """Per round r: the first index of row rows[r] of the [*, W] list lst (ascending, -1 = end) whose
-    entry is not below keys[r] (W if none). Branch-free binary searches, interleaved over the rounds
-    so that their loads overlap."""
-    los = [Int32(0) for _ in keys]
-    his = [Int32(W) for _ in keys]
-    for _it in range(W.bit_length()):
-        for r in range(len(keys)):
+def _searches(n, rounds, load, before):
+    """Per round r: the first index i in [0, n) with before(r, load(r, i)) false (n if none), that
+    being true on a prefix. Branch-free binary searches (i clamped to n - 1), interleaved over the
+    rounds so that their loads overlap."""
+    los = [Int32(0) for _ in range(rounds)]
+    his = [Int32(n) for _ in range(rounds)]
+    for _it in range(n.bit_length()):
+        for r in range(rounds):
             mid = (los[r] + his[r]) // 2
-            x = lst[rows[r] * W + cutlass.min(mid, Int32(W - 1))]
+            x = load(r, cutlass.min(mid, Int32(n - 1)))
             act = los[r] < his[r]
-            right = (x >= 0) & (x < keys[r])
+            right = before(r, x)
             los[r] = cutlass.select_(act & right, mid + 1, los[r])
             his[r] = cutlass.select_(act & (right == False), mid, his[r])  # noqa: E712
     return los
+
+
+def _lower_bounds(lst, W, rows, keys):
+    """Per round r: the first index of row rows[r] of the [*, W] list lst (ascending, -1 = end) whose
+    entry is not below keys[r] (W if none)."""
+    return _searches(W, len(keys), lambda r, i: lst[rows[r] * W + i],
+                     lambda r, x: (x >= 0) & (x < keys[r]))
 
 
 def _checked_key(ok, v, E, bad):
@@ -626,9 +633,7 @@ def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, a
                        NCH: Constexpr[int], WPC: Constexpr[int]):
     epn = E // R
     G = 2 * epn
-    # trace-time constants, taken outside the dynamic regions (inside one, R.bit_length() sees an Int32)
-    LOGR = R.bit_length()
-    lists = _foreign_lists(e2c, erem, B, epn)
+    lists = _foreign_lists(e2c, erem, B, epn)  # at trace time, before the dynamic regions
     lane, lt, cnt, hb, c = _warp_chunk(WPC, E)
     if c < NCH:
         UB = min(16, (E + 31) // 32)
@@ -657,23 +662,9 @@ def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, a
                     cnt[hb + key] = cnt[hb + key] + cute.arch.popc(m)
             cute.arch.sync_warp()
             idxs.append(pos)
-        # destination rank d = smallest d with cend[e, d] > idx (searchsorted, right), by a
-        # branch-free binary search; the rounds' searches are interleaved so that their loads overlap
-        kcs = []
-        los = []
-        his = []
-        for r in cutlass.range_constexpr(RPW):
-            kcs.append(cutlass.max(keys[r], Int32(0)))
-            los.append(Int32(0))
-            his.append(Int32(R))
-        for _it in cutlass.range_constexpr(LOGR):
-            for r in cutlass.range_constexpr(RPW):
-                mid = (los[r] + his[r]) // 2
-                v = cend[kcs[r] * R + cutlass.min(mid, Int32(R - 1))]
-                act = los[r] < his[r]
-                left = v > idxs[r]
-                his[r] = cutlass.select_(act & left, mid, his[r])
-                los[r] = cutlass.select_(act & (left == False), mid + 1, los[r])  # noqa: E712
+        # destination rank d = smallest d with cend[e, d] > idx (searchsorted, right)
+        kcs = [cutlass.max(keys[r], Int32(0)) for r in range(RPW)]
+        los = _searches(R, RPW, lambda r, d: cend[kcs[r] * R + d], lambda r, v: v <= idxs[r])
         # group of expert e on rank d: its home index, or its index in d's slot list, else in d's
         # remote list (ascending, -1 = end). Found nowhere: inconsistent plan inputs.
         dcs = []
