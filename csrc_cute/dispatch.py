@@ -101,9 +101,10 @@ def chunk_offsets(c0, lane, U: int, NC: int, clamp: bool):
 
 
 def vec_tensor(dtype, addr, n: int):
-    """n elements of `dtype` (16 bytes) at global address `addr` (16-byte aligned)."""
-    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
-                            cute.make_layout(n))
+    """n elements of `dtype` (one vector access, at most 16 bytes) at global address `addr`, aligned to
+    the vector's size."""
+    ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=n * dtype.width // 8)
+    return cute.make_tensor(ptr, cute.make_layout(n))
 
 
 def load_chunks(base, offs):

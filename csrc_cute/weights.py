@@ -126,12 +126,6 @@ def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.
                         U, NC, nfull, UT, clamp)
 
 
-def _bf16x4(addr):
-    """4 bf16 values (8 bytes) at global address `addr` (8-byte aligned)."""
-    return cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=8),
-                            cute.make_layout(4))
-
-
 @cute.jit
 def _reduce_segment(home, slot_of: cute.Tensor, row, t, peer_gate: cute.Tensor, peer_up: cute.Tensor,
                     peer_down: cute.Tensor, R: Constexpr[int], EB: Constexpr[int], c0, lane, U: Constexpr[int],
@@ -143,7 +137,7 @@ def _reduce_segment(home, slot_of: cute.Tensor, row, t, peer_gate: cute.Tensor, 
         offs = chunk_offsets(c0, lane, U, NC, clamp)
         acc = cute.make_rmem_tensor((4, U), Float32)
         for u in cutlass.range_constexpr(U):
-            acc[None, u].store(_bf16x4(home + offs[u] // 2).load().to(Float32))
+            acc[None, u].store(vec_tensor(BFloat16, home + offs[u] // 2, 4).load().to(Float32))
         for d in cutlass.range(R):
             j = slot_of[row + d]
             if j >= 0:
@@ -152,7 +146,7 @@ def _reduce_segment(home, slot_of: cute.Tensor, row, t, peer_gate: cute.Tensor, 
                 for u in cutlass.range_constexpr(U):
                     acc[None, u].store(acc[None, u].load() + got[u])
         for u in cutlass.range_constexpr(U):
-            _bf16x4(home + offs[u] // 2).store(acc[None, u].load().to(BFloat16))
+            vec_tensor(BFloat16, home + offs[u] // 2, 4).store(acc[None, u].load().to(BFloat16))
 
 
 @cute.kernel
