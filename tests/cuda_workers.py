@@ -7,7 +7,7 @@ rank shows up in the test's report.
 import torch
 import torch.distributed as dist
 
-from moonep_ops import EPConfig, EPGroup, MoEStatusError, planning
+from moonep_ops import EPConfig, EPGroup, MoEStatusError, dense_moe, planning
 from moonep_ops.status import check_status
 from routings import cpu_counts, routings
 
@@ -345,15 +345,7 @@ def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled:
     with torch.no_grad():
         _, ids = route(layer.router(x0), cfg.K)
     leaves = [t.float().cuda().requires_grad_() for t in (x0, router, w_gate, w_up, w_down)]
-    x, rw, wg, wu, wd = leaves
-    probs = torch.softmax(x @ rw.t(), -1)
-    wts = probs.gather(1, ids)
-    wts = wts / wts.sum(1, keepdim=True)
-    y = 0
-    for k in range(cfg.K):
-        e = ids[:, k]
-        h = torch.nn.functional.silu(torch.bmm(x[:, None], wg[e])) * torch.bmm(x[:, None], wu[e])
-        y = y + torch.bmm(h, wd[e])[:, 0] * wts[:, k:k + 1]
+    y = dense_moe(*leaves, K=cfg.K, ids=ids)
     y.backward(g.float())
     out["ref"] = [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
     ep.destroy()
@@ -391,16 +383,9 @@ def inference_small_B(rank: int, R: int, cfg_kwargs: dict, B: int, skews: tuple[
             _, ids = route(layers[B].router(x), cfg.K)
             plan = ops.plan(ids, cfg.E, cfg.B, cfg.P, cfg.R, layers[B].ep.ctrl, layers[B].ep.group_name)
             n_remote = int((plan[4] >= 0).sum())
-            # dense fp32 formula with the ids the layer chose
-            x32 = x.float()
-            wts = torch.softmax(x32 @ router.to(bf).float().cuda().t(), -1).gather(1, ids)
-            wts = wts / wts.sum(1, keepdim=True)
-            ref = 0
-            for k in range(cfg.K):
-                e = ids[:, k].cpu()
-                wg, wu, wd = (w[e].to(bf).float().cuda() for w in (w_gate, w_up, w_down))
-                h = torch.nn.functional.silu(torch.bmm(x32[:, None], wg)) * torch.bmm(x32[:, None], wu)
-                ref = ref + torch.bmm(h, wd)[:, 0] * wts[:, k:k + 1]
+            # the dense fp32 MoE with the ids the layer chose
+            ref = dense_moe(x.float(), *(t.to(bf).float().cuda() for t in (router, w_gate, w_up, w_down)), K=cfg.K,
+                            ids=ids)
             dense_err = float((small.float() - ref).norm() / ref.norm())
             compiled = torch.compile(layers[B], fullgraph=True)(x)
             static_x = torch.zeros_like(x)
