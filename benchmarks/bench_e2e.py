@@ -295,22 +295,23 @@ def make_step(fn, x: torch.Tensor, g: torch.Tensor, clear, mark_step: bool = Fal
     return step
 
 
-def capture_graph(fn, x: torch.Tensor, g: torch.Tensor, clear, warm: int = 3):
-    """fn's forward + backward captured once in a CUDA graph (warm-up on a side stream first, grads set to
-    None before capture so that the graph owns them); returns the replay function and the graph."""
+def capture(step, warm: int, clear=lambda: None):
+    """step() captured once in a CUDA graph after `warm` runs on a side stream, clear() before each run
+    and before the capture (training: grads set to None, so that the graph owns them); returns the graph
+    and what step() returned during the capture (its static output)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warm):
             clear()
-            fn(x).backward(g)
+            step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(x).backward(g)
-    return graph.replay, graph
+        out = step()
+    return graph, out
 
 
 def short_error(e: BaseException) -> str:
@@ -447,7 +448,8 @@ def run_sweep(b: Bench, name: str, module: nn.Module, routers: list[ForcedRouter
                 if kind == "graph" and opts["graph_mode"] == "manual":
                     if graph is None:  # captured once (at the first maxvio), replayed at every maxvio
                         try:
-                            step, graph = capture_graph(graph_fn, x, g, clear, warm=max(2, opts["warmup"]))
+                            graph, _ = capture(lambda: graph_fn(x).backward(g), max(2, opts["warmup"]), clear)
+                            step = graph.replay
                         except torch.OutOfMemoryError:
                             raise
                         except Exception as e:  # noqa: BLE001  (recorded; every rank fails alike)

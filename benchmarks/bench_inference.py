@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import BaselineMoE, Bench, ForcedRouter, Routings, counts_of, short_error  # noqa: E402
+from benchmarks.bench_e2e import (  # noqa: E402
+    BaselineMoE, Bench, ForcedRouter, Routings, capture, counts_of, short_error)
 from benchmarks.common import apply_smoke_defaults, run_info, write_json  # noqa: E402
 from benchmarks.routing_gen import realized_maxvio  # noqa: E402
 
@@ -72,21 +73,6 @@ def plan_usage(b: Bench, layer, ids: torch.Tensor) -> dict:
     return res
 
 
-def capture(module, x: torch.Tensor, warm: int):
-    """module(x) captured in a CUDA graph after warm-up on a side stream; (graph, static output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warm):
-            module(x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = module(x)
-    return graph, out
-
-
 def measure(b: Bench, v: str, module, routings: Routings, x: torch.Tensor, rows: dict, ref: dict, notes: dict):
     """Time variant `v` of `module` at every target maxvio; results go into rows[t] as `{v}_{field}`."""
     from moonep_ops import MoEStatusError
@@ -96,7 +82,7 @@ def measure(b: Bench, v: str, module, routings: Routings, x: torch.Tensor, rows:
     if v == "ours_b3_graph":  # captured once (at the first maxvio), replayed at every maxvio
         module.router.set_ids(routings.by_target[next(iter(rows))][0][b.rank])
         try:
-            graph, out = capture(module, x, max(2, b.opts["warmup"])) if b.cuda else (None, None)
+            graph, out = capture(lambda: module(x), max(2, b.opts["warmup"])) if b.cuda else (None, None)
         except Exception as e:  # noqa: BLE001  (recorded; every rank fails alike)
             notes[f"S{S}_{v}"] = "CUDA graph capture failed: " + short_error(e)
         if graph is None:
