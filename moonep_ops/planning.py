@@ -19,8 +19,8 @@ its remote groups (ascending id); each group padded to a multiple of P. A rank's
 come from its one donor group, so there are at most epn of them: with B = epn (training) every one
 gets a slot; with B < epn (inference) the B with the most rows on the rank get slots and the others
 are read from the donor's home weights through the peer mapping (remote groups). So a rank has
-G = 2*epn groups whatever B is: epn home, B slots, epn - B remote. Tokens of expert e, ordered by (source rank, s*K + k), are cut
-into consecutive chunks over destination ranks in ascending rank order.
+G = 2*epn groups whatever B is: epn home, B slots, epn - B remote. Tokens of expert e, ordered by
+(source rank, s*K + k), are cut into consecutive chunks over destination ranks in ascending rank order.
 """
 
 from __future__ import annotations
