@@ -13,8 +13,13 @@ Semantics (R ranks, B slots, epn home experts per rank, `experts_to_copy` [R, B]
 The caller runs the cross-rank barriers around these kernels (moonep_ops/ops.py).
 
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
-static key): work items are (slot or expert, projection, segment of 32*U 16-byte chunks), one warp
-per item, grid-stride; items that are not this rank's are skipped after one table read.
+static key): each CTA first lists the copies that are this rank's work (warp 0 compacts the table into
+shared memory with ballots, in table order, so every CTA builds the same list); the work items are then
+(listed copy, projection, segment of 32*U 16-byte chunks), one warp per item, grid-stride. So prefetch
+and reduce_zero cost n copies' bytes and n * 3 * segments items, never B or R*B of them: a plan without
+copies runs one table scan and stops. reduce_pull moves only the copied experts' bytes too, but walks
+every home expert's items (skipping those without copies after one shared-memory read). At R = 1 the
+host skips prefetch and reduce_grad altogether (one rank never copies).
 """
 
 # (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
@@ -28,6 +33,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
 from .host_checks import need_int, need_peers, need_rank, need_tensor
+from .plan import _lanemask_lt
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 
 _NT = 256  # threads per CTA
@@ -73,6 +79,34 @@ def _pick(t, a0, a1, a2):
     return cutlass.select_(t == 0, a0, cutlass.select_(t == 1, a1, a2))
 
 
+def _work_list(smem, n: int):
+    """Shared memory for `_list_work`: (list of n indices, count)."""
+    return (smem.allocate_tensor(Int32, cute.make_layout(n), byte_alignment=16),
+            smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4))
+
+
+@cute.jit
+def _list_work(work: cute.Tensor, count: cute.Tensor, is_work, n: Constexpr[int]):
+    """The indices i in [0, n) with ``is_work(i)``, in ascending order, compacted by warp 0 into the
+    shared `work` list (`_work_list`); returns their count, after a CTA barrier. Ascending order makes
+    every CTA's list the same, so the grid-stride split of the listed items covers each exactly once."""
+    tidx, _, _ = cute.arch.thread_idx()
+    lane = cute.arch.lane_idx()
+    if tidx < 32:
+        base = Int32(0)
+        for c0 in cutlass.range(0, n, 32):
+            i = c0 + lane
+            hit = (i < n) & is_work(cutlass.min(i, Int32(n - 1)))
+            m = cute.arch.vote_ballot_sync(hit)
+            if hit:
+                work[base + cute.arch.popc(m & _lanemask_lt())] = i
+            base = base + cute.arch.popc(m)
+        if lane == 0:
+            count[0] = base
+    cute.arch.sync_threads()
+    return count[0]
+
+
 @cute.kernel
 def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w_down: cute.Tensor,
                      peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, rank: Int32,
@@ -81,14 +115,17 @@ def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w
     NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
     lane, gw, nwarps = _warp_grid(NT, NCTA)
     bases = (addr_of(w_gate), addr_of(w_up), addr_of(w_down))
-    for item in cutlass.range(gw, R * B * 3 * NSEG, nwarps):
-        p, t, seg = _split(item, NSEG)
+    # the slots (d, j) of every rank that hold a copy of one of this rank's home experts
+    mine, count = _work_list(cutlass.utils.SmemAllocator(), R * B)
+    n = _list_work(mine, count, lambda p: (etc[p] >= 0) & (etc[p] // EPN == rank), R * B)
+    for item in cutlass.range(gw, n * 3 * NSEG, nwarps):
+        w, t, seg = _split(item, NSEG)
+        p = mine[w]
         e = etc[p]
-        if (e >= 0) & (e // EPN == rank):
-            d = p // B
-            src = _pick(t, *bases) + Int64(e - rank * EPN) * EB
-            dst = _pick(t, peer_gate[d], peer_up[d], peer_down[d]) + Int64(p - d * B) * EB
-            _on_segment(copy_segment, (src, dst), seg, lane, U, NC, nfull, UT, clamp)
+        d = p // B
+        src = _pick(t, *bases) + Int64(e - rank * EPN) * EB
+        dst = _pick(t, peer_gate[d], peer_up[d], peer_down[d]) + Int64(p - d * B) * EB
+        _on_segment(copy_segment, (src, dst), seg, lane, U, NC, nfull, UT, clamp)
 
 
 @cute.kernel
@@ -118,6 +155,8 @@ def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.
             has_copy[e - rank * EPN] = 1
     cute.arch.sync_threads()
     homes = (addr_of(home_gate), addr_of(home_up), addr_of(home_down))
+    # items of home experts without copies are skipped after one shared-memory read (listing them as
+    # prefetch does makes ptxas spill this kernel at small shapes)
     for item in cutlass.range(gw, EPN * 3 * NSEG, nwarps):
         i, t, seg = _split(item, NSEG)
         if has_copy[i] != 0:
@@ -156,11 +195,12 @@ def _reduce_zero_kernel(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Te
     NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
     lane, gw, nwarps = _warp_grid(NT, NCTA)
     bufs = (addr_of(red_gate), addr_of(red_up), addr_of(red_down))
-    for item in cutlass.range(gw, B * 3 * NSEG, nwarps):
-        j, t, seg = _split(item, NSEG)
-        if etc[rank * B + j] >= 0:
-            dst = _pick(t, *bufs) + Int64(j) * EB
-            _on_segment(zero_segment, (dst,), seg, lane, U, NC, nfull, UT, clamp)
+    used, count = _work_list(cutlass.utils.SmemAllocator(), B)
+    n = _list_work(used, count, lambda j: etc[rank * B + j] >= 0, B)  # this rank's used reduce slots
+    for item in cutlass.range(gw, n * 3 * NSEG, nwarps):
+        w, t, seg = _split(item, NSEG)
+        dst = _pick(t, *bufs) + Int64(used[w]) * EB
+        _on_segment(zero_segment, (dst,), seg, lane, U, NC, nfull, UT, clamp)
 
 
 @cute.jit

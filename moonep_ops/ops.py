@@ -492,6 +492,8 @@ prefetch_weights.register_fake(meta.prefetch_weights.prefetch_weights)
 def _prefetch_weights_cuda(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name):
     meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
                                               ctrl)
+    if experts_to_copy.shape[0] == 1:
+        return  # one rank: the plan never copies, so there is nothing to move and no peer to wait for
     from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("prefetch_weights", ctrl)
@@ -547,6 +549,8 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
                       group_name):
     reduce_bufs, homes = (reduce_gate, reduce_up, reduce_down), (home_gate, home_up, home_down)
     meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
+    if experts_to_copy.shape[0] == 1:
+        return  # one rank: the plan never copies, so no copy has a gradient to fold home
     from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("reduce_grad", ctrl)
