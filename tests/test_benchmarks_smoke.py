@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_forced_router_picks_the_target_experts():
     """The benchmark's routing control: the logit bias makes top-K pick exactly the given experts whatever
     the Linear's logits (here scaled up to |logit| ~ 3), and the router still gets a gradient."""
-    from benchmarks.bench_e2e import ForcedRouter
+    from benchmarks.routing_gen import ForcedRouter
     from moonep_ops.routing import route
 
     S, H, E, K = 256, 64, 32, 8
