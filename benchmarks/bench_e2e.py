@@ -90,7 +90,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.baseline_ep import BaselineBlock, BaselineModel, BaselineMoE  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     Bench, apply_smoke_defaults, capture, grad_clearer, kernel_breakdown, make_step, run_info, short_error,
-    write_json)
+    symmetric_bytes, write_json)
 from benchmarks.routing_gen import ForcedRouter, Routings, counts_of, realized_maxvio  # noqa: E402
 
 MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0, 20.0)
@@ -356,9 +356,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> dict:
         del model, routers, blocks
         b.free()
 
-    symm_bytes = sum(t.numel() * t.element_size() for t in (
-        ep.ctrl, *ep.dispatch_buffers, ep.presum, ep.row_scratch, *ep.pools, *ep.reduce_buffers)) \
-        if ep._pools is not None else None
+    symm_bytes = symmetric_bytes(ep)
     ep.destroy()
     # flatten: one row per (what, maxvio)
     rows = {"layer": [], "model": []}

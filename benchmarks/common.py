@@ -150,6 +150,15 @@ class Bench:
         return None if not failed else "OOM" if failed == 1.0 else "status error (see the log)"
 
 
+def symmetric_bytes(ep) -> int | None:
+    """Bytes of an EPGroup's symmetric-memory buffers (tables, presum, slot pools, fp32 reduce buffers), which
+    the caching allocator's counters may not include; None before the weight buffers exist."""
+    if ep._pools is None:
+        return None
+    return sum(t.numel() * t.element_size() for t in (
+        ep.ctrl, *ep.dispatch_buffers, ep.presum, ep.row_scratch, *ep.pools, *ep.reduce_buffers))
+
+
 def grad_clearer(module: nn.Module, x: torch.Tensor):
     params = [p for p in module.parameters() if p.requires_grad]
 
