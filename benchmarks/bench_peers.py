@@ -262,7 +262,7 @@ def layer_reference(x, router_w, w_gate, w_up, w_down, g, K: int, ids: torch.Ten
     y.backward(g.float())
     ref = dict(y=y.detach(), x=leaves[0].grad)
     ref.update({k: t.grad for k, t in zip(("router", "w_gate", "w_up", "w_down"), leaves[1:])})
-    return ref
+    return {k: v.cpu() for k, v in ref.items()}  # kept on the host: out of the measured implementations' peaks
 
 
 def measure_layer(b: Bench, name: str, impl, x: torch.Tensor, g: torch.Tensor, ref: dict, tol: float) -> dict:
@@ -332,6 +332,10 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
         impl = None
         try:
             if name == "ours":
+                from moonep_ops import EPConfig, EPGroup
+
+                cfg = EPConfig(S=o["S"], H=o["H"], K=o["K"], E=o["E"], F=o["F"], R=1, P=o["P"])
+                st["ep"] = EPGroup(cfg, dtype=torch.bfloat16, device=b.device, timeout_s=600.0)
                 impl = OursLayer(st["ep"], router_w, w_gate, w_up, w_down)
                 st["ours_symmetric_gb"] = (symmetric_bytes(st["ep"]) or 0) / 2**30
             elif name in ("torch", "torch_compiled"):
@@ -347,6 +351,8 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
         del impl
         if name == "torch_compiled":
             torch._dynamo.reset()
+        if name == "ours" and "ep" in st:
+            st.pop("ep").destroy()
         b.free()
 
 
@@ -564,6 +570,7 @@ def table(payload: dict) -> list[str]:
                          + " ".join(fmt(r.get(f"ours_over_{i}"), 11, 3) for i in impls if i != "ours"))
         errs = [f"  {n} {i}: {r[f'{i}_error']}" for n, r in gemm.items() for i in impls if f"{i}_error" in r]
         lines += errs
+    lines += [f"section {k} failed: {v}" for k, v in (payload.get("section_errors") or {}).items()]
     lines.append("peers: " + "; ".join(f"{k} {v}" for k, v in peers.items()))
     return lines
 
@@ -583,34 +590,44 @@ def versions(mods: dict) -> dict:
 # ------------------------------------------------------------------------------------------ main
 def run(opts: dict) -> dict:
     """Both phases (ours and torch first, then the peers) of the chosen sections; returns the JSON payload."""
-    from moonep_ops import EPConfig, EPGroup
-
     cuda = opts["device"] == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     workdir = tempfile.mkdtemp(prefix="bench_peers_pg_")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=600))
     b = Bench(0, 1, opts, device, dist.group.WORLD, name="bench_peers")
     b.log(f"S={opts['S']} H={opts['H']} F={opts['F']} E={opts['E']} K={opts['K']} P={opts['P']} bf16 on {device}; "
           f"sections {opts['only']}")
-    layer, gemm = {}, {}
-    own_impls = dict(layer=["ours", "torch", "torch_compiled"], gemm=["ours", "torch"])
-    if "layer" in opts["only"]:
-        cfg = EPConfig(S=opts["S"], H=opts["H"], K=opts["K"], E=opts["E"], F=opts["F"], R=1, P=opts["P"])
-        layer["ep"] = EPGroup(cfg, dtype=torch.bfloat16, device=device, timeout_s=600.0)
-        layer_section(b, layer, own_impls["layer"], {})
-        layer["ep"].destroy()
+    layer, gemm, errors = {}, {}, {}
+    sections = dict(layer=(layer_section, layer), gemm=(gemm_section, gemm))
+
+    def section(name: str, impls: list[str], peers: dict) -> None:
+        """One section for `impls`; a failure outside the per-implementation guards (inputs, the fp32
+        reference) is recorded and the run goes on to the next section."""
+        if name not in opts["only"] or name in errors:
+            return
+        fn, st = sections[name]
+        try:
+            fn(b, st, impls, peers)
+        except Exception as e:  # noqa: BLE001
+            errors[name] = short_error(e)
+            b.log(f"{name}: failed: {errors[name]}")
+            traceback.print_exc()
         b.free()
-    if "gemm" in opts["only"]:
-        gemm_section(b, gemm, own_impls["gemm"], {})
+
+    section("layer", ["ours", "torch", "torch_compiled"], {})
+    section("gemm", ["ours", "torch"], {})
     mods, status = load_peers(cuda)
     b.log("peers: " + "; ".join(f"{k} {v}" for k, v in status.items()))
-    if "layer" in opts["only"] and "sonicmoe" in mods:
-        layer_section(b, layer, ["sonicmoe"], mods)
-    if "gemm" in opts["only"] and "quack" in mods:
-        gemm_section(b, gemm, ["quack"], mods)
+    if "sonicmoe" in mods:
+        section("layer", ["sonicmoe"], mods)
+    if "quack" in mods:
+        section("gemm", ["quack"], mods)
     dist.destroy_process_group()
-    info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], device=opts["device"],
+    info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], section_errors=errors,
+                device=opts["device"],
                 smoke=opts["smoke"], tol=opts["tol"], iters=opts["iters"], repeats=opts["repeats"],
                 warmup=opts["warmup"], compile_backend=opts["compile_backend"], dtype="bfloat16", R=1,
                 **{k: opts[k] for k in ("S", "H", "F", "E", "K", "P", "gemm_rows")})
