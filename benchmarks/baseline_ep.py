@@ -4,16 +4,19 @@ Router -> top-k -> permute (sort rows by expert) -> split sizes to the host -> N
 `all_to_all_single` of the token rows -> regroup by local expert -> `torch._grouped_mm` SwiGLU ->
 the reverse all_to_all -> unpermute and weighted sum over K. Differentiable through
 `torch.distributed.nn.functional.all_to_all_single`. Host syncs on the split sizes, data-dependent
-shapes: what moonep_ops removes.
+shapes: what moonep_ops removes. `BaselineMoE` is that layer as an nn.Module (nn.Linear router, this rank's
+experts as parameters); `BaselineBlock` / `BaselineModel` the residual blocks of moonep_ops.MoEModel around it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import torch.nn.functional as Fn
+from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
 from moonep_ops.routing import route
@@ -71,6 +74,57 @@ def baseline_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate: torch.Tensor, 
     (this rank's experts e = rank*epn + i) -> [S, H]."""
     weights, ids = route(x @ router_w.t(), K, normalize_topk)
     grouped, rt = baseline_dispatch(x, ids, E, group)
-    hidden = F.silu(torch._grouped_mm(grouped, w_gate, offs=rt.offs)) * torch._grouped_mm(grouped, w_up, offs=rt.offs)
+    hidden = Fn.silu(torch._grouped_mm(grouped, w_gate, offs=rt.offs)) * torch._grouped_mm(grouped, w_up, offs=rt.offs)
     out_grouped = torch._grouped_mm(hidden.to(x.dtype), w_down, offs=rt.offs)
     return baseline_combine(out_grouped, weights, rt, group)
+
+
+class BaselineMoE(nn.Module):
+    """The standard EP MoE layer: the same steps as benchmarks.baseline_ep.baseline_moe (route, dispatch
+    with host split sizes and NCCL all_to_all_single, torch._grouped_mm SwiGLU, combine), with its router
+    as an nn.Linear (wrapped in ForcedRouter by the benchmark) and this rank's experts as parameters."""
+
+    def __init__(self, S: int, H: int, F: int, K: int, E: int, R: int, dtype, device, group=None):
+        super().__init__()
+        self.K, self.E, self.group = K, E, group
+        epn = E // R
+        self.router = nn.Linear(H, E, bias=False, dtype=dtype, device=device)
+        self.w_gate = nn.Parameter(torch.empty(epn, H, F, dtype=dtype, device=device))
+        self.w_up = nn.Parameter(torch.empty(epn, H, F, dtype=dtype, device=device))
+        self.w_down = nn.Parameter(torch.empty(epn, F, H, dtype=dtype, device=device))
+        for w, fan_in in ((self.w_gate, H), (self.w_up, H), (self.w_down, F)):  # as MoEExperts
+            nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.router(x), self.K)
+        grouped, rt = baseline_dispatch(x, ids, self.E, self.group)
+        hidden = Fn.silu(torch._grouped_mm(grouped, self.w_gate, offs=rt.offs)) * torch._grouped_mm(
+            grouped, self.w_up, offs=rt.offs)
+        out_grouped = torch._grouped_mm(hidden.to(x.dtype), self.w_down, offs=rt.offs)
+        return baseline_combine(out_grouped, weights, rt, self.group)
+
+
+class BaselineBlock(nn.Module):
+    """moonep_ops.MoEBlock with the baseline MoE: x + mix(norm1(x)), then x + moe(norm2(x))."""
+
+    def __init__(self, moe: nn.Module, H: int, dtype, device):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(H, dtype=dtype, device=device)
+        self.mix = nn.Linear(H, H, bias=False, dtype=dtype, device=device)
+        self.norm2 = nn.RMSNorm(H, dtype=dtype, device=device)
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+class BaselineModel(nn.Module):
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

@@ -24,7 +24,7 @@ each step (no accumulation kernels).
                    torch._dynamo.mark_static_address) and records Inductor's cudagraph skips in the notes.
   layer, baseline  benchmarks/baseline_ep.py's path (router, top-k, permute, split sizes to the host, NCCL
                    all_to_all_single, regroup, torch._grouped_mm SwiGLU, reverse all_to_all, unpermute),
-                   as `BaselineMoE` (the steps of baseline_ep.baseline_moe with an nn.Linear router).
+                   as baseline_ep.BaselineMoE (the steps of baseline_ep.baseline_moe with an nn.Linear router).
                    `base_eager`; `base_compiled`: torch.compile(fullgraph=True) is tried first and its error
                    is recorded in the JSON notes (torch 2.13: torch.distributed.nn.functional.all_to_all_single
                    refuses to run under torch.compile; the .tolist() of the split sizes is a host sync too),
@@ -35,7 +35,7 @@ each step (no accumulation kernels).
                    eager, compiled, graph; baseline eager: `base_compiled` can be added, at more compile time).
 
 Routing skew, forced honestly: every router (ours and the baseline's) is the layer's own nn.Linear wrapped in
-`ForcedRouter`, which adds a fixed fp32 logit bias [S, E] (a registered buffer) to the Linear's logits: +64,
+routing_gen.ForcedRouter, which adds a fixed fp32 logit bias [S, E] (a registered buffer) to the Linear's logits: +64,
 +63.5, ... on the K experts that benchmarks/routing_gen.routing_for_maxvio drew for the token (the generator
 and seed of bench_comm; all ranks' routings drawn jointly, so the global maxvio is the target), 0 elsewhere.
 The Linear's logits (std ~0.6 at the default init) cannot reorder that, so softmax -> top-K picks exactly
@@ -65,14 +65,16 @@ device-side barrier.
 Rank 0 prints the tables (ours' speed-up over the baseline per maxvio; targets, reported and never asserted:
 >= 1.3x at maxvio >= 5, ours flat within 1.05x across maxvio) and writes bench_e2e.json (run_info: GPU,
 command, commit, date); benchmarks/plot_results.py draws bench_e2e.png from it.
+
+This file is the driver (the sweep, the per-rank set-up, the report, the CLI); the baseline modules live in
+benchmarks/baseline_ep.py, the forced routing in benchmarks/routing_gen.py, the timing harness (`Bench`), the
+training step and the CUDA-graph capture in benchmarks/common.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
-import math
 import os
 import sys
 import time
@@ -81,264 +83,21 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as Fn
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import apply_smoke_defaults, run_info, write_json  # noqa: E402
-from benchmarks.routing_gen import realized_maxvio, routing_for_maxvio  # noqa: E402
+from benchmarks.baseline_ep import BaselineBlock, BaselineModel, BaselineMoE  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Bench, apply_smoke_defaults, capture, grad_clearer, kernel_breakdown, make_step, run_info, short_error,
+    symmetric_bytes, write_json)
+from benchmarks.routing_gen import ForcedRouter, Routings, counts_of, realized_maxvio  # noqa: E402
 
 MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0, 20.0)
 LAYER_VARIANTS = ("ours_eager", "ours_compiled", "ours_graph", "base_eager", "base_compiled")
 DEFAULT_MODEL_VARIANTS = ("ours_eager", "ours_compiled", "ours_graph", "base_eager")
-BIAS_TOP, BIAS_STEP = 64.0, 0.5  # forced logits of a token's K experts: 64, 63.5, ..., others 0
 SMOKE = dict(S=64, H=64, F=32, K=2, epn=8, P=16, layers=2, iters=2, repeats=1, warmup=1, dtype="bfloat16",
              compile_backend="aot_eager")
-
-
-# ------------------------------------------------------------------------------------------ routing
-class ForcedRouter(nn.Module):
-    """The layer's router Linear plus a fixed logit bias [S, E] that makes top-K pick given experts."""
-
-    def __init__(self, linear: nn.Linear, S: int):
-        super().__init__()
-        self.linear = linear
-        self.register_buffer("bias", torch.zeros(S, linear.out_features, dtype=torch.float32,
-                                                 device=linear.weight.device))
-
-    def set_ids(self, ids: torch.Tensor) -> None:
-        """ids [S, K]: token s's top-K will be ids[s] (in this order)."""
-        K = ids.shape[1]
-        top = BIAS_TOP - BIAS_STEP * torch.arange(K, dtype=torch.float32, device=self.bias.device)
-        with torch.no_grad():
-            self.bias.zero_().scatter_(1, ids.to(self.bias.device), top.expand(ids.shape).contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x).float() + self.bias
-
-
-class Routings:
-    """Per target maxvio: ids of every rank for `n_layers` layers. Layer 0 is routing_for_maxvio's draw;
-    layer i > 0 relabels its expert ids with a fixed random permutation (the same on every rank): the same
-    maxvio, other hot experts on other home ranks."""
-
-    def __init__(self, R: int, S: int, E: int, K: int, targets: list[float], n_layers: int, seed: int):
-        self.by_target = {}
-        perms = [torch.arange(E)] + [torch.randperm(E, generator=torch.Generator().manual_seed(seed + 1000 * i))
-                                     for i in range(1, n_layers)]
-        for t in targets:
-            ids0, _, _ = routing_for_maxvio(R, S, E, K, t, seed=seed)
-            self.by_target[t] = [[p[ids] for ids in ids0] for p in perms]
-
-
-def counts_of(ids_all: list[torch.Tensor], E: int) -> torch.Tensor:
-    return torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids_all]).int()
-
-
-# ------------------------------------------------------------------------------------------ baseline
-class BaselineMoE(nn.Module):
-    """The standard EP MoE layer: the same steps as benchmarks.baseline_ep.baseline_moe (route, dispatch
-    with host split sizes and NCCL all_to_all_single, torch._grouped_mm SwiGLU, combine), with its router
-    as an nn.Linear (wrapped in ForcedRouter by the benchmark) and this rank's experts as parameters."""
-
-    def __init__(self, S: int, H: int, F: int, K: int, E: int, R: int, dtype, device, group=None):
-        super().__init__()
-        from moonep_ops.routing import route
-
-        self._route = route
-        self.K, self.E, self.group = K, E, group
-        epn = E // R
-        self.router = nn.Linear(H, E, bias=False, dtype=dtype, device=device)
-        self.w_gate = nn.Parameter(torch.empty(epn, H, F, dtype=dtype, device=device))
-        self.w_up = nn.Parameter(torch.empty(epn, H, F, dtype=dtype, device=device))
-        self.w_down = nn.Parameter(torch.empty(epn, F, H, dtype=dtype, device=device))
-        for w, fan_in in ((self.w_gate, H), (self.w_up, H), (self.w_down, F)):  # as MoEExperts
-            nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from benchmarks.baseline_ep import baseline_combine, baseline_dispatch
-
-        weights, ids = self._route(self.router(x), self.K)
-        grouped, rt = baseline_dispatch(x, ids, self.E, self.group)
-        hidden = Fn.silu(torch._grouped_mm(grouped, self.w_gate, offs=rt.offs)) * torch._grouped_mm(
-            grouped, self.w_up, offs=rt.offs)
-        out_grouped = torch._grouped_mm(hidden.to(x.dtype), self.w_down, offs=rt.offs)
-        return baseline_combine(out_grouped, weights, rt, self.group)
-
-
-class BaselineBlock(nn.Module):
-    """moonep_ops.MoEBlock with the baseline MoE: x + mix(norm1(x)), then x + moe(norm2(x))."""
-
-    def __init__(self, moe: nn.Module, H: int, dtype, device):
-        super().__init__()
-        self.norm1 = nn.RMSNorm(H, dtype=dtype, device=device)
-        self.mix = nn.Linear(H, H, bias=False, dtype=dtype, device=device)
-        self.norm2 = nn.RMSNorm(H, dtype=dtype, device=device)
-        self.moe = moe
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.mix(self.norm1(x))
-        return x + self.moe(self.norm2(x))
-
-
-class BaselineModel(nn.Module):
-    def __init__(self, blocks: list[nn.Module]):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-# ------------------------------------------------------------------------------------------ harness
-class Bench:
-    def __init__(self, rank: int, R: int, opts: dict, device: torch.device, group, name: str = "bench_e2e"):
-        self.rank, self.R, self.opts, self.device, self.group = rank, R, opts, device, group
-        self.cuda = device.type == "cuda"
-        self.t0 = time.perf_counter()
-        self.name = name
-        self.lines: list[str] = []  # rank 0's log lines
-
-    def log(self, msg: str) -> None:
-        if self.rank == 0:
-            self.lines.append(f"[{self.name} {time.perf_counter() - self.t0:7.1f}s] {msg}")
-            print(self.lines[-1], flush=True)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def agree(self, values: list[float], op=dist.ReduceOp.MAX) -> list[float]:
-        """Element-wise max over ranks (NaN-free: -1 marks a missing value)."""
-        t = torch.tensor([-1.0 if v is None or v != v else float(v) for v in values], dtype=torch.float64,
-                         device=self.device if self.cuda else "cpu")
-        dist.all_reduce(t, op=op, group=self.group)
-        return [None if v < 0 else v for v in t.tolist()]
-
-    def time_ms(self, fn) -> float:
-        """Median over repeats of the mean time of `iters` back-to-back steps, in ms (after warm-up)."""
-        iters, repeats = self.opts["iters"], self.opts["repeats"]
-        times = []
-        for _ in range(repeats):
-            if self.cuda:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                stop.record()
-                torch.cuda.synchronize(self.device)
-                times.append(start.elapsed_time(stop) / iters)
-            else:
-                t = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                times.append((time.perf_counter() - t) * 1e3 / iters)
-        return sorted(times)[len(times) // 2]
-
-    def memory(self, step, clear) -> tuple[float | None, float | None, float | None]:
-        """(peak GB, resident GB, device-used GB) of one step after clearing grads (CUDA only)."""
-        if not self.cuda:
-            return None, None, None
-        clear()
-        self.sync()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        resident = torch.cuda.memory_allocated(self.device)
-        step()
-        self.sync()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        return peak / 2**30, resident / 2**30, (total - free) / 2**30
-
-    def free(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-
-    def failure(self, e: BaseException, label: str, ep) -> float:
-        """The failure code of a measurement that raised `e` (an OOM or a kernel's status error, e.g. a
-        barrier timeout): 1.0 OOM (caches freed), 2.0 status error (logged, the status word cleared)."""
-        if isinstance(e, torch.OutOfMemoryError):
-            self.free()
-            return 1.0
-        self.log(f"{label}: {e}")
-        if ep is not None:
-            ep.status.zero_()
-        return 2.0
-
-    def agreed_error(self, failed: float) -> str | None:
-        """The error every rank records for a measurement (collective): None if no rank failed."""
-        failed = self.agree([failed])[0]
-        return None if not failed else "OOM" if failed == 1.0 else "status error (see the log)"
-
-
-def grad_clearer(module: nn.Module, x: torch.Tensor):
-    params = [p for p in module.parameters() if p.requires_grad]
-
-    def clear():
-        for p in params:
-            p.grad = None
-        x.grad = None
-    return clear
-
-
-def make_step(fn, x: torch.Tensor, g: torch.Tensor, clear, mark_step: bool = False):
-    """One training step: grads to None, y = fn(x), y.backward(g)."""
-    def step():
-        clear()
-        if mark_step:
-            torch.compiler.cudagraph_mark_step_begin()
-        fn(x).backward(g)
-    return step
-
-
-def capture(step, warm: int, clear=lambda: None):
-    """step() captured once in a CUDA graph after `warm` runs on a side stream, clear() before each run
-    and before the capture (training: grads set to None, so that the graph owns them); returns the graph
-    and what step() returned during the capture (its static output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warm):
-            clear()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    clear()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
-
-def short_error(e: BaseException) -> str:
-    """Type, first line, and Dynamo's "Developer debug context" line (the underlying error) if any."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    msg = f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
-    ctx = [ln for ln in lines[1:] if ln.startswith("Developer debug context:") and len(ln) > 25]
-    return msg + (f" ({ctx[0][len('Developer debug context:'):].strip()[:400]})" if ctx else "")
-
-
-def kernel_breakdown(step, show: bool, top: int = 25) -> list[tuple[str, float]]:
-    """GPU time per kernel name over one step (torch.profiler), ms, largest first; printed if `show`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name] = totals.get(e.name, 0.0) + e.device_time_total / 1e3
-    rows = sorted(totals.items(), key=lambda kv: -kv[1])
-    if show:
-        print(f"  GPU time {sum(totals.values()):.2f} ms over {len(totals)} kernel names; top {top}:", flush=True)
-        for name, ms in rows[:top]:
-            print(f"    {ms:8.3f} ms  {name[:110]}", flush=True)
-    return [(n[:200], round(ms, 4)) for n, ms in rows[:top]]
 
 
 def run_sweep(b: Bench, name: str, module: nn.Module, routers: list[ForcedRouter], routings: Routings,
@@ -597,9 +356,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> dict:
         del model, routers, blocks
         b.free()
 
-    symm_bytes = sum(t.numel() * t.element_size() for t in (
-        ep.ctrl, *ep.dispatch_buffers, ep.presum, ep.row_scratch, *ep.pools, *ep.reduce_buffers)) \
-        if ep._pools is not None else None
+    symm_bytes = symmetric_bytes(ep)
     ep.destroy()
     # flatten: one row per (what, maxvio)
     rows = {"layer": [], "model": []}

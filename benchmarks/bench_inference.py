@@ -18,8 +18,8 @@ Variants, built and freed one after another (one EPGroup per B; the graph varian
   ours_full       MoELayer, B = epn, eager          ours_b3   MoELayer, B = --small-B, eager
   ours_b3_graph   the ours_b3 forward captured once in a CUDA graph (after warm-up on a side stream) and replayed
                   at every maxvio: the routing changes inside the graph (CUDA only)
-  base            bench_e2e.BaselineMoE: NCCL all_to_all_single with host split sizes + torch._grouped_mm
-Routing is forced as in bench_e2e (ForcedRouter + Routings; the logit bias updated in place between maxvios;
+  base            baseline_ep.BaselineMoE: NCCL all_to_all_single with host split sizes + torch._grouped_mm
+Routing is forced as in bench_e2e (routing_gen's ForcedRouter + Routings; the logit bias updated in place between maxvios;
 maxvio capped at E/K - 1). Per (S, variant, maxvio), `{variant}_{field}` in a row: `ms` (median over --repeats
 of the mean of --iters forwards, CUDA events, max over ranks), `peak_gb` (max_memory_allocated of one forward),
 `device_used_gb` (cudaMemGetInfo: symmetric memory may miss the allocator's counters), `routing_ok` (top-K =
@@ -45,10 +45,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import (  # noqa: E402
-    BaselineMoE, Bench, ForcedRouter, Routings, capture, counts_of, short_error)
-from benchmarks.common import apply_smoke_defaults, run_info, write_json  # noqa: E402
-from benchmarks.routing_gen import realized_maxvio  # noqa: E402
+from benchmarks.baseline_ep import BaselineMoE  # noqa: E402
+from benchmarks.common import Bench, apply_smoke_defaults, capture, run_info, short_error, write_json  # noqa: E402
+from benchmarks.routing_gen import ForcedRouter, Routings, counts_of, realized_maxvio  # noqa: E402
 
 VARIANTS = ("ours_full", "ours_b3", "ours_b3_graph", "base")
 MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0)

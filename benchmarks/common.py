@@ -1,14 +1,19 @@
-"""Shared benchmark plumbing: CUDA timing and result files that name the GPU, command, commit, date."""
+"""Shared benchmark plumbing: CUDA timing, the multi-rank timing harness (`Bench`), training-step and
+CUDA-graph capture helpers, and result files that name the GPU, command, commit, date."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -62,3 +67,159 @@ def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
+
+
+class Bench:
+    def __init__(self, rank: int, R: int, opts: dict, device: torch.device, group, name: str = "bench_e2e"):
+        self.rank, self.R, self.opts, self.device, self.group = rank, R, opts, device, group
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.name = name
+        self.lines: list[str] = []  # rank 0's log lines
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            self.lines.append(f"[{self.name} {time.perf_counter() - self.t0:7.1f}s] {msg}")
+            print(self.lines[-1], flush=True)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def agree(self, values: list[float], op=dist.ReduceOp.MAX) -> list[float]:
+        """Element-wise max over ranks (NaN-free: -1 marks a missing value)."""
+        t = torch.tensor([-1.0 if v is None or v != v else float(v) for v in values], dtype=torch.float64,
+                         device=self.device if self.cuda else "cpu")
+        dist.all_reduce(t, op=op, group=self.group)
+        return [None if v < 0 else v for v in t.tolist()]
+
+    def time_ms(self, fn) -> float:
+        """Median over repeats of the mean time of `iters` back-to-back steps, in ms (after warm-up)."""
+        iters, repeats = self.opts["iters"], self.opts["repeats"]
+        times = []
+        for _ in range(repeats):
+            if self.cuda:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                stop.record()
+                torch.cuda.synchronize(self.device)
+                times.append(start.elapsed_time(stop) / iters)
+            else:
+                t = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                times.append((time.perf_counter() - t) * 1e3 / iters)
+        return sorted(times)[len(times) // 2]
+
+    def memory(self, step, clear) -> tuple[float | None, float | None, float | None]:
+        """(peak GB, resident GB, device-used GB) of one step after clearing grads (CUDA only)."""
+        if not self.cuda:
+            return None, None, None
+        clear()
+        self.sync()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)
+        step()
+        self.sync()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return peak / 2**30, resident / 2**30, (total - free) / 2**30
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def failure(self, e: BaseException, label: str, ep) -> float:
+        """The failure code of a measurement that raised `e` (an OOM or a kernel's status error, e.g. a
+        barrier timeout): 1.0 OOM (caches freed), 2.0 status error (logged, the status word cleared)."""
+        if isinstance(e, torch.OutOfMemoryError):
+            self.free()
+            return 1.0
+        self.log(f"{label}: {e}")
+        if ep is not None:
+            ep.status.zero_()
+        return 2.0
+
+    def agreed_error(self, failed: float) -> str | None:
+        """The error every rank records for a measurement (collective): None if no rank failed."""
+        failed = self.agree([failed])[0]
+        return None if not failed else "OOM" if failed == 1.0 else "status error (see the log)"
+
+
+def symmetric_bytes(ep) -> int | None:
+    """Bytes of an EPGroup's symmetric-memory buffers (tables, presum, slot pools, fp32 reduce buffers), which
+    the caching allocator's counters may not include; None before the weight buffers exist."""
+    if ep._pools is None:
+        return None
+    return sum(t.numel() * t.element_size() for t in (
+        ep.ctrl, *ep.dispatch_buffers, ep.presum, ep.row_scratch, *ep.pools, *ep.reduce_buffers))
+
+
+def grad_clearer(module: nn.Module, x: torch.Tensor):
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def clear():
+        for p in params:
+            p.grad = None
+        x.grad = None
+    return clear
+
+
+def make_step(fn, x: torch.Tensor, g: torch.Tensor, clear, mark_step: bool = False):
+    """One training step: grads to None, y = fn(x), y.backward(g)."""
+    def step():
+        clear()
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        fn(x).backward(g)
+    return step
+
+
+def capture(step, warm: int, clear=lambda: None):
+    """step() captured once in a CUDA graph after `warm` runs on a side stream, clear() before each run
+    and before the capture (training: grads set to None, so that the graph owns them); returns the graph
+    and what step() returned during the capture (its static output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm):
+            clear()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def short_error(e: BaseException) -> str:
+    """Type, first line, and Dynamo's "Developer debug context" line (the underlying error) if any."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+    ctx = [ln for ln in lines[1:] if ln.startswith("Developer debug context:") and len(ln) > 25]
+    return msg + (f" ({ctx[0][len('Developer debug context:'):].strip()[:400]})" if ctx else "")
+
+
+def kernel_breakdown(step, show: bool, top: int = 25) -> list[tuple[str, float]]:
+    """GPU time per kernel name over one step (torch.profiler), ms, largest first; printed if `show`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.device_time_total / 1e3
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    if show:
+        print(f"  GPU time {sum(totals.values()):.2f} ms over {len(totals)} kernel names; top {top}:", flush=True)
+        for name, ms in rows[:top]:
+            print(f"    {ms:8.3f} ms  {name[:110]}", flush=True)
+    return [(n[:200], round(ms, 4)) for n, ms in rows[:top]]

@@ -158,9 +158,26 @@ def plot_inference(path: str) -> None:
     fig.savefig(path.replace(".json", ".png"), dpi=120)
 
 
+def plot_peers(path: str) -> None:
+    """bench_peers: the MoE layer's times per mode and the GEMM families' TFLOP/s per layout, per implementation
+    (missing or failed cells left out)."""
+    d = json.load(open(path))
+    layer, gemm = d.get("layer") or {}, d.get("gemm") or {}
+    fig, axes = plt.subplots(1, 2, figsize=(16, 4.5), gridspec_kw=dict(width_ratios=[1, 3]))
+    modes = ("fwd", "infer", "fwd_bwd")
+    bars(axes[0], list(modes), {i: [r.get(f"{m}_ms") or 0.0 for m in modes] for i, r in layer.items()}, "ms")
+    axes[0].set_title(f"MoE layer S={d['S']} H={d['H']} F={d['F']} E={d['E']} K={d['K']}", fontsize=9)
+    impls = [i for i in ("ours", "quack", "torch") if any(f"{i}_tflops" in r for r in gemm.values())]
+    bars(axes[1], list(gemm), {i: [r.get(f"{i}_tflops") or 0.0 for r in gemm.values()] for i in impls}, "TFLOP/s")
+    axes[1].set_title("GEMM families x group layouts\n" + caption(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
                        ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e),
-                       ("bench_inference.json", plot_inference)):
+                       ("bench_inference.json", plot_inference), ("bench_peers.json", plot_peers)):
         if os.path.exists(os.path.join(RESULTS, name)):
             plot(os.path.join(RESULTS, name))

@@ -2,12 +2,16 @@
 
 Expert popularity is lognormal (one draw per expert, shared by all ranks through the seed); every rank
 samples each token's K experts without replacement in proportion to popularity (Gumbel top-k). A
-bisection on the lognormal sigma hits a target maxvio = max_e(T_e / mean_T) - 1.
+bisection on the lognormal sigma hits a target maxvio = max_e(T_e / mean_T) - 1. `ForcedRouter` makes a
+router's top-K pick given experts (exact routing), `Routings` holds the per-maxvio ids of every rank and layer.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+BIAS_TOP, BIAS_STEP = 64.0, 0.5  # forced logits of a token's K experts: 64, 63.5, ..., others 0
 
 
 def sample_topk(R: int, S: int, E: int, K: int, sigma: float, seed: int = 0, device: str = "cpu",
@@ -62,3 +66,37 @@ def routing_for_maxvio(R: int, S: int, E: int, K: int, target: float, seed: int 
             hi = mid
     ids = sample_topk(R, S, E, K, hi, seed)
     return ids, hi, realized_maxvio(ids, E)
+
+
+class ForcedRouter(nn.Module):
+    """The layer's router Linear plus a fixed logit bias [S, E] that makes top-K pick given experts."""
+
+    def __init__(self, linear: nn.Linear, S: int):
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("bias", torch.zeros(S, linear.out_features, dtype=torch.float32,
+                                                 device=linear.weight.device))
+
+    def set_ids(self, ids: torch.Tensor) -> None:
+        """ids [S, K]: token s's top-K will be ids[s] (in this order)."""
+        K = ids.shape[1]
+        top = BIAS_TOP - BIAS_STEP * torch.arange(K, dtype=torch.float32, device=self.bias.device)
+        with torch.no_grad():
+            self.bias.zero_().scatter_(1, ids.to(self.bias.device), top.expand(ids.shape).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).float() + self.bias
+
+
+class Routings:
+    """Per target maxvio: ids of every rank for `n_layers` layers. Layer 0 is routing_for_maxvio's draw;
+    layer i > 0 relabels its expert ids with a fixed random permutation (the same on every rank): the same
+    maxvio, other hot experts on other home ranks."""
+
+    def __init__(self, R: int, S: int, E: int, K: int, targets: list[float], n_layers: int, seed: int):
+        self.by_target = {}
+        perms = [torch.arange(E)] + [torch.randperm(E, generator=torch.Generator().manual_seed(seed + 1000 * i))
+                                     for i in range(1, n_layers)]
+        for t in targets:
+            ids0, _, _ = routing_for_maxvio(R, S, E, K, t, seed=seed)
+            self.by_target[t] = [[p[ids] for ids in ids0] for p in perms]

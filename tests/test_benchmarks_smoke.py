@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_forced_router_picks_the_target_experts():
     """The benchmark's routing control: the logit bias makes top-K pick exactly the given experts whatever
     the Linear's logits (here scaled up to |logit| ~ 3), and the router still gets a gradient."""
-    from benchmarks.bench_e2e import ForcedRouter
+    from benchmarks.routing_gen import ForcedRouter
     from moonep_ops.routing import route
 
     S, H, E, K = 256, 64, 32, 8
@@ -126,4 +126,103 @@ def test_bench_inference_plot(inference_smoke):
 
     _, _, path = inference_smoke
     plot_inference(str(path))
+    assert os.path.getsize(str(path).replace(".json", ".png")) > 10_000
+
+
+def test_bench_peers_exact_routing_picks_the_target_experts():
+    """x @ W_router^T is the designed logits up to bf16 rounding: top-K is the target in bf16 and fp32, with the
+    margin between the last picked expert and the rest far above the rounding."""
+    from benchmarks.bench_peers import OTHER_LOGIT, PICKED_STEP, PICKED_TOP, exact_routing_inputs
+    from moonep_ops.routing import route
+
+    S, H, E, K = 512, 256, 16, 4
+    x, w, ids = exact_routing_inputs(S, H, E, K, seed=3)
+    assert x.dtype == w.dtype == torch.bfloat16 and x.shape == (S, H) and w.shape == (E, H)
+    for logits in (x.float() @ w.float().t(), (x @ w.t()).float()):
+        _, got = route(logits, K)
+        assert torch.equal(got.sort(1).values, ids.sort(1).values)
+        picked = logits.gather(1, ids)
+        want = PICKED_TOP - PICKED_STEP * torch.arange(K, dtype=torch.float32)
+        assert (picked - want).abs().max() < 2e-2
+        others = logits.scatter(1, ids, float("-inf"))
+        assert others.max() < OTHER_LOGIT + 0.5
+    with pytest.raises(ValueError, match="H=8 must be >= E=16"):
+        exact_routing_inputs(S, 8, E, K, seed=0)
+
+
+def test_bench_peers_group_layouts():
+    from benchmarks.bench_peers import group_layouts, starts_ends
+
+    layouts = group_layouts(65536)
+    assert list(layouts) == ["48 equal", "16 x 4096", "48 skewed"]
+    equal, sixteen, skewed = layouts.values()
+    assert equal.dtype == torch.int32 and int(equal[-1]) == 65536 and equal.numel() == 48
+    assert torch.equal(sixteen, (torch.arange(1, 17) * 4096).int())
+    for ends in layouts.values():
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+        assert (sizes % 128 == 0).all() and (sizes >= 0).all()
+        assert starts_ends(ends)[-1][1] == int(ends[-1]) and len(starts_ends(ends)) == ends.numel()
+    sizes = torch.diff(skewed, prepend=skewed.new_zeros(1)).float()
+    assert skewed.numel() == 48 and int(skewed[-1]) >= 65536 and sizes.max() / sizes.mean() > 3  # skewed
+    with pytest.raises(ValueError, match="multiple of 16"):
+        group_layouts(1000)
+
+
+def test_bench_peers_table_reports_failures_and_missing_peers():
+    from benchmarks.bench_peers import gemm_ratios, layer_ratios, table
+
+    layer = dict(ours=dict(fwd_ms=2.0, infer_ms=1.0, fwd_bwd_ms=6.0, ok=True),
+                 torch=dict(fwd_ms=3.0, infer_ms=2.0, fwd_bwd_ms=9.0, ok=False),
+                 sonicmoe=dict(error="RuntimeError: boom"))
+    gemm = {"fwd | 48 equal": dict(ours_ms=1.0, ours_tflops=500.0, ours_ok=True, torch_ms=2.0, torch_tflops=250.0,
+                                   torch_ok=True, quack_error="AssertionError: shape")}
+    layer_ratios(layer, fwd_flops=6e9)
+    gemm_ratios(gemm)
+    assert layer["torch"]["ours_over_fwd_bwd"] == 1.5 and layer["sonicmoe"]["ours_over_fwd"] is None
+    assert layer["ours"]["fwd_tflops"] == 6e9 / 2.0 / 1e9 and layer["ours"]["fwd_bwd_tflops"] == 3 * 6e9 / 6.0 / 1e9
+    assert gemm["fwd | 48 equal"]["ours_over_torch"] == 2.0 and gemm["fwd | 48 equal"]["ours_over_quack"] is None
+    lines = table(dict(layer=layer, gemm=gemm, S=1, H=2, F=3, E=4, K=5, ours_symmetric_gb=None,
+                       peers=dict(quack="ok 0.4.1", sonicmoe="missing: module 'sonicmoe' not importable")))
+    text = "\n".join(lines)
+    assert "sonicmoe: RuntimeError: boom" in text and "fwd | 48 equal quack: AssertionError: shape" in text
+    assert "9.000!" in text  # torch's result was off the reference
+    assert text.count("ERROR") >= 2 and lines[-1].startswith("peers:") and "sonicmoe missing" in lines[-1]
+
+
+@pytest.fixture(scope="module")
+def peers_smoke(tmp_path_factory):
+    return run_smoke(tmp_path_factory, "bench_peers")
+
+
+def test_bench_peers_smoke_without_peers(peers_smoke):
+    stdout, d, _ = peers_smoke
+    assert d["smoke"] and d["device"] == "cpu" and d["R"] == 1
+    for key in ("gpu", "command", "commit", "date"):
+        assert key in d
+    assert set(d["versions"]) == {"torch", "cutlass", "quack", "sonicmoe"}
+    for peer in ("quack", "sonicmoe"):  # never imported in tests: absent here, named as missing
+        assert d["peers"][peer].startswith("missing"), d["peers"]
+        assert d["versions"][peer] is None
+    assert list(d["layer"]) == ["ours", "torch", "torch_compiled"]
+    for name, r in d["layer"].items():
+        assert r["ok"], (name, r)
+        for mode in ("fwd", "infer", "fwd_bwd"):
+            assert r[f"{mode}_ms"] > 0 and r[f"{mode}_tflops"] > 0, (name, mode)
+        assert r["peak_gb"] is None  # CPU: no peak memory
+    assert d["layer"]["torch"]["ours_over_fwd"] > 0
+    assert len(d["gemm"]) == 5 * 3
+    for name, r in d["gemm"].items():
+        assert r["ours_ok"] and r["torch_ok"], (name, r)
+        assert r["ours_tflops"] > 0 and r["ours_over_torch"] > 0 and r["ours_over_quack"] is None
+    lines = stdout.strip().splitlines()
+    assert lines[-1].startswith("peers: quack missing") and any(ln.startswith("MoE layer") for ln in lines)
+    assert any(ln.startswith("GEMM TFLOP/s") for ln in lines)
+
+
+def test_bench_peers_plot(peers_smoke):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plot_results import plot_peers
+
+    _, _, path = peers_smoke
+    plot_peers(str(path))
     assert os.path.getsize(str(path).replace(".json", ".png")) > 10_000
