@@ -206,8 +206,9 @@ def short_error(e: BaseException) -> str:
     return msg + (f" ({ctx[0][len('Developer debug context:'):].strip()[:400]})" if ctx else "")
 
 
-def kernel_breakdown(step, show: bool, top: int = 25) -> list[tuple[str, float]]:
-    """GPU time per kernel name over one step (torch.profiler), ms, largest first; printed if `show`."""
+def kernel_breakdown(step, show: bool, top: int | None = 25) -> list[tuple[str, float]]:
+    """GPU time per kernel name over one step (torch.profiler), ms, largest first (the first `top`, or
+    all with None); printed (the first 25) if `show`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -219,7 +220,7 @@ def kernel_breakdown(step, show: bool, top: int = 25) -> list[tuple[str, float]]
             totals[e.name] = totals.get(e.name, 0.0) + e.device_time_total / 1e3
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
     if show:
-        print(f"  GPU time {sum(totals.values()):.2f} ms over {len(totals)} kernel names; top {top}:", flush=True)
-        for name, ms in rows[:top]:
+        print(f"  GPU time {sum(totals.values()):.2f} ms over {len(totals)} kernel names; top 25:", flush=True)
+        for name, ms in rows[:25]:
             print(f"    {ms:8.3f} ms  {name[:110]}", flush=True)
     return [(n[:200], round(ms, 4)) for n, ms in rows[:top]]

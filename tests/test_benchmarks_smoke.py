@@ -226,3 +226,14 @@ def test_bench_peers_plot(peers_smoke):
     _, _, path = peers_smoke
     plot_peers(str(path))
     assert os.path.getsize(str(path).replace(".json", ".png")) > 10_000
+
+
+def test_peers_gpu_time_split_names_gemm_kernels():
+    from benchmarks.bench_peers import gpu_time_split
+
+    kernels = [("kernel_cutlass_kernel_GroupGemmWgradSm90_x", 5.0), ("nvjet_sm90_tst_128x256", 1.0),
+               ("kernel_cutlass__pull_kernel_t", 0.5), ("void at::native::vectorized_elementwise_kernel<add>", 0.25)]
+    got = gpu_time_split(kernels)
+    assert (got["gpu_ms"], got["gemm_gpu_ms"], got["non_gemm_gpu_ms"]) == (6.75, 6.0, 0.75)
+    assert [n for n, _ in got["non_gemm_kernels"]] == ["kernel_cutlass__pull_kernel_t",
+                                                        "void at::native::vectorized_elementwise_kernel<add>"]
