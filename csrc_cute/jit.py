@@ -57,15 +57,19 @@ _WARNED: set[str] = set()
 # ------------------------------------------------------------------------------------------------
 def target_arch() -> str:
     """The arch the DSL compiles for: ``CUTE_DSL_ARCH`` when set (the DSL obeys it over the device),
-    else the current CUDA device's, named as the DSL names it (``sm_90a`` for Hopper: "a" from 9.0 on)."""
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch:
-        return arch
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-    raise RuntimeError("csrc_cute.jit: no CUDA device and CUTE_DSL_ARCH is not set: "
-                       "set CUTE_DSL_ARCH (e.g. sm_90a) to compile without a GPU")
+    else the CUDA device's."""
+    return os.environ.get("CUTE_DSL_ARCH") or _device_arch()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch() -> str:
+    """Device 0's arch, named as the DSL names it when it detects the GPU (``sm_90a`` for Hopper: "a" from
+    9.0 on); the DSL reads device 0 too, whichever device is current."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("csrc_cute.jit: no CUDA device and CUTE_DSL_ARCH is not set: "
+                           "set CUTE_DSL_ARCH (e.g. sm_90a) to compile without a GPU")
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
 def _check_static(family: str, value) -> None:
@@ -201,8 +205,10 @@ def _sections(data: bytes) -> list[tuple[int, bytes, int]] | None:
     for i, sec in enumerate(table):
         if sec[1] != 8 and sec[4] + sec[5] > len(data):  # 8: SHT_NOBITS occupies no file bytes
             return None
-        name = data[names_at + sec[0]:data.index(b"\0", names_at + sec[0])]
-        out.append((shoff + i * shentsize, name, sec[2]))
+        end = data.find(b"\0", names_at + sec[0], names_at + names_size)
+        if end < 0:
+            return None
+        out.append((shoff + i * shentsize, data[names_at + sec[0]:end], sec[2]))
     return out
 
 
@@ -229,7 +235,7 @@ def _load(path: Path, symbol: str):
     """The function stored at `path`, or None if there is no well-formed, loadable entry."""
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
+    except OSError:  # missing (the usual miss) or unreadable
         return None
     if _sections(data) is None:
         return None
@@ -294,10 +300,10 @@ class KernelFamily:
     def compiled(self, static: tuple, build: Callable[[], Any]):
         """The compiled function for `static` (and the target arch): from memory, else from the disk
         cache, else ``build()`` (one ``cute.compile``), then kept in both."""
-        key = compile_key(self.name, static)
-        fn = _MEMORY.get(key)
+        fn = _MEMORY.get((self.name, *static, target_arch()))  # the hot path: a kernel launch's lookup
         if fn is not None:
             return fn
+        key = compile_key(self.name, static)
         with _LOCK:
             fn = _MEMORY.get(key)
             if fn is not None:
