@@ -11,9 +11,16 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: demo test
+.PHONY: demo test gpu-test
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m moonep_ops.demo
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+# On a GPU machine (its own python3 and CUDA torch, CuTe DSL importable): the whole suite, the GPU tests
+# included, with the 25 slowest tests listed. All test processes share one kernel disk cache (see
+# tests/conftest.py and csrc_cute/jit.py), so each kernel is compiled once per session.
+gpu-test:
+	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-test: no CUDA device (make test runs the CPU suite)')"
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=25 tests/

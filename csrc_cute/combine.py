@@ -43,6 +43,7 @@ from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from .host_checks import need_int, need_peers, need_tensor
+from .jit import KernelFamily
 from .dispatch import (
     DEFAULT_NUM_CTAS,
     ROW_DTYPES,
@@ -50,7 +51,6 @@ from .dispatch import (
     align_up,
     check_fits,
     chunk_offsets,
-    compiled,
     fake,
     fake_stream,
     need_plan,
@@ -337,6 +337,9 @@ def _gather_launch(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
 # ------------------------------------------------------------------------------------------------
 # compile cache
 # ------------------------------------------------------------------------------------------------
+_JIT = KernelFamily("combine", (__name__,))
+
+
 def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _NT_PRESUM,
                     u: int = _U_PRESUM, d: int = _D_PRESUM):
     dt = ROW_DTYPES[dtype]
@@ -345,7 +348,7 @@ def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _
         return cute.compile(_presum_launch, fake(dt, NVS * H), fake(Int32, NVS, 4), fake(Int32, NVS, 4),
                             fake(dt, NVS * H), fake_stream(), NVS, H * dtype.itemsize, dt, ncta, nt,
                             u, d, options="--enable-tvm-ffi")
-    return compiled(("presum", NVS, H, dtype, ncta, nt, u, d), build)
+    return _JIT.compiled(("presum", NVS, H, dtype, ncta, nt, u, d), build)
 
 
 def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int):
@@ -355,7 +358,7 @@ def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, 
         return cute.compile(_pull_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),
                             fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(dt, S * H), fake_stream(),
                             S, K, R, NVS, H * dtype.itemsize, dt, ncta, options="--enable-tvm-ffi")
-    return compiled(("pull", S, H, K, R, NVS, dtype, ncta), build)
+    return _JIT.compiled(("pull", S, H, K, R, NVS, dtype, ncta), build)
 
 
 def _compile_gather(S: int, K: int, R: int, NVS: int, ncta: int):
@@ -363,7 +366,7 @@ def _compile_gather(S: int, K: int, R: int, NVS: int, ncta: int):
         return cute.compile(_gather_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),
                             fake(Int32, S * K, 4), fake(Float32, S * K, 4), fake_stream(), S * K, R,
                             NVS, ncta, options="--enable-tvm-ffi")
-    return compiled(("gather", S, K, R, NVS, ncta), build)
+    return _JIT.compiled(("gather", S, K, R, NVS, ncta), build)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,12 +30,16 @@ DEFAULT_ARCH = "sm_90a"
 
 
 def artifact_env(dump_dir: str, arch: str = DEFAULT_ARCH) -> dict[str, str]:
-    """Environment variables that make the DSL target ``arch`` and keep PTX/cubin in ``dump_dir``."""
+    """Environment variables that make the DSL target ``arch`` and keep PTX/cubin in ``dump_dir``, with
+    the kernel disk cache (csrc_cute/jit.py) off: a kernel loaded from it would write no PTX."""
+    from csrc_cute.jit import CACHE_DIR_ENV
+
     return {
         "CUTE_DSL_ARCH": arch,
         "CUTE_DSL_KEEP_PTX": "1",
         "CUTE_DSL_KEEP_CUBIN": "1",
         "CUTE_DSL_DUMP_DIR": os.path.abspath(dump_dir),
+        CACHE_DIR_ENV: "off",
     }
 
 

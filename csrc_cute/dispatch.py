@@ -46,8 +46,6 @@ Host wrappers: `dispatch_meta`, `dispatch_pull`; `compile_all_for_check` for CI 
 
 # (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
 
-import threading
-
 import torch
 
 import cutlass
@@ -55,6 +53,7 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 
 from .host_checks import need_int, need_peers, need_placement, need_rank, need_tensor
+from .jit import KernelFamily
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 from .plan import _ctz, _lanemask_lt, _match_any
 
@@ -63,7 +62,6 @@ _U_META = 8        # 16-byte chunks per thread in flight in meta's x copy
 _U_PULL = 16       # 16-byte chunks per lane per segment in pull (8 KiB per warp in flight)
 _CM = 32           # longest chain followed (a token has at most K <= 32 rows on a rank)
 _U = 8             # default chunks per lane per segment of the shared row helpers
-_ARCH_KEY = "sm_90a"
 
 ROW_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
 
@@ -338,8 +336,7 @@ def _pull_launch(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
 # ------------------------------------------------------------------------------------------------
 # compile cache (keyed by everything static) and fake arguments
 # ------------------------------------------------------------------------------------------------
-_CACHE: dict[tuple, object] = {}
-_LOCK = threading.Lock()
+_JIT = KernelFamily("dispatch", (__name__,))
 
 
 def fake(dtype, n: int, align: int = 16):
@@ -348,17 +345,6 @@ def fake(dtype, n: int, align: int = 16):
 
 def fake_stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-
-
-def compiled(key: tuple, build):
-    """The compiled function for `key` (built once, under a process-wide lock)."""
-    key = key + (_ARCH_KEY,)
-    with _LOCK:
-        fn = _CACHE.get(key)
-        if fn is None:
-            fn = build()
-            _CACHE[key] = fn
-    return fn
 
 
 def _compile_meta(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch.dtype, ncta: int,
@@ -374,7 +360,7 @@ def _compile_meta(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch
             fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(dt, S * H), fake(Int32, G, 4),
             fake(Int32, G, 4), Int32(0), fake_stream(), S, K, R, NVS, G, rowb, ncta, nt, u,
             options="--enable-tvm-ffi")
-    return compiled(("meta", S, H, K, R, NVS, G, dtype, ncta, nt, u), build)
+    return _JIT.compiled(("meta", S, H, K, R, NVS, G, dtype, ncta, nt, u), build)
 
 
 def _compile_pull(S: int, H: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, nt: int = _NT,
@@ -388,7 +374,7 @@ def _compile_pull(S: int, H: int, R: int, NVS: int, dtype: torch.dtype, ncta: in
             fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(dt, NVS * H), fake(Float32, NVS, 4),
             fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake_stream(), S, R, NVS, rowb, ncta, nt, u,
             options="--enable-tvm-ffi")
-    return compiled(("pull", S, H, R, NVS, dtype, ncta, nt, u), build)
+    return _JIT.compiled(("pull", S, H, R, NVS, dtype, ncta, nt, u), build)
 
 
 # ------------------------------------------------------------------------------------------------

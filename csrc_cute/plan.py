@@ -39,7 +39,6 @@ touch them (compile-time branches), a 1-element stand-in is passed in their plac
 
 # (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
 
-import threading
 from typing import NamedTuple
 
 import torch
@@ -51,6 +50,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .host_checks import need_int, need_rank, need_tensor
+from .jit import KernelFamily
 from .status import (  # the status bits the kernels set
     STATUS_BAD_COUNTS,
     STATUS_BAD_EXPERT_ID,
@@ -734,9 +734,7 @@ def _tok_launch(ids: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor, e2c: 
 # ------------------------------------------------------------------------------------------------
 # compile cache (keyed by everything static) and fake arguments
 # ------------------------------------------------------------------------------------------------
-_CACHE: dict[tuple, object] = {}
-_LOCK = threading.Lock()
-_ARCH_KEY = "sm_90a"
+_JIT = KernelFamily("plan", (__name__,))
 
 
 def _fake(dtype, n):
@@ -762,47 +760,35 @@ def _list_arg(t: torch.Tensor) -> torch.Tensor:
 
 
 def _compile_count(RB: int, N: int, E: int, id_dtype: torch.dtype):
-    key = ("count", RB, N, E, id_dtype, _ARCH_KEY)
-    with _LOCK:
-        fn = _CACHE.get(key)
-        if fn is None:
-            fn = cute.compile(_count_launch, _fake(_cute_dtype(id_dtype), RB * N), _fake(Int32, RB * E),
-                              _fake(Int32, 1), _fake_stream(), RB, N, E, options="--enable-tvm-ffi")
-            _CACHE[key] = fn
-    return fn
+    def build():
+        return cute.compile(_count_launch, _fake(_cute_dtype(id_dtype), RB * N), _fake(Int32, RB * E),
+                            _fake(Int32, 1), _fake_stream(), RB, N, E, options="--enable-tvm-ffi")
+    return _JIT.compiled(("count", RB, N, E, id_dtype), build)
 
 
 def _compile_global(R: int, E: int, B: int, P: int, TT: int):
-    key = ("global", R, E, B, P, TT, _ARCH_KEY)
-    with _LOCK:
-        fn = _CACHE.get(key)
-        if fn is None:
-            epn = E // R
-            fn = cute.compile(_plan_global_launch, _fake(Int32, R * E), _fake(Int32, 2 * E + 4 * R),
-                              _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
-                              _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
-                              _fake(Int32, R * 2 * epn), _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
-                              options="--enable-tvm-ffi")
-            _CACHE[key] = fn
-    return fn
+    def build():
+        epn = E // R
+        return cute.compile(_plan_global_launch, _fake(Int32, R * E), _fake(Int32, 2 * E + 4 * R),
+                            _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
+                            _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
+                            _fake(Int32, R * 2 * epn), _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
+                            options="--enable-tvm-ffi")
+    return _JIT.compiled(("global", R, E, B, P, TT), build)
 
 
 def _compile_tokens(S: int, K: int, E: int, R: int, B: int, id_dtype: torch.dtype):
-    key = ("tokens", S, K, E, R, B, id_dtype, _ARCH_KEY)
-    with _LOCK:
-        fn = _CACHE.get(key)
-        if fn is None:
-            epn = E // R
-            NCH = _tok_geometry(S, K, E)[3]
-            N = S * K
-            fn = cute.compile(_tok_launch, _fake(_cute_dtype(id_dtype), N), _fake(Int32, R * E),
-                              _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
-                              _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
-                              _fake(Int32, NCH * E), _fake(Int32, E * R), _fake(Int32, N),
-                              _fake(Int32, N), _fake(Int32, N), _fake(Int32, 1), Int32(0),
-                              _fake_stream(), S, K, E, R, B, options="--enable-tvm-ffi")
-            _CACHE[key] = fn
-    return fn
+    def build():
+        epn = E // R
+        NCH = _tok_geometry(S, K, E)[3]
+        N = S * K
+        return cute.compile(_tok_launch, _fake(_cute_dtype(id_dtype), N), _fake(Int32, R * E),
+                            _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
+                            _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
+                            _fake(Int32, NCH * E), _fake(Int32, E * R), _fake(Int32, N),
+                            _fake(Int32, N), _fake(Int32, N), _fake(Int32, 1), Int32(0),
+                            _fake_stream(), S, K, E, R, B, options="--enable-tvm-ffi")
+    return _JIT.compiled(("tokens", S, K, E, R, B, id_dtype), build)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,8 +17,6 @@ Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once pe
 
 # (no `from __future__ import annotations`: the DSL reads Constexpr annotations at runtime)
 
-import threading
-
 import torch
 
 import cutlass
@@ -28,6 +26,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .host_checks import need_peers, need_rank, need_tensor
+from .jit import KernelFamily
 from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, SIGNAL_BASE, STATUS_TIMEOUT, STATUS_WORD, control_words,
                      counts_base)
 
@@ -118,27 +117,21 @@ def _exchange_counts_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, counts: c
 # ------------------------------------------------------------------------------------------------
 # compile cache and host wrappers
 # ------------------------------------------------------------------------------------------------
-_CACHE: dict[tuple, object] = {}
-_LOCK = threading.Lock()
+_JIT = KernelFamily("sync", (__name__,))
 
 
 def _compile(kind: str, R: int, E: int):
-    key = (kind, R, E, "sm_90a")
-    with _LOCK:
-        fn = _CACHE.get(key)
-        if fn is None:
-            peers = cute.runtime.make_fake_compact_tensor(Int64, (R,), assumed_align=8)
-            ctrl = cute.runtime.make_fake_compact_tensor(Int32, (control_words(R, E),), assumed_align=16)
-            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-            if kind == "barrier":
-                fn = cute.compile(_barrier_launch, peers, ctrl, Int32(0), Int64(0), stream, R,
-                                  options="--enable-tvm-ffi")
-            else:
-                counts = cute.runtime.make_fake_compact_tensor(Int32, (R * E,), assumed_align=4)
-                fn = cute.compile(_exchange_counts_launch, peers, ctrl, counts, Int32(0), Int64(0), stream, R, E,
-                                  options="--enable-tvm-ffi")
-            _CACHE[key] = fn
-    return fn
+    def build():
+        peers = cute.runtime.make_fake_compact_tensor(Int64, (R,), assumed_align=8)
+        ctrl = cute.runtime.make_fake_compact_tensor(Int32, (control_words(R, E),), assumed_align=16)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        if kind == "barrier":
+            return cute.compile(_barrier_launch, peers, ctrl, Int32(0), Int64(0), stream, R,
+                                options="--enable-tvm-ffi")
+        counts = cute.runtime.make_fake_compact_tensor(Int32, (R * E,), assumed_align=4)
+        return cute.compile(_exchange_counts_launch, peers, ctrl, counts, Int32(0), Int64(0), stream, R, E,
+                            options="--enable-tvm-ffi")
+    return _JIT.compiled((kind, R, E), build)
 
 
 def _check(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int) -> int:

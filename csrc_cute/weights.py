@@ -30,9 +30,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
-from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream, row_geometry,
+from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
 from .host_checks import need_int, need_peers, need_rank, need_tensor
+from .jit import KernelFamily
 from .plan import _lanemask_lt
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 
@@ -231,6 +232,9 @@ def _reduce_zero_launch(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Te
 # ------------------------------------------------------------------------------------------------
 # compile cache and host wrappers
 # ------------------------------------------------------------------------------------------------
+_JIT = KernelFamily("weights", (__name__,))
+
+
 def _compile_prefetch(R, B, epn, HF, dtype, ncta):
     dt, EB = ROW_DTYPES[dtype], HF * dtype.itemsize
 
@@ -239,7 +243,7 @@ def _compile_prefetch(R, B, epn, HF, dtype, ncta):
         peers = [fake(Int64, R, 8) for _ in range(3)]
         return cute.compile(_prefetch_launch, fake(Int32, R * B, 4), *w, *peers, Int32(0), fake_stream(),
                             R, B, epn, EB, ncta, options="--enable-tvm-ffi")
-    return compiled(("prefetch", R, B, epn, HF, dtype, ncta), build)
+    return _JIT.compiled(("prefetch", R, B, epn, HF, dtype, ncta), build)
 
 
 def _compile_reduce(R, B, epn, HF, ncta):
@@ -250,7 +254,7 @@ def _compile_reduce(R, B, epn, HF, ncta):
         homes = [fake(BFloat16, epn * HF) for _ in range(3)]
         return cute.compile(_reduce_pull_launch, fake(Int32, R * B, 4), *peers, *homes, Int32(0), fake_stream(),
                             R, B, epn, EB, ncta, options="--enable-tvm-ffi")
-    return compiled(("reduce_pull", R, B, epn, HF, ncta), build)
+    return _JIT.compiled(("reduce_pull", R, B, epn, HF, ncta), build)
 
 
 def _compile_zero(R, B, HF, ncta):
@@ -260,7 +264,7 @@ def _compile_zero(R, B, HF, ncta):
         bufs = [fake(Float32, B * HF) for _ in range(3)]
         return cute.compile(_reduce_zero_launch, fake(Int32, R * B, 4), *bufs, Int32(0), fake_stream(), B, EB,
                             ncta, options="--enable-tvm-ffi")
-    return compiled(("reduce_zero", R, B, HF, ncta), build)
+    return _JIT.compiled(("reduce_zero", R, B, HF, ncta), build)
 
 
 def _check_weights(name, tensors, dtypes, lead, device):

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -8,6 +10,25 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # benchmarks/ (the routing generator) is not an installed package
+
+from csrc_cute.jit import CACHE_DIR_ENV  # noqa: E402  (needs ROOT on the path)
+
+_SESSION_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    """One kernel disk cache per test session (unless the caller chose one): every test process and the
+    rank processes they spawn (which inherit the environment) load what another one compiled."""
+    if not os.environ.get(CACHE_DIR_ENV):
+        _SESSION_CACHE.append(tempfile.mkdtemp(prefix="moonep_cute_cache_"))
+        os.environ[CACHE_DIR_ENV] = _SESSION_CACHE[0]
+
+
+def pytest_unconfigure(config):
+    for path in _SESSION_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get(CACHE_DIR_ENV) == path:
+            del os.environ[CACHE_DIR_ENV]
 
 
 @pytest.fixture(scope="session")

@@ -149,9 +149,14 @@ def test_compiled_model_contract(R):
     got = ep_workers.gather_model_grads([r["eager"]["grads"] for r in res])
     for name, want in ref["grads"].items():
         close(got[name], want, name)
+    # Top-K picks K distinct experts per token, so the hottest expert's load is at most E/K times the
+    # mean (2 at R=1: E=8, K=4). The skewed steps reach 1.7-1.9 there and 2.5-2.8 at R=2 (fp32 on the
+    # CPU); uniform steps stay below 1.25. Require 3/4 of that ceiling, and > 2 where it is reachable.
+    want_load = min(2.0, 0.75 * cfg_kwargs["E"] / cfg_kwargs["K"])
     for rank, r in enumerate(res):
         print(rank, {k: v for k, v in r.items() if k != "eager"})
-        assert r["distinct_routings"] == steps and r["max_load"] > 2, r  # the routing really changes and skews
+        # the routing really changes and skews
+        assert r["distinct_routings"] == steps and r["max_load"] > want_load, (want_load, r)
         assert r["frames"] == 1 and r["recompiles"] == 0 and r["graph_breaks"] == 0, r
         assert r["compiled_vs_eager"] < 5e-2, r
         assert r["syncs"] == [], r["syncs"]

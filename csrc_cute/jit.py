@@ -1,0 +1,322 @@
+"""One compile cache for every CuTe DSL kernel family: in memory, and persistent on disk.
+
+A kernel family (``KernelFamily("plan", ("csrc_cute.plan",))``) names the modules that define its
+kernels. ``family.compiled(static, build)`` returns the compiled function for the static values
+``static`` (shapes, dtypes, flags) and the target arch: built once per process under one lock
+(``cute.compile`` is not thread-safe), and kept on disk so that the next process loads it instead of
+compiling.
+
+Why an object file (CuTe DSL 4.4.2): ``cute.compile`` always compiles (it passes ``no_cache=True``;
+``CUTE_DSL_CACHE_DIR`` only serves implicit ``@cute.jit`` calls, and even then keeps IR that must be
+traced and JIT-linked again). A function compiled with ``--enable-tvm-ffi`` exports its host code
+and embedded cubin to an ELF object (``export_to_c``), and ``cute.runtime.load_module(path,
+enable_tvm_ffi=True)[name]`` loads it back as a ``tvm_ffi.Function`` in milliseconds, with no
+tracing, MLIR or ptxas. Functions compiled without tvm-ffi are cached in memory only.
+
+Disk layout: ``<root>/<family>/<sha256>.o``, the hash over the compile key (family, static values,
+arch) and the family's fingerprint (its sources, the DSL/tvm-ffi/Python versions, this format's
+version), so a change to any of them selects a new entry. ``root`` is ``$MOONEP_CUTE_CACHE_DIR``
+(``0``/``off`` disables the disk cache), else ``$XDG_CACHE_HOME/moonep_ops/cute``, else
+``~/.cache/moonep_ops/cute``. Entries are written to a temporary file and renamed into place, so
+ranks compiling the same kernel at once each leave a complete file and the last rename wins; an
+entry that is not a well-formed object or does not load is ignored and rewritten.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib.util
+import os
+import struct
+import sys
+import tempfile
+import threading
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+CACHE_DIR_ENV = "MOONEP_CUTE_CACHE_DIR"
+_DISABLED = ("0", "off")
+# Bump when the entry layout or the way entries are exported/loaded changes.
+_FORMAT = 1
+# Static values must print the same in every process: their repr is hashed into the disk key.
+_STATIC_TYPES = (bool, int, float, str, type(None), torch.dtype)
+
+_MEMORY: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
+_WARNED: set[str] = set()
+
+
+# ------------------------------------------------------------------------------------------------
+# compile key
+# ------------------------------------------------------------------------------------------------
+def target_arch() -> str:
+    """The arch the DSL compiles for: ``CUTE_DSL_ARCH`` when set (the DSL obeys it over the device),
+    else the CUDA device's."""
+    return os.environ.get("CUTE_DSL_ARCH") or _device_arch()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch() -> str:
+    """Device 0's arch, named as the DSL names it when it detects the GPU (``sm_90a`` for Hopper: "a" from
+    9.0 on); the DSL reads device 0 too, whichever device is current."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("csrc_cute.jit: no CUDA device and CUTE_DSL_ARCH is not set: "
+                           "set CUTE_DSL_ARCH (e.g. sm_90a) to compile without a GPU")
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def _check_static(family: str, value) -> None:
+    if isinstance(value, tuple):
+        for v in value:
+            _check_static(family, v)
+    elif not isinstance(value, _STATIC_TYPES):
+        raise TypeError(f"csrc_cute.jit: compile key of {family!r} holds {value!r} of type "
+                        f"{type(value).__name__}; static values must be bool/int/float/str/None/"
+                        "torch.dtype or tuples of them (their repr is the persistent key)")
+
+
+def compile_key(family: str, static: tuple) -> tuple:
+    """(family, *static values, target arch): everything a compiled kernel depends on, but its sources."""
+    if not isinstance(static, tuple):
+        raise TypeError(f"csrc_cute.jit: static values of {family!r} must be a tuple, got {type(static).__name__}")
+    _check_static(family, static)
+    return (family, *static, target_arch())
+
+
+# ------------------------------------------------------------------------------------------------
+# fingerprint: sources and versions
+# ------------------------------------------------------------------------------------------------
+def _module_files(name: str) -> list[Path]:
+    """The .py files of module `name` (every file under it if it is a package)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"csrc_cute.jit: kernel source module {name!r} not found")
+    if spec.submodule_search_locations:
+        return sorted(p for d in spec.submodule_search_locations for p in Path(d).rglob("*.py"))
+    return [Path(spec.origin)]
+
+
+def _file_of(root: Path, scope: str, module: str) -> Path | None:
+    """The file of `module` (under package `scope`, whose directory is `root`), found without importing."""
+    rel = Path(*module.split(".")[1:]) if module != scope else Path()
+    for cand in (root / rel / "__init__.py", (root / rel).with_suffix(".py") if module != scope else None):
+        if cand is not None and cand.is_file():
+            return cand
+    return None
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Absolute names of what the file of `module` imports (top level or inside functions); for
+    ``from pkg import name`` both ``pkg`` and ``pkg.name`` (name may be a submodule)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            base = ".".join(p for p in (base, node.module) if p)
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def source_files(modules: Sequence[str]) -> list[Path]:
+    """The files of `modules` and of every module of their top-level package that they import,
+    transitively."""
+    files: set[Path] = set()
+    for module in modules:
+        scope = module.partition(".")[0]
+        root = Path(importlib.util.find_spec(scope).origin).parent.resolve()
+        todo = [f.resolve() for f in _module_files(module)]
+        while todo:
+            path = todo.pop()
+            if path in files:
+                continue
+            files.add(path)
+            rel = path.relative_to(root).with_suffix("").parts
+            name = ".".join((scope, *(rel[:-1] if rel[-1] == "__init__" else rel)))
+            for imported in _imports(path, name):
+                if imported == scope or imported.startswith(scope + "."):
+                    f = _file_of(root, scope, imported)
+                    if f is not None:
+                        todo.append(f.resolve())
+    return sorted(files)
+
+
+def dsl_versions() -> str:
+    """Versions the exported objects depend on: the CuTe DSL, tvm-ffi, Python."""
+    import cutlass
+    import tvm_ffi
+
+    return f"cutlass={cutlass.__version__} tvm_ffi={tvm_ffi.__version__} py={sys.version_info[:2]}"
+
+
+def fingerprint(modules: Sequence[str]) -> str:
+    """Hash of the kernel sources (path and bytes of each file), the versions and the entry format."""
+    h = hashlib.sha256(f"format={_FORMAT} {dsl_versions()}".encode())
+    for f in source_files(modules):
+        data = f.read_bytes()
+        h.update(f"\n{f.name} {len(data)}\n".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# disk cache
+# ------------------------------------------------------------------------------------------------
+def cache_root() -> Path | None:
+    """Root of the disk cache, or None when ``$MOONEP_CUTE_CACHE_DIR`` is ``0``/``off``."""
+    value = os.environ.get(CACHE_DIR_ENV, "")
+    if value.strip().lower() in _DISABLED:
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moonep_ops" / "cute"
+
+
+_ELF_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
+_SECTION = struct.Struct("<IIQQQQIIQQ")
+_SHF_WRITE, _SHF_ALLOC, _SHF_EXECINSTR = 0x1, 0x2, 0x4
+
+
+def _sections(data: bytes) -> list[tuple[int, bytes, int]] | None:
+    """(header offset, name, flags) of every section of an ELF64 little-endian object; None if `data` is
+    not one or its section table is cut off (a partial or corrupt entry)."""
+    if len(data) < _ELF_HEADER.size or data[:6] != b"\x7fELF\x02\x01":
+        return None
+    head = _ELF_HEADER.unpack_from(data)
+    shoff, shentsize, shnum, shstrndx = head[6], head[11], head[12], head[13]
+    if shentsize != _SECTION.size or shstrndx >= shnum or shoff + shnum * shentsize > len(data):
+        return None
+    table = [_SECTION.unpack_from(data, shoff + i * shentsize) for i in range(shnum)]
+    names_at, names_size = table[shstrndx][4], table[shstrndx][5]
+    if names_at + names_size > len(data):
+        return None
+    out = []
+    for i, sec in enumerate(table):
+        if sec[1] != 8 and sec[4] + sec[5] > len(data):  # 8: SHT_NOBITS occupies no file bytes
+            return None
+        end = data.find(b"\0", names_at + sec[0], names_at + names_size)
+        if end < 0:
+            return None
+        out.append((shoff + i * shentsize, data[names_at + sec[0]:end], sec[2]))
+    return out
+
+
+def _seal_text_sections(data: bytes) -> bytes:
+    """The exported object holds a second ``.text`` section that is writable (a table of function
+    pointers); LLVM's in-process loaders merge same-named sections and then protect them wrongly, a
+    reported source of random segfaults in multi-process runs (NVIDIA/cutlass#3162). The table is only
+    written by relocation at load time, so it is made read+execute like the code section."""
+    out = bytearray(data)
+    for at, name, flags in _sections(data) or ():
+        if name == b".text" and flags & _SHF_WRITE:
+            struct.pack_into("<Q", out, at + 8, (flags & ~_SHF_WRITE) | _SHF_ALLOC | _SHF_EXECINSTR)
+    return bytes(out)
+
+
+def _warn_once(what: str, exc: BaseException) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(f"csrc_cute.jit: {what} ({type(exc).__name__}: {exc}); compiling in memory only",
+                      stacklevel=3)
+
+
+def _load(path: Path, symbol: str):
+    """The function stored at `path`, or None if there is no well-formed, loadable entry."""
+    try:
+        data = path.read_bytes()
+    except OSError:  # missing (the usual miss) or unreadable
+        return None
+    if _sections(data) is None:
+        return None
+    import cutlass.cute as cute
+
+    try:
+        return cute.runtime.load_module(str(path), enable_tvm_ffi=True)[symbol]
+    except Exception:  # noqa: BLE001 - any failure to load means: compile and rewrite the entry
+        return None
+
+
+def _store(path: Path, symbol: str, fn) -> None:
+    """Export `fn` to `path`: into a temporary file of the same directory, then an atomic rename."""
+    from cutlass.cutlass_dsl.tvm_ffi_provider import TVMFFIJitCompiledFunctionBase
+
+    if not isinstance(fn, TVMFFIJitCompiledFunctionBase):
+        return  # only tvm-ffi functions can be exported and loaded back
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.{uuid.uuid4().hex[:8]}.", suffix=".o", dir=path.parent)
+        os.close(fd)
+        try:
+            fn.export_to_c(tmp, function_name=symbol)  # the ".o" suffix selects the object format
+            data = _seal_text_sections(Path(tmp).read_bytes())
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except Exception as exc:  # noqa: BLE001 - the compiled function is still good: run without the disk
+        _warn_once(f"cannot write the kernel cache under {path.parent}", exc)
+
+
+# ------------------------------------------------------------------------------------------------
+# the cache
+# ------------------------------------------------------------------------------------------------
+class KernelFamily:
+    """The kernels of `modules` (module or package names; what they import from their top-level
+    package counts as their source too), cached under the name `name`."""
+
+    def __init__(self, name: str, modules: Sequence[str]):
+        if not name.isidentifier():
+            raise ValueError(f"csrc_cute.jit: family name must be an identifier, got {name!r}")
+        self.name = name
+        self.modules = tuple(modules)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return fingerprint(self.modules)
+
+    def entry(self, key: tuple) -> tuple[Path, str] | None:
+        """(file, exported symbol) of `key`'s disk entry, or None when the disk cache is off."""
+        root = cache_root()
+        if root is None:
+            return None
+        digest = hashlib.sha256(f"{self.fingerprint}\n{key!r}".encode()).hexdigest()
+        return root / self.name / f"{digest}.o", f"moonep_{self.name}_{digest[:16]}"
+
+    def compiled(self, static: tuple, build: Callable[[], Any]):
+        """The compiled function for `static` (and the target arch): from memory, else from the disk
+        cache, else ``build()`` (one ``cute.compile``), then kept in both."""
+        fn = _MEMORY.get((self.name, *static, target_arch()))  # the hot path: a kernel launch's lookup
+        if fn is not None:
+            return fn
+        key = compile_key(self.name, static)
+        with _LOCK:
+            fn = _MEMORY.get(key)
+            if fn is not None:
+                return fn
+            entry = self.entry(key)
+            fn = _load(*entry) if entry else None
+            if fn is None:
+                fn = build()
+                if entry:
+                    _store(*entry, fn)
+            _MEMORY[key] = fn
+            return fn
+
+
+__all__ = ["CACHE_DIR_ENV", "KernelFamily", "cache_root", "compile_key", "dsl_versions", "fingerprint",
+           "source_files", "target_arch"]

@@ -1,0 +1,230 @@
+"""csrc_cute/jit.py: compile keys, the in-memory cache, and the disk cache of exported kernels.
+
+The disk tests compile a real (tiny) CuTe kernel for sm_90a in child processes; on this CPU machine the
+kernel is compiled without a JIT engine (``no_jit_engine=True``: nothing to load it on), which is what
+lets it be exported. A later child loading it back must not call the build at all."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from csrc_cute import jit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE = '''
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from csrc_cute.jit import KernelFamily
+
+from .helpers import SCALE
+
+FAMILY = KernelFamily("probe", (__name__,))
+
+
+@cute.kernel
+def _scale_kernel(a: cute.Tensor, b: cute.Tensor, n: Int32):
+    i = cute.arch.thread_idx()[0] + cute.arch.block_idx()[0] * 128
+    if i < n:
+        b[i] = a[i] * SCALE
+
+
+@cute.jit
+def _scale_launch(a: cute.Tensor, b: cute.Tensor, n: Int32, stream):
+    _scale_kernel(a, b, n).launch(grid=(1, 1, 1), block=(128, 1, 1), stream=stream)
+
+
+def compiled(builds: list):
+    def build():
+        builds.append(1)
+        n = cute.sym_int()
+        fake = [cute.runtime.make_fake_compact_tensor(Float32, (n,), assumed_align=16) for _ in range(2)]
+        return cute.compile(_scale_launch, *fake, Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                            options="--enable-tvm-ffi", no_jit_engine=True)
+    return FAMILY.compiled(("scale", 128), build)
+'''
+
+_CHILD = '''
+import json, sys, time
+from pathlib import Path
+from csrc_cute import jit
+import jitprobe.kern as kern
+
+def run():
+    builds = []
+    t = time.perf_counter()
+    fn = kern.compiled(builds)
+    return {"builds": len(builds), "type": type(fn).__name__, "seconds": time.perf_counter() - t}
+
+out = [run()]
+if sys.argv[1] == "then-corrupt":  # break the entry, forget the loaded kernel, and ask again
+    path = kern.FAMILY.entry(jit.compile_key("probe", ("scale", 128)))[0]
+    for broken in (path.read_bytes()[: path.stat().st_size // 2], b"not an object"):
+        path.write_bytes(broken)
+        jit._MEMORY.clear()
+        out.append(run())
+print(json.dumps(out))
+'''
+
+
+def _write_probe(base, scale: float = 2.0):
+    pkg = base / "jitprobe"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kern.py").write_text(_PROBE)
+    (pkg / "helpers.py").write_text(f"SCALE = {scale}\n")
+
+
+def _child_env(base, cache) -> dict:
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=os.pathsep.join([ROOT, str(base)]))
+    env[jit.CACHE_DIR_ENV] = str(cache)
+    return env
+
+
+def _start(base, cache, mode="once"):
+    return subprocess.Popen([sys.executable, "-c", _CHILD, mode], env=_child_env(base, cache), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc) -> list[dict]:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _entries(cache) -> list:
+    d = cache / "probe"
+    return sorted(d.iterdir()) if d.exists() else []
+
+
+def _is_sealed_object(path) -> bool:
+    sections = jit._sections(path.read_bytes())
+    return sections is not None and not any(n == b".text" and f & jit._SHF_WRITE for _, n, f in sections)
+
+
+# ------------------------------------------------------------------------------------------------
+# keys and the in-memory cache
+# ------------------------------------------------------------------------------------------------
+def test_compile_key_holds_the_arch(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    k90 = jit.compile_key("plan", ("count", 4, torch.int32))
+    assert k90 == ("plan", "count", 4, torch.int32, "sm_90a")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert jit.compile_key("plan", ("count", 4, torch.int32)) != k90
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("CUTE_DSL_ARCH")
+        with pytest.raises(RuntimeError, match="CUTE_DSL_ARCH"):
+            jit.target_arch()
+
+
+def test_compile_key_rejects_values_without_a_stable_repr(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    with pytest.raises(TypeError, match="'plan'.*object"):
+        jit.compile_key("plan", (1, (2, object())))
+    with pytest.raises(TypeError, match="must be a tuple"):
+        jit.compile_key("plan", [1, 2])
+    with pytest.raises(ValueError, match="identifier"):
+        jit.KernelFamily("no-dash", ("csrc_cute.status",))
+
+
+def test_memory_cache_builds_once_per_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, "off")
+    family = jit.KernelFamily("memory_probe", ("csrc_cute.status",))
+    built = []
+
+    def build():
+        built.append(object())
+        return built[-1]
+
+    first = family.compiled(("a", 1), build)
+    assert family.compiled(("a", 1), build) is first and len(built) == 1
+    assert family.compiled(("a", 2), build) is not first and len(built) == 2
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")  # another arch is another kernel
+    family.compiled(("a", 1), build)
+    assert len(built) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# where the disk cache lives, and what selects an entry
+# ------------------------------------------------------------------------------------------------
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(jit.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert jit.cache_root() == tmp_path / "xdg" / "moonep_ops" / "cute"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert jit.cache_root() == tmp_path / "home" / ".cache" / "moonep_ops" / "cute"
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert jit.cache_root() == tmp_path / "mine"
+    for off in ("0", "off", "OFF"):
+        monkeypatch.setenv(jit.CACHE_DIR_ENV, off)
+        assert jit.cache_root() is None
+        assert jit.KernelFamily("plan", ("csrc_cute.plan",)).entry(("plan", "sm_90a")) is None
+
+
+def test_entry_changes_with_sources_and_versions(monkeypatch, tmp_path):
+    _write_probe(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    key = ("probe", "scale", 128, "sm_90a")
+
+    def entry():
+        return jit.KernelFamily("probe", ("jitprobe.kern",)).entry(key)
+
+    path, symbol = entry()
+    assert path.parent == tmp_path / "cache" / "probe" and symbol.isidentifier()
+    assert {p.name for p in jit.source_files(["jitprobe.kern"])} == {"kern.py", "helpers.py"}
+    assert entry() == (path, symbol)  # deterministic
+    assert jit.KernelFamily("probe", ("jitprobe.kern",)).entry(key[:-1] + ("sm_100a",))[0] != path
+    (tmp_path / "jitprobe" / "helpers.py").write_text("SCALE = 3.0\n")  # an imported module's source
+    assert entry()[0] != path
+    (tmp_path / "jitprobe" / "helpers.py").write_text("SCALE = 2.0\n")
+    assert entry()[0] == path
+    monkeypatch.setattr(jit, "dsl_versions", lambda: "cutlass=4.5.0 tvm_ffi=0.1.15.post2 py=(3, 11)")
+    assert entry()[0] != path
+
+
+def test_kernel_modules_hash_what_they_import():
+    names = {p.name for p in jit.source_files(["csrc_cute.combine"])}
+    assert {"combine.py", "dispatch.py", "plan.py", "status.py", "jit.py"} <= names
+    assert "weights.py" not in names and "group_gemm.py" not in names
+
+
+# ------------------------------------------------------------------------------------------------
+# a real kernel through the disk cache, across processes
+# ------------------------------------------------------------------------------------------------
+def test_disk_round_trip_and_corrupt_entries(tmp_path):
+    _write_probe(tmp_path)
+    cache = tmp_path / "cache"
+    (cold,) = _finish(_start(tmp_path, cache))
+    assert cold["builds"] == 1, cold
+    (entry,) = _entries(cache)
+    assert entry.suffix == ".o" and _is_sealed_object(entry)
+
+    warm, *after_corruption = _finish(_start(tmp_path, cache, "then-corrupt"))
+    assert warm["builds"] == 0 and warm["type"] == "Function", warm  # a tvm_ffi.Function, not compiled
+    assert warm["seconds"] < cold["seconds"], (warm, cold)
+    print(f"compile {cold['seconds']:.3f} s, load {warm['seconds']:.4f} s")
+    assert [r["builds"] for r in after_corruption] == [1, 1], after_corruption  # ignored, rebuilt
+    assert _entries(cache) == [entry] and _is_sealed_object(entry)  # and rewritten
+
+
+def test_concurrent_compiles_leave_one_valid_entry(monkeypatch, tmp_path):
+    _write_probe(tmp_path)
+    cache = tmp_path / "cache"
+    procs = [_start(tmp_path, cache) for _ in range(2)]
+    results = [_finish(p)[0] for p in procs]
+    assert sum(r["builds"] for r in results) >= 1, results
+    (entry,) = _entries(cache)  # no temporary file left behind either
+    assert _is_sealed_object(entry)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache))
+    path, symbol = jit.KernelFamily("probe", ("jitprobe.kern",)).entry(("probe", "scale", 128, "sm_90a"))
+    assert path == entry and jit._load(path, symbol) is not None  # it loads, here too
