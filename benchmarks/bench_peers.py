@@ -70,6 +70,7 @@ from moonep_ops.routing import route  # noqa: E402
 SECTIONS = ("layer", "gemm")
 PEERS = ("quack", "sonicmoe")
 FAMILIES = ("fwd", "dgrad", "wgrad", "swiglu", "swiglu_bwd")
+IMPLS = ("ours", "torch", "torch_compiled", "sonicmoe", "quack")
 PICKED_TOP, PICKED_STEP, OTHER_LOGIT = 0.5, 0.0625, -8.0  # designed router logits (see the module docstring)
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, gemm_rows=512, iters=2, repeats=1, warmup=1,
              compile_backend="aot_eager")
@@ -355,7 +356,8 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
                 from moonep_ops import EPConfig, EPGroup
 
                 cfg = EPConfig(S=o["S"], H=o["H"], K=o["K"], E=o["E"], F=o["F"], R=1, P=o["P"])
-                st["ep"] = EPGroup(cfg, dtype=torch.bfloat16, device=b.device, timeout_s=600.0)
+                sms = {} if o["comm_sms"] is None else dict(comm_sms=o["comm_sms"])
+                st["ep"] = EPGroup(cfg, dtype=torch.bfloat16, device=b.device, timeout_s=600.0, **sms)
                 impl = OursLayer(st["ep"], router_w, w_gate, w_up, w_down)
                 st["ours_symmetric_gb"] = (symmetric_bytes(st["ep"]) or 0) / 2**30
             elif name in ("torch", "torch_compiled"):
@@ -628,9 +630,10 @@ def run(opts: dict) -> dict:
     sections = dict(layer=(layer_section, layer), gemm=(gemm_section, gemm))
 
     def section(name: str, impls: list[str], peers: dict) -> None:
-        """One section for `impls`; a failure outside the per-implementation guards (inputs, the fp32
-        reference) is recorded and the run goes on to the next section."""
-        if name not in opts["only"] or name in errors:
+        """One section for `impls` (those --impls keeps); a failure outside the per-implementation guards
+        (inputs, the fp32 reference) is recorded and the run goes on to the next section."""
+        impls = [i for i in impls if i in opts["impls"]]
+        if name not in opts["only"] or name in errors or not impls:
             return
         fn, st = sections[name]
         try:
@@ -654,6 +657,7 @@ def run(opts: dict) -> dict:
                 device=opts["device"],
                 smoke=opts["smoke"], tol=opts["tol"], iters=opts["iters"], repeats=opts["repeats"],
                 warmup=opts["warmup"], compile_backend=opts["compile_backend"], dtype="bfloat16", R=1,
+                comm_sms=opts["comm_sms"],
                 **{k: opts[k] for k in ("S", "H", "F", "E", "K", "P", "gemm_rows")})
     rows_l, rows_g = layer.get("rows", {}), gemm.get("rows", {})
     fwd_flops = 6.0 * opts["S"] * opts["K"] * opts["H"] * opts["F"]
@@ -676,6 +680,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tol", type=float, default=3e-2, help="max |got - ref| / max |ref| against fp32")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (inductor; smoke: aot_eager)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated implementations ({', '.join(IMPLS)})")
+    ap.add_argument("--comm-sms", type=int, default=None, help="CTAs of our communication kernels (EPGroup.comm_sms; "
+                    "default: the EPGroup default)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no peers")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -684,7 +691,9 @@ def main(argv=None) -> None:
     opts = vars(args)
     opts["only"] = [s for s in args.only.split(",") if s]
     opts["families"] = [f for f in args.families.split(",") if f]
-    for name, got, known in (("--only", opts["only"], SECTIONS), ("--families", opts["families"], FAMILIES)):
+    opts["impls"] = [i for i in args.impls.split(",") if i]
+    for name, got, known in (("--only", opts["only"], SECTIONS), ("--families", opts["families"], FAMILIES),
+                             ("--impls", opts["impls"], IMPLS)):
         if set(got) - set(known):
             ap.error(f"{name}: unknown {sorted(set(got) - set(known))} (known: {', '.join(known)})")
     opts["device"] = "cpu" if args.smoke else "cuda"
