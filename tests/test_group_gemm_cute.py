@@ -1,4 +1,4 @@
-"""Tests of the CuTe DSL grouped GEMM kernels (csrc_cute/group_gemm.py): forward, dgrad, wgrad (home
+"""Tests of the CuTe DSL grouped GEMM kernels (csrc_cute/group_gemm/): forward, dgrad, wgrad (home
 groups written in bf16, slot groups accumulated in fp32), the fused SwiGLU / route-weight kernels.
 
 CPU (CI): every kernel compiles for sm_90a without a GPU, ptxas reports no spills; input validation.
@@ -49,9 +49,9 @@ def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int) 
         return f.read().decode(errors="replace")
 
 
-def layout_probe(probe: str, tile_m: int, tile_n: int) -> dict:
-    """Run a layout probe of csrc_cute/group_gemm.py (CuTe layout algebra at trace time, no GPU) in a
-    child process with CUTE_DSL_ARCH=sm_90a; returns the dict it prints."""
+def layout_probe(module: str, probe: str, tile_m: int, tile_n: int) -> dict:
+    """Run layout probe `probe` of csrc_cute/group_gemm/<module>.py (CuTe layout algebra at trace time,
+    no GPU) in a child process with CUTE_DSL_ARCH=sm_90a; returns the dict it prints."""
     import json
     import subprocess
     import sys
@@ -59,7 +59,7 @@ def layout_probe(probe: str, tile_m: int, tile_n: int) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = (f"import json\nfrom csrc_cute.group_gemm import {probe} as f\n"
+    code = (f"import json\nfrom csrc_cute.group_gemm.{module} import {probe} as f\n"
             f"print('RESULT', json.dumps(f({tile_m}, {tile_n})))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                           timeout=600)
@@ -320,7 +320,7 @@ def test_wgrad_epilogue_threads_cover_the_tile_once(tile_m, tile_n):
     the consumer threads' partitions of an output tile must cover every element exactly once (layout
     algebra at trace time, no GPU). Guards against slicing the tiled MMA by warp group instead of by
     thread."""
-    res = layout_probe("_wgrad_epilogue_coverage", tile_m, tile_n)
+    res = layout_probe("wgrad", "wgrad_epilogue_coverage", tile_m, tile_n)
     n = tile_m * tile_n
     assert res == dict(writes=n, distinct=n, elements=n, inside=True), res
 
@@ -1063,7 +1063,7 @@ def test_remote_groups_cuda_graph_replay():
 def test_swiglu_bwd_row_reduction_layout(tile_m):
     """The route-weight gradient is reduced per row in registers (static row slots), then over the four
     lanes of a quad: checked against the real accumulator layout for every consumer thread (CPU)."""
-    res = layout_probe("_swiglu_bwd_row_quads", tile_m, 128)
+    res = layout_probe("swiglu_bwd", "swiglu_bwd_row_quads", tile_m, 128)
     assert res == dict(threads=2 * tile_m, bad_slot=0, bad_quad=0, bad_cover=0, slots=2), res
 
 

@@ -1,0 +1,58 @@
+"""Grouped GEMM for Hopper (sm_90a) in the CuTe DSL: forward, dgrad, varlen-K wgrad, the fused SwiGLU
+gate/up kernel, the row-scaled forward and the SwiGLU-backward dgrad (remote-group variants of the
+inference kernels included).
+
+Modules: ``config`` (tile configurations), ``host`` (validation, compile cache, launch; imports no
+DSL until a kernel is compiled), ``base`` (the shared mainloop, epilogue helpers and the one
+warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), ``remote`` (remote-weight
+descriptors), and one module per kernel family: ``rows`` (forward, dgrad, row scale), ``swiglu``,
+``swiglu_bwd``, ``wgrad``. This package exports the host API.
+"""
+
+from .config import (
+    H100_H200_NUM_SMS,
+    GroupGemmConfig,
+    select_config,
+    select_swiglu_bwd_config,
+    select_swiglu_config,
+    select_wgrad_config,
+)
+from .host import (
+    compile_group_gemm,
+    compile_group_gemm_dgrad,
+    compile_group_gemm_for_sm90,
+    compile_group_gemm_row_scale,
+    compile_group_gemm_swiglu,
+    compile_group_gemm_swiglu_bwd,
+    compile_group_gemm_wgrad,
+    compile_op,
+    group_gemm_dgrad,
+    group_gemm_fwd,
+    group_gemm_row_scale,
+    group_gemm_swiglu,
+    group_gemm_swiglu_bwd,
+    group_gemm_wgrad,
+)
+
+__all__ = [
+    "H100_H200_NUM_SMS",
+    "GroupGemmConfig",
+    "select_config",
+    "select_swiglu_bwd_config",
+    "select_swiglu_config",
+    "select_wgrad_config",
+    "compile_group_gemm",
+    "compile_group_gemm_dgrad",
+    "compile_group_gemm_for_sm90",
+    "compile_group_gemm_row_scale",
+    "compile_group_gemm_swiglu",
+    "compile_group_gemm_swiglu_bwd",
+    "compile_group_gemm_wgrad",
+    "compile_op",
+    "group_gemm_dgrad",
+    "group_gemm_fwd",
+    "group_gemm_row_scale",
+    "group_gemm_swiglu",
+    "group_gemm_swiglu_bwd",
+    "group_gemm_wgrad",
+]

@@ -1,0 +1,448 @@
+"""The part every grouped-GEMM kernel shares (Hopper, sm_90a, CuTe DSL): warp roles and register
+budgets, the TMA -> mbarrier ring feeding ``wgmma`` (A and B from shared memory, fp32 accumulators),
+the producer's and the consumers' k-tile loops, the bf16 registers -> shared (stmatrix) -> global (TMA
+store) epilogue, and ``warp_specialized``: the one producer/consumer skeleton each kernel's
+``kernel`` body runs, with the kernel family's hooks (``load_tiles``, ``consumer_setup``,
+``consume_tile``, ``consumer_tail``).
+
+Warp group 0 is the producer (its warp 0 issues the TMA loads of the A and B tiles into a multi-stage
+shared-memory ring guarded by mbarriers); warp groups 1.. are consumers (``wgmma`` bf16 x bf16 ->
+fp32); register budgets are rebalanced with ``setmaxnreg``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .config import GroupGemmConfig
+
+
+class GroupGemmSm90Base:
+    """What every grouped-GEMM kernel shares (see the module docstring). A kernel family chooses the
+    operand majorness, the tile scheduler (``scheduler``) and the epilogue through the hooks of
+    ``warp_specialized``."""
+
+    threads_per_wg = 128
+    tile_k = 64
+    buffer_align = 1024
+
+    def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int):
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.num_sms = config.num_sms
+        self.ab_dtype = cutlass.BFloat16
+        self.acc_dtype = cutlass.Float32
+        # Each consumer warp group owns 64 rows of the tile.
+        self.num_mma_wg = self.tile_m // 64
+        self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
+        self.num_threads = (1 + self.num_mma_wg) * self.threads_per_wg
+        self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+        self.load_regs = 40
+        self.mma_regs = 232 if self.num_mma_wg == 2 else 240
+        self.a_layout = a_layout
+        self.b_layout = b_layout
+        smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        a_bytes = self.tile_m * self.tile_k * 2
+        b_bytes = self.tile_n * self.tile_k * 2
+        self.ab_stage = min(8, (smem_capacity - 2048 - reserved_smem) // (a_bytes + b_bytes))
+
+    def _setup_mainloop(self):
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_n),
+        )
+        self.tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        self.a_smem_staged = sm90_utils.make_smem_layout_a(
+            self.a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
+        )
+        self.b_smem_staged = sm90_utils.make_smem_layout_b(
+            self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
+        )
+
+    def _init_tma_store_epilogue(self, tile_m: int) -> int:
+        """bf16 C [N, out] (N-major) stored registers -> shared (stmatrix) -> global (TMA) in
+        sub-tiles of all consumer warp groups' rows x 32 columns. Returns the shared memory of the
+        sub-tile ring (reserved before the mainloop stages are sized)."""
+        self.c_dtype = cutlass.BFloat16
+        self.c_layout = LayoutEnum.ROW_MAJOR
+        self.epi_tile = (tile_m, 32)
+        self.epi_stage = 4
+        self.epi_store_warp = 4  # first warp of the first consumer warp group
+        return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
+
+    def _setup_tma_store_epilogue(self):
+        self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+        )
+
+    def _weights_as_b(self, w):
+        """Weights ``[E, Kd, Nd]`` viewed (N, K, E) as wgmma reads B (modes ``self.b_modes``)."""
+        return cute.make_tensor(w.iterator, cute.select(w.layout, mode=self.b_modes))
+
+    def _tma_load_a(self, a):
+        """TMA atom (and its tensor) loading (tile_m, tile_k) tiles of ``a`` into one A stage."""
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(self.a_smem_staged, (None, None, 0)),
+            (self.tile_m, self.tile_k),
+        )
+
+    def _tma_load_b(self, b):
+        """TMA atom (and its tensor) loading (tile_n, tile_k) tiles of ``b`` into one B stage."""
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(self.b_smem_staged, (None, None, 0)),
+            (self.tile_n, self.tile_k),
+        )
+
+    def _tma_store_c(self, c):
+        """TMA atom (and its tensor) storing epilogue sub-tiles from one shared slot into ``c``."""
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), c, cute.slice_(self.epi_smem_staged, (None, None, 0)),
+            self.epi_tile,
+        )
+
+    def _row_tiles(self, a, c):
+        """(#n tiles, #tiles) of the output ``c`` of a row-grouped kernel with A operand ``a``."""
+        num_m_tiles = cute.ceil_div(cute.size(a, mode=[0]), self.tile_m)
+        num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), self.tile_n)
+        return num_n_tiles, num_m_tiles * num_n_tiles
+
+    def _make_shared_storage(self, b_buffers=("sB",), with_c: bool = False):
+        """The kernel's shared memory: the ring's mbarriers, the A stages, one B ring per name in
+        ``b_buffers`` and, ``with_c``, the epilogue's sub-tile ring (buffers 1024-byte aligned)."""
+
+        def buffer(dtype, staged):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(staged)], self.buffer_align]
+
+        fields = {
+            "mbar": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2],
+            "sA": buffer(self.ab_dtype, self.a_smem_staged),
+        }
+        for name in b_buffers:
+            fields[name] = buffer(self.ab_dtype, self.b_smem_staged)
+        if with_c:
+            fields["sC"] = buffer(self.c_dtype, self.epi_smem_staged)
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def _launch_persistent(self, kernel, num_tiles, stream):
+        """Launch ``kernel`` (a ``self.kernel(...)`` call) on min(#tiles, #SMs) persistent CTAs."""
+        kernel.launch(
+            grid=[cutlass.min(num_tiles, self.num_sms), 1, 1],
+            block=[self.num_threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.jit
+    def warp_roles(self):
+        """(thread, CTA, #CTAs, warp, warp group) indices; warp and warp group warp-uniform."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        return tidx, bidx, gdim, warp_idx, wg_idx
+
+    @cute.jit
+    def prefetch_tma_descriptors(self, warp_idx, atoms):
+        """Warp 0 prefetches the TMA descriptors, so the first copies do not wait for them."""
+        if warp_idx == 0:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+
+    @cute.jit
+    def shared_tensors(self, a_smem_staged, b_smem_staged, b_buffers, epi_smem_staged=None):
+        """Allocates ``self.shared_storage`` and creates the mainloop pipeline on its mbarriers;
+        returns (pipeline, sA, [sB per name in ``b_buffers``], sC or None)."""
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        mainloop = self.make_mainloop_pipeline(
+            storage.mbar.data_ptr(), a_smem_staged, b_smem_staged, len(b_buffers)
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sBs = [getattr(storage, name).get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+               for name in b_buffers]
+        sC = None
+        if cutlass.const_expr(epi_smem_staged is not None):
+            sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
+        return mainloop, sA, sBs, sC
+
+    @cute.jit
+    def partition_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor, b_operands):
+        """TMA views of this CTA's mainloop loads: A as (TMA, RestM, RestK) and (TMA, stage), and per
+        B operand (atom, tensor, shared ring) the (atom, (TMA, RestN, RestK[, E]), (TMA, stage)) that
+        ``load_k_tiles`` takes; also the number of k tiles."""
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+        gBs = [cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
+               for _, mB, _ in b_operands]
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        b_loads = []
+        for (tma_b, _, sB), gB in zip(b_operands, gBs):
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            b_loads.append((tma_b, tBgB, tBsB))
+        return tAgA, tAsA, b_loads, cute.size(gA, mode=[3])
+
+    @cute.jit
+    def mma_operands(self, tiled_mma: cute.TiledMma, tidx, wg_idx, sA: cute.Tensor, sBs):
+        """Consumer warp groups: raise the register budget, then (consumer thread index, the warp
+        group's MMA slice, A fragment, [B fragment per ring], read and release pipeline states)."""
+        cute.arch.setmaxregister_increase(self.mma_regs)
+        mma_tidx = tidx - self.threads_per_wg
+        wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+        thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB)) for sB in sBs]
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled per tile
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        return mma_tidx, thr_mma, tCrA, tCrBs, read_state, release_state
+
+    @cute.jit
+    def make_tma_store_epilogue(self, tiled_mma: cute.TiledMma, mma_tidx, sC: cute.Tensor):
+        """Consumers' side of the registers -> shared (stmatrix) -> global (TMA) epilogue: the
+        register -> shared copy (``retile`` maps accumulators onto it), this thread's slots of the
+        shared sub-tile ring, its fp32 and bf16 sub-tile registers, the consumers' named barrier and
+        the TMA store pipeline."""
+        copy_atom_r2s = sm90_utils.get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sC)
+        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+        tRS_rOut = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+        epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+        return tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe
+
+    @cute.jit
+    def partition_epilogue(self, tma_c: cute.CopyAtom, sC: cute.Tensor, gC_tile: cute.Tensor):
+        """A (tile_m, tile_n) output tile cut into epi_tile sub-tiles for the TMA store: (shared slots,
+        global sub-tiles, number of sub-tiles, sub-tile index -> coordinate layout)."""
+        gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
+        bSG_sD, bSG_gD = cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+        )
+        epi_shape = gC_epi.shape[1]
+        return bSG_sD, bSG_gD, cute.size(gC_epi, mode=[1]), cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+
+    @cute.jit
+    def acc_subtile_to_bf16(self, tRS_rAcc: cute.Tensor, e: cutlass.Constexpr, tRS_rD: cute.Tensor,
+                            tRS_rOut: cute.Tensor):
+        """Sub-tile ``e`` of the (retiled) fp32 accumulators -> bf16 registers ``tRS_rOut``."""
+        size_rD = cute.size(tRS_rD)
+        for v in cutlass.range_constexpr(size_rD):
+            tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+        tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+
+    @cute.jit
+    def store_subtile(self, tiled_copy_r2s, vals: cute.Tensor, tRS_sD: cute.Tensor, buf, epi_bar,
+                      warp_idx, store_pipe, tma_c, bSG_sD: cute.Tensor, bSG_gD: cute.Tensor, coord=None):
+        """bf16 register sub-tile -> shared ring slot ``buf`` (stmatrix) -> global (TMA store) into
+        sub-tile ``coord`` of ``bSG_gD``, or into ``bSG_gD`` itself when ``coord`` is None. (The
+        forward slices the sub-tile in the storing warp, the SwiGLU kernel before the stmatrix copy:
+        both as validated on the GPU, and the generated code differs.)"""
+        cute.copy(tiled_copy_r2s, vals, tRS_sD[(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_bar.arrive_and_wait()
+        if warp_idx == self.epi_store_warp:
+            if cutlass.const_expr(coord is None):
+                cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD)
+            else:
+                cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD[(None, coord)])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        epi_bar.arrive_and_wait()
+
+    @cute.jit
+    def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
+        a_smem = cute.slice_(a_smem_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + num_b_rings * cute.size_in_bytes(
+            self.ab_dtype, b_smem
+        )
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar_ptr,
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_mma_wg * 4
+            ),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+
+    @cute.jit
+    def load_k_tiles(
+        self,
+        mainloop,
+        prod_state,
+        tma_a: cute.CopyAtom,
+        tAgA: cute.Tensor,  # (TMA, RestK) of this tile's A
+        tAsA: cute.Tensor,  # (TMA, stage)
+        b_loads,  # per B ring: (TMA atom, (TMA, RestK) of this tile's B, (TMA, stage))
+        k_start: cutlass.Int32,
+        k_count: cutlass.Int32,
+        b_descs=None,  # None, or per B ring the global-memory descriptor its loads use instead of the atom's
+    ):
+        """Producer: TMA k tiles [k_start, k_start + k_count) of A and of every B into the ring, one
+        mbarrier per stage for all of them."""
+        if cutlass.const_expr(b_descs is None):
+            b_descs = [None] * len(b_loads)
+        for k in cutlass.range(k_count, unroll=1):
+            mainloop.producer_acquire(prod_state)
+            bar = mainloop.producer_get_barrier(prod_state)
+            cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+            for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
+                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
+                          tma_desc_ptr=desc)
+            mainloop.producer_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+    @cute.jit
+    def load_expert_tile(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
+                         m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None):
+        """Producer: every k tile of output tile (m_idx, n_idx), with B from expert ``expert`` of the
+        weights in ``rings`` (per B ring: TMA atom, (TMA, RestN, RestK, experts), (TMA, stage)),
+        through ``descs`` (descriptors in global memory, one per ring) when given."""
+        return self.load_k_tiles(
+            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+            [(tma, tBgB[(None, n_idx, None, expert)], tBsB) for tma, tBgB, tBsB in rings],
+            0, k_tiles, descs,
+        )
+
+
+    @cute.jit
+    def mma_stage(self, mainloop, read_state, tiled_mma: cute.TiledMma, accs, tCrA: cute.Tensor, tCrBs):
+        """Wait for ring stage ``read_state`` and commit its wgmma batch: every k block, every
+        accumulator."""
+        mainloop.consumer_wait(read_state)
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            coord = (None, None, kb, read_state.index)
+            for acc, tCrB in zip(accs, tCrBs):
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def mma_k_tiles(
+        self,
+        mainloop,
+        read_state,
+        release_state,
+        tiled_mma: cute.TiledMma,
+        accs,  # one fp32 accumulator per B ring
+        tCrA: cute.Tensor,
+        tCrBs,
+        k_count: cutlass.Int32,
+    ):
+        """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k (one wgmma batch in
+        flight). The caller sets the tiled MMA's ACCUMULATE field once, before its tile loop."""
+        for acc in accs:
+            acc.fill(0.0)
+        warpgroup.fence()
+        n_pro = 1 if k_count > 0 else 0
+        for k in cutlass.range(n_pro, unroll=1):
+            self.mma_stage(mainloop, read_state, tiled_mma, accs, tCrA, tCrBs)
+            read_state.advance()
+        for k in cutlass.range(n_pro, k_count, unroll=1):
+            self.mma_stage(mainloop, read_state, tiled_mma, accs, tCrA, tCrBs)
+            warpgroup.wait_group(1)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        warpgroup.wait_group(0)
+        for k in cutlass.range(n_pro, unroll=1):
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+        return read_state, release_state
+
+
+    @cute.jit
+    def is_full_tile(self, m_idx, n_idx, dims):
+        """Whether output tile (m_idx, n_idx) lies inside ``dims`` (no predication needed)."""
+        return ((m_idx + 1) * self.tile_m <= dims[0]) & ((n_idx + 1) * self.tile_n <= dims[1])
+
+    # ---------------------------------------------------------------- the warp-specialized skeleton
+
+    @cute.jit
+    def warp_specialized(self, p):
+        """The kernel body every family runs. ``p`` (a ``KernelParams``) holds the kernel's arguments as the hooks
+        read them; the scheduler's ``count_groups`` adds its group counts. Warp group 0 produces (``produce``:
+        the family's ``load_tiles``), the others run the MMA over this CTA's tiles (``consume_tile`` per tile,
+        after ``consumer_setup``, then ``consumer_tail``)."""
+        tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
+        self.prefetch_tma_descriptors(warp_idx, p.atoms)
+        self.count_groups(p)
+        mainloop, sA, sBs, sC = self.shared_tensors(p.a_smem_staged, p.b_smem_staged, p.b_buffers,
+                                                    p.epi_smem_staged)
+        tAgA, tAsA, b_loads, k_tiles = self.partition_loads(
+            p.tma_a, p.mA, sA, [(tma_b, mB, sBs[ring]) for tma_b, mB, ring in p.b_operands]
+        )
+        p.k_tiles = k_tiles
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if wg_idx == 0:
+            self.produce(warp_idx, mainloop, p, tAgA, tAsA, b_loads)
+        else:
+            mma_tidx, thr_mma, tCrA, tCrBs, read_state, release_state = self.mma_operands(
+                p.tiled_mma, tidx, wg_idx, sA, sBs
+            )
+            c = self.consumer_setup(p, mma_tidx, thr_mma, sC)
+            epi_count = cutlass.Int32(0)
+            for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
+                read_state, release_state, epi_count = self.consume_tile(
+                    p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, epi_count
+                )
+            self.consumer_tail(c, warp_idx)
+
+    @cute.jit
+    def produce(self, warp_idx, mainloop, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
+        """Producer warp group: lowers its register budget; its warp 0 loads this CTA's tiles
+        (``load_tiles``) into the ring, then waits for the consumers to drain it."""
+        cute.arch.setmaxregister_decrease(self.load_regs)
+        if warp_idx == 0:
+            prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads)
+            mainloop.producer_tail(prod_state)
+
+    @cute.jit
+    def consumer_tail(self, c, warp_idx):
+        """After the consumers' last tile: the storing warp waits for its TMA stores to finish."""
+        store_pipe = c.store_pipe  # a local: the DSL carries what a dynamic branch calls methods of
+        if warp_idx == self.epi_store_warp:
+            store_pipe.producer_tail()
+
+
+class KernelParams:
+    """The arguments of one kernel launch as ``warp_specialized`` and the hooks read them (set by the
+    family's ``kernel``): ``atoms`` (TMA descriptors to prefetch), ``tma_a``/``mA``, ``b_operands``
+    ((atom, tensor, index into ``b_buffers``) per B operand), ``b_buffers`` (shared B rings),
+    ``a_smem_staged``/``b_smem_staged``/``epi_smem_staged`` (None: no TMA-store epilogue),
+    ``tiled_mma``, ``num_tiles``, and whatever else the family's hooks need."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)

@@ -1,0 +1,64 @@
+"""Static tile configurations of the grouped-GEMM kernels and how each op picks one (no DSL imports)."""
+
+from __future__ import annotations
+
+
+class GroupGemmConfig(tuple):
+    """Static tile configuration: (tile_m, tile_n, num_sms)."""
+
+    def __new__(cls, tile_m: int, tile_n: int, num_sms: int):
+        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms)))
+
+    tile_m = property(lambda self: self[0])
+    tile_n = property(lambda self: self[1])
+    num_sms = property(lambda self: self[2])
+
+
+H100_H200_NUM_SMS = 132
+
+
+def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64)."""
+    if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
+        raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
+    tile_m = 128 if pad >= 128 else 64
+    if pad < tile_m:
+        raise ValueError(
+            f"P (pad) = {pad} is smaller than the smallest supported tile_M ({tile_m}): every M tile "
+            f"must lie inside one group, so group lengths must be multiples of {tile_m}"
+        )
+    tile_n = 256 if nd >= 256 else 128
+    return GroupGemmConfig(tile_m, tile_n, num_sms)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernel (imports of the DSL are deferred so that importing this module stays cheap)
+# ---------------------------------------------------------------------------------------------------
+
+def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile
+    computes 128 columns of gate *and* of up (two 64 x 128 fp32 accumulators per consumer warp group,
+    the register footprint of the forward's 128 x 256 tile)."""
+    base = select_config(pad, f, num_sms)
+    return GroupGemmConfig(base.tile_m, 128, num_sms)
+
+
+def select_swiglu_bwd_config(pad: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the SwiGLU-backward dgrad: tile_M as the forward's, 128 columns of F (its per-element
+    epilogue keeps one 64-register accumulator per thread and reads/writes five [N, F] tensors)."""
+    base = select_config(pad, 128, num_sms)
+    return GroupGemmConfig(base.tile_m, 128, num_sms)
+
+
+def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd; its k tile (64 rows) must divide P."""
+    if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
+        raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
+    if pad < 64:
+        raise ValueError(
+            f"P (pad) = {pad} is smaller than the wgrad kernel's k tile (64 rows): every k tile must lie "
+            f"inside one group, so group lengths must be multiples of 64"
+        )
+    tile_m = 128 if kd > 64 else 64
+    tile_n = 256 if nd >= 256 else 128
+    return GroupGemmConfig(tile_m, tile_n, num_sms)

@@ -1,0 +1,216 @@
+"""The row-grouped kernels: forward, dgrad and the row-scaled forward (with and without remote groups).
+
+Semantics (the CPU references are ``moonep::group_gemm``, ``group_gemm_dgrad`` and
+``group_gemm_row_scale`` in ``moonep_ops/ops.py``)::
+
+    x [N, Kd] bf16, dy [N, Nd] bf16, w_home [epn, Kd, Nd] bf16, w_slot [B, Kd, Nd] bf16,
+    cu_seqlens [G = epn + B] int32; group g = rows [cu[g-1], cu[g]) (cu[-1] = 0),
+    W_g = w_home[g] if g < epn else w_slot[g - epn]
+    forward    y[s:e]  = (x[s:e] @ W_g)    bf16, fp32 accumulation; rows at or past cu[G-1] are zero
+    dgrad      dx[s:e] = (dy[s:e] @ W_g^T) bf16, likewise
+    row scale  y[r]    = (x[r] @ W_g) * row_w[r]  (fp32 scale before the bf16 convert)
+
+One kernel class (``GroupGemmSm90``) with a static flag for the majorness of B: a dense persistent GEMM
+over ``[N, red] x [red, out]`` in which each M tile picks its B operand on the device
+(``RowTileScheduler``). The forward reads B = ``W_g`` viewed ``(Nd, Kd)``, N-major; dgrad reads B =
+``W_g`` viewed ``(Kd, Nd)``, K-major (reduction over ``Nd``). The epilogue stores bf16 through
+stmatrix -> shared -> TMA store in sub-tiles; the row-scaled variant scales the fp32 accumulators
+first. Remote groups: ``remote.RemoteWeightsMixin``.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.utils import LayoutEnum
+
+from .base import GroupGemmSm90Base, KernelParams
+from .config import GroupGemmConfig
+from .remote import RemoteWeightsMixin
+from .scheduler import RowTileScheduler
+
+
+class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
+    """Row-grouped GEMM ``C[rows of g] = A[rows of g] @ op(W_g)`` (see the module docstring).
+
+    ``b_k_major=False``: forward, ``op(W) = W`` (``[Kd, Nd]``, B N-major).
+    ``b_k_major=True``: dgrad, ``op(W) = W^T`` (the reduction runs over ``Nd``, B K-major).
+    """
+
+    def __init__(self, config: GroupGemmConfig, b_k_major: bool = False, row_scale: bool = False):
+        self.b_k_major = bool(b_k_major)
+        # Forward only: scale each output row by row_w[row] (fp32) before the bf16 convert.
+        self.row_scale = bool(row_scale)
+        # B operand view (N, K, E) of the weights [E, Kd, Nd]: forward (Nd, Kd, E), dgrad (Kd, Nd, E).
+        self.b_modes = [1, 2, 0] if self.b_k_major else [2, 1, 0]
+        self._init_common(
+            config,
+            LayoutEnum.ROW_MAJOR,  # A [N, red]: K-major
+            LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR,
+            self._init_tma_store_epilogue(config.tile_m),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # (N, red), red contiguous
+        w_home: cute.Tensor,  # (epn, Kd, Nd), Nd contiguous
+        w_slot: cute.Tensor,  # (B, Kd, Nd), Nd contiguous
+        cu_seqlens: cute.Tensor,  # (G,) int32
+        y: cute.Tensor,  # (N, out), out contiguous
+        stream: cuda.CUstream,
+    ):
+        self._launch(x, w_home, w_slot, cu_seqlens, y, None, stream)
+
+    @cute.jit
+    def _launch(self, x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts=None, peers=None,
+                desc_ws=None):
+        """Shared by the plain kernel (``row_w`` None) and the row-scaled one (``row_w`` (N,) fp32);
+        with ``remote_experts`` (peers, descriptor workspace) the last groups are remote groups."""
+        self._setup_mainloop()
+        self._setup_tma_store_epilogue()
+        tma_a, mA = self._tma_load_a(x)
+        bh_view = self._weights_as_b(w_home)
+        tma_bh, mBh = self._tma_load_b(bh_view)
+        tma_bs, mBs = self._tma_load_b(self._weights_as_b(w_slot))
+        tma_c, mC = self._tma_store_c(y)
+        num_n_tiles, num_tiles = self._row_tiles(x, y)
+        self._make_shared_storage(with_c=True)
+        if cutlass.const_expr(remote_experts is None):
+            bh_view = None
+        self._launch_persistent(
+            self.kernel(
+                tma_a, mA, tma_bh, mBh, tma_bs, mBs, tma_c, mC, cu_seqlens, row_w,
+                self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+                num_n_tiles, num_tiles, remote_experts, peers, bh_view, desc_ws,
+            ),
+            num_tiles,
+            stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_bh: cute.CopyAtom,
+        mBh: cute.Tensor,
+        tma_bs: cute.CopyAtom,
+        mBs: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        row_w,  # None, or (N,) fp32: per-row output scale
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+        num_n_tiles: cutlass.Int32,
+        num_tiles: cutlass.Int32,
+        remote_experts,  # None, or (n_remote,) int32: the remote groups' global expert ids
+        peers,  # None, or (R,) int64: each rank's home weights' address
+        bh_view,  # None, or w_home viewed as B (the layout of a donor's weights)
+        desc_ws,  # None, or the remote descriptors' workspace (int64, 16 per CTA)
+    ):
+        remote = None
+        if cutlass.const_expr(remote_experts is not None):
+            remote = (remote_experts, [peers], [bh_view], desc_ws)
+        self.warp_specialized(KernelParams(
+            atoms=(tma_a, tma_bh, tma_bs, tma_c), tma_a=tma_a, mA=mA,
+            b_operands=[(tma_bh, mBh, 0), (tma_bs, mBs, 0)], b_buffers=("sB",), home_rings=(0,), slot_rings=(1,),
+            a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
+            tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
+            num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_c=tma_c, mC=mC, row_w=row_w, remote=remote,
+        ))
+
+    @cute.jit
+    def consumer_setup(self, p, mma_tidx, thr_mma, sC: cute.Tensor):
+        """The accumulator and the TMA-store epilogue's registers, shared slots and barriers."""
+        gC = cute.local_tile(p.mC, (self.tile_m, self.tile_n), (None, None))  # (bM, bN, RestM, RestN)
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
+        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+            p.tiled_mma, mma_tidx, sC
+        )
+        return KernelParams(mma_tidx=mma_tidx, sC=sC, gC=gC, acc=acc, tiled_copy_r2s=tiled_copy_r2s, tRS_sD=tRS_sD,
+                            tRS_rD=tRS_rD, tRS_rOut=tRS_rOut, epi_bar=epi_bar, store_pipe=store_pipe,
+                            tRS_rAcc=tiled_copy_r2s.retile(acc))
+
+    @cute.jit
+    def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
+                     tile: cutlass.Int32, epi_count: cutlass.Int32):
+        """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
+        m_idx, n_idx, k_count = self.row_work(p, tile)
+        read_state, release_state = self.mma_k_tiles(
+            mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
+        )
+        if cutlass.const_expr(p.row_w is not None):
+            self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
+        bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
+            p.tma_c, c.sC, c.gC[(None, None, m_idx, n_idx)]
+        )
+        for e in cutlass.range_constexpr(epi_tiles):
+            self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
+            self.store_subtile(
+                c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, (epi_count + e) % self.epi_stage, c.epi_bar,
+                warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
+            )
+        return read_state, release_state, epi_count + epi_tiles
+
+    @cute.jit
+    def scale_rows(self, tiled_mma: cute.TiledMma, mma_tidx, acc: cute.Tensor, row_w: cute.Tensor,
+                   row0: cutlass.Int32):
+        """acc[i] *= row_w[row of acc[i]] (fp32), rows of the tile starting at ``row0``; rows past
+        the end of ``row_w`` (the tail of a partial last tile, never stored) read its last entry. The
+        rows come from the thread's slice of an identity tile (the same map the wgrad epilogue uses
+        and its coverage test checks)."""
+        coords = tiled_mma.get_slice(mma_tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))
+        )
+        last = cute.size(row_w, mode=[0]) - 1
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            # clamped, branch-free: equal rows give equal addresses, so the loads are CSE'd
+            acc[i] = acc[i] * row_w[cutlass.min(row0 + coords[i][0], last)]
+
+
+class GroupGemmRowScaleSm90(GroupGemmSm90):
+    """Forward with a per-row scale in the epilogue: ``y[r] = (x[r] @ W_g) * row_w[r]`` (fp32 scale
+    before the bf16 convert), e.g. the route weights in the down projection."""
+
+    def __init__(self, config: GroupGemmConfig):
+        super().__init__(config, b_k_major=False, row_scale=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # (N, Kd)
+        w_home: cute.Tensor,  # (epn, Kd, Nd)
+        w_slot: cute.Tensor,  # (B, Kd, Nd)
+        cu_seqlens: cute.Tensor,  # (G,) int32
+        row_w: cute.Tensor,  # (N,) fp32
+        y: cute.Tensor,  # (N, Nd)
+        stream: cuda.CUstream,
+    ):
+        self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream)
+
+class GroupGemmRowScaleRemoteSm90(RemoteWeightsMixin, GroupGemmRowScaleSm90):
+    """The row-scaled forward whose last ``n_remote`` groups are remote groups (inference): remote
+    group j reads expert ``e = remote_experts[j]`` from the home weights of rank ``e // epn``
+    (``peers[e // epn]``, peer-mapped), index ``e % epn`` (see ``load_remote_row_tiles``)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # (N, Kd)
+        w_home: cute.Tensor,  # (epn, Kd, Nd)
+        w_slot: cute.Tensor,  # (B, Kd, Nd)
+        cu_seqlens: cute.Tensor,  # (G = epn + B + n_remote,) int32
+        row_w: cute.Tensor,  # (N,) fp32
+        y: cute.Tensor,  # (N, Nd)
+        remote_experts: cute.Tensor,  # (n_remote,) int32, global expert ids (-1: unused group)
+        peers: cute.Tensor,  # (R,) int64: address of rank r's home weights (epn, Kd, Nd)
+        desc_ws: cute.Tensor,  # (16 * #SMs,) int64: one descriptor slot per CTA
+        stream: cuda.CUstream,
+    ):
+        self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts, peers, desc_ws)

@@ -1,0 +1,123 @@
+"""Tile schedulers: which output tiles a persistent CTA walks and what each needs (group, k tiles).
+
+``RowTileScheduler`` (forward, dgrad, the fused row kernels): every group length is a multiple of the
+padding P and tile_M divides P, so each M tile of the output lies in exactly one group; tiles (M-major
+raster) are strided over min(#tiles, #SMs) CTAs and a tile's group is the number of group ends
+``cu[g] <= m0`` (``m0`` = first row of the tile), counted by one warp with a ballot over
+``cu_seqlens`` 32 entries at a time (no host sync). A tile whose group reaches G lies past the last
+group: no loads, no MMA, zeros.
+
+``GroupTileScheduler`` (wgrad): work items (group, m tile, n tile), group-major, strided over the CTAs;
+an item's k tiles are its group's rows / tile_k, read from ``cu_seqlens`` on the device.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+
+class RowTileScheduler:
+    """Mixin of the row-grouped kernels (with ``GroupGemmSm90Base``). Its ``load_tiles`` reads the
+    kernel's ``p.cu_seqlens``, ``p.num_n_tiles``, ``p.num_tiles``, ``p.k_tiles`` and the B loads
+    ``p.home_rings`` / ``p.slot_rings`` (indices into the B operands: group g < epn reads the home
+    weights' expert g, a slot group the slot weights' g - epn)."""
+
+    @cute.jit
+    def row_tile(self, cu_seqlens: cute.Tensor, tile: cutlass.Int32, num_n_tiles: cutlass.Int32):
+        """Tile ``tile`` of a row-grouped kernel (M-major raster) -> (m tile, n tile, group)."""
+        m_idx = tile // num_n_tiles
+        n_idx = tile % num_n_tiles
+        return m_idx, n_idx, self.tile_group(cu_seqlens, m_idx * self.tile_m)
+
+    @cute.jit
+    def tile_group(self, cu_seqlens: cute.Tensor, row0: cutlass.Int32) -> cutlass.Int32:
+        """Index of the group holding row ``row0`` (== G when past the last group). One warp."""
+        lane = cute.arch.lane_idx()
+        num_groups = cute.size(cu_seqlens, mode=[0])
+        g = cutlass.Int32(0)
+        for base in cutlass.range(0, num_groups, 32, unroll=1):
+            idx = base + lane
+            hit = cutlass.Boolean(False)
+            if idx < num_groups:
+                hit = cu_seqlens[idx] <= row0
+            g = g + cute.arch.popc(cute.arch.vote_ballot_sync(hit))
+        return g
+
+    @cute.jit
+    def count_groups(self, p):
+        """Sets ``p.num_groups`` (G, from the length of ``cu_seqlens``)."""
+        p.num_groups = cute.size(p.cu_seqlens, mode=[0])
+
+    @cute.jit
+    def row_work(self, p, tile: cutlass.Int32):
+        """Consumers: tile ``tile`` -> (m tile, n tile, number of k tiles); a tile past the last group
+        has none (its accumulators stay zero)."""
+        m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        k_count = p.k_tiles if g < p.num_groups else 0
+        return m_idx, n_idx, k_count
+
+    @cute.jit
+    def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
+        """Producer warp: over this CTA's tiles, all k tiles of A and of the B operand(s) of the tile's
+        group; tiles past the last group load nothing."""
+        b_home = [b_loads[i] for i in p.home_rings]
+        b_slot = [b_loads[i] for i in p.slot_rings]
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        num_groups = cute.size(p.cu_seqlens, mode=[0])
+        num_home = cute.size(b_home[0][1], mode=[3])
+        for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
+            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+            load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, m_idx, n_idx, p.k_tiles)
+            if g < num_home:
+                prod_state = self.load_expert_tile(*load, b_home, g)
+            elif g < num_groups:
+                prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
+        return prod_state
+
+
+class GroupTileScheduler:
+    """Mixin of the wgrad kernel: work items (group, m tile, n tile) over ``p.num_tiles`` =
+    G x ``p.tiles_per_group``; ``load_tiles`` reads ``p.cu_seqlens``, ``p.num_n_tiles`` and the one
+    B load."""
+
+    @cute.jit
+    def work_item(
+        self,
+        cu_seqlens: cute.Tensor,
+        tile: cutlass.Int32,
+        num_n_tiles: cutlass.Int32,
+        tiles_per_group: cutlass.Int32,
+    ):
+        """Work item ``tile`` -> (group, m tile, n tile, first k tile, number of k tiles)."""
+        g = tile // tiles_per_group
+        rest = tile - g * tiles_per_group
+        m_idx = rest // num_n_tiles
+        n_idx = rest - m_idx * num_n_tiles
+        row_start = cutlass.Int32(0)
+        if g > 0:
+            row_start = cu_seqlens[g - 1]
+        row_end = cu_seqlens[g]
+        k_start = row_start // self.tile_k
+        k_count = (row_end - row_start) // self.tile_k
+        return g, m_idx, n_idx, k_start, k_count
+
+    @cute.jit
+    def count_groups(self, p):
+        """Sets ``p.num_home`` (epn, from the home gradients ``p.mC`` viewed (Kd, Nd, epn))."""
+        p.num_home = cute.size(p.mC, mode=[2])
+
+    @cute.jit
+    def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
+        """Producer warp: over this CTA's work items, the item's k tiles of A = x^T and B = dy^T."""
+        ((tma_b, tBgB, tBsB),) = b_loads
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
+            g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
+            prod_state = self.load_k_tiles(
+                mainloop, prod_state, p.tma_a, tAgA[(None, m_idx, None)], tAsA,
+                [(tma_b, tBgB[(None, n_idx, None)], tBsB)], k_start, k_count,
+            )
+        return prod_state

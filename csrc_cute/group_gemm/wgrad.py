@@ -1,0 +1,213 @@
+"""The varlen-K grouped weight gradient (``group_gemm_wgrad``).
+
+Semantics (CPU reference ``moonep::group_gemm_wgrad``): home groups ``dw_home[g] = x[s:e]^T @ dy[s:e]``
+written, bf16 (fp32 accumulation; zeros if empty); slot groups ``dw_slot[g - epn] += x[s:e]^T @
+dy[s:e]`` fp32, in place; empty ones untouched.
+
+Per group g a GEMM with M = Kd, N = Nd and K = the group's rows; A = ``x^T`` (M-major in memory) and
+B = ``dy^T`` (N-major), each read through one tensor map over all rows: group g's k tiles are rows
+``[cu[g-1], cu[g]) / 64`` (64 | P). Work items (``scheduler.GroupTileScheduler``). Every output tile
+belongs to one work item (no atomics). Home items store bf16 through the TMA-store epilogue into
+``dw_home`` viewed (Kd, Nd, epn) (partial tiles clipped by the TMA bounds); an empty home group's items
+run with no k tiles and store zeros. Slot items add the accumulators straight into ``dw_slot`` in
+global memory (read-add-write, predicated on partial tiles); empty slot groups' items are skipped.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.utils import LayoutEnum
+
+from .base import GroupGemmSm90Base, KernelParams
+from .config import GroupGemmConfig
+from .scheduler import GroupTileScheduler
+
+
+class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
+    """Varlen-K grouped weight gradient: home groups ``dw_home[g] = x_g^T @ dy_g`` (written, bf16),
+    slot groups ``dw_slot[j] += x_g^T @ dy_g`` (fp32, in place).
+
+    GEMM view per group g: M = Kd, N = Nd, K = the group's rows. A = x viewed (Kd, N) is M-major,
+    B = dy viewed (Nd, N) is N-major; both are read with one tensor map each, the k tiles of group g
+    being rows [cu[g-1], cu[g]) / tile_k (every group length is a multiple of P, and tile_k | P).
+    Work items are (group, m tile, n tile), group-major, strided over persistent CTAs; each item's K
+    extent comes from ``cu_seqlens`` on the device. Each output tile belongs to exactly one item (no
+    atomics). Home items store bf16 from the fp32 accumulators through the row kernels' registers ->
+    shared (stmatrix) -> global (TMA store) epilogue, over ``dw_home`` viewed (Kd, Nd, epn), so
+    partial tiles are clipped by the TMA bounds; an empty home group's items run with no k tiles
+    and store zeros, so every tile of ``dw_home`` is written. Slot items (the copies' fp32 reduce
+    buffers) read-add-write fp32 from the accumulators straight to global memory (predicated on
+    partial tiles); empty slot groups' items are skipped (their dW is not touched).
+    """
+
+    def __init__(self, config: GroupGemmConfig):
+        self._init_common(
+            config,
+            LayoutEnum.COL_MAJOR,  # A = x^T (Kd, rows): M-major
+            LayoutEnum.COL_MAJOR,  # B = dy^T (Nd, rows): N-major
+            self._init_tma_store_epilogue(config.tile_m),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # (N, Kd), Kd contiguous
+        dy: cute.Tensor,  # (N, Nd), Nd contiguous
+        cu_seqlens: cute.Tensor,  # (G,) int32
+        dw_home: cute.Tensor,  # (epn, Kd, Nd) bf16, Nd contiguous: written
+        dw_slot: cute.Tensor,  # (B, Kd, Nd) fp32, Nd contiguous: accumulated
+        stream: cuda.CUstream,
+    ):
+        self._setup_mainloop()
+        self._setup_tma_store_epilogue()
+        a_view = cute.make_tensor(x.iterator, cute.select(x.layout, mode=[1, 0]))  # (Kd, N)
+        b_view = cute.make_tensor(dy.iterator, cute.select(dy.layout, mode=[1, 0]))  # (Nd, N)
+        # (Kd, Nd, E) views of the gradients
+        d_home = cute.make_tensor(dw_home.iterator, cute.select(dw_home.layout, mode=[1, 2, 0]))
+        d_slot = cute.make_tensor(dw_slot.iterator, cute.select(dw_slot.layout, mode=[1, 2, 0]))
+
+        tma_a, mA = self._tma_load_a(a_view)
+        tma_b, mB = self._tma_load_b(b_view)
+        tma_c, mC = self._tma_store_c(d_home)
+
+        num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m)
+        num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n)
+        num_tiles = cute.size(cu_seqlens, mode=[0]) * (num_m_tiles * num_n_tiles)
+        self._make_shared_storage(with_c=True)
+        self._launch_persistent(
+            self.kernel(
+                tma_a, mA, tma_b, mB, tma_c, mC, cu_seqlens, d_slot,
+                self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+                num_n_tiles, num_m_tiles * num_n_tiles, num_tiles,
+            ),
+            num_tiles,
+            stream,
+        )
+
+    @cute.jit
+    def epilogue_partition(self, tiled_mma: cute.TiledMma, mma_tidx, tile: cute.Tensor) -> cute.Tensor:
+        """Consumer thread ``mma_tidx``'s (0 .. #consumer threads) share of an output tile, in the
+        order of its accumulator registers. It must be sliced by the thread index: the warp-group
+        slice that partitions the shared-memory operands of wgmma would give every thread of a warp
+        group the first thread's coordinates (checked on the CPU by the tests)."""
+        return tiled_mma.get_slice(mma_tidx).partition_C(tile)
+
+    @cute.jit
+    def add_into(self, acc: cute.Tensor, tCgD: cute.Tensor, tCcD: cute.Tensor, dims, full):
+        """dW tile (this thread's part) += acc; predicated on the bounds unless ``full``."""
+        if full:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                tCgD[i] = tCgD[i] + acc[i]
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cute.elem_less(tCcD[i], dims):
+                    tCgD[i] = tCgD[i] + acc[i]
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,  # TMA view (Kd, Nd, epn) of dw_home (bf16)
+        cu_seqlens: cute.Tensor,
+        mDs: cute.Tensor,  # (Kd, Nd, B) view of dw_slot (fp32)
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+        num_n_tiles: cutlass.Int32,
+        tiles_per_group: cutlass.Int32,
+        num_tiles: cutlass.Int32,
+    ):
+        self.warp_specialized(KernelParams(
+            atoms=(tma_a, tma_b, tma_c), tma_a=tma_a, mA=mA, b_operands=[(tma_b, mB, 0)], b_buffers=("sB",),
+            a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
+            tiled_mma=tiled_mma, cu_seqlens=cu_seqlens, num_n_tiles=num_n_tiles, tiles_per_group=tiles_per_group,
+            num_tiles=num_tiles, tma_c=tma_c, mC=mC, mDs=mDs,
+        ))
+
+    @cute.jit
+    def consumer_setup(self, p, mma_tidx, thr_mma, sC: cute.Tensor):
+        """The accumulator, the home groups' TMA-store epilogue and the slot groups' tiles."""
+        # (bM, bN, RestM, RestN, E) tiles of the home gradients (TMA coordinates)
+        gC = cute.local_tile(p.mC, (self.tile_m, self.tile_n), (None, None, None))
+        dims = (cute.size(p.mDs, mode=[0]), cute.size(p.mDs, mode=[1]))  # (Kd, Nd), static
+        # (bM, bN, RestM, RestN, B) tiles of the slot gradients and (bM, bN, RestM, RestN) of their coordinates
+        gDs = cute.local_tile(p.mDs, (self.tile_m, self.tile_n), (None, None, None))
+        cD = cute.local_tile(cute.make_identity_tensor(dims), (self.tile_m, self.tile_n), (None, None))
+        acc = cute.make_rmem_tensor(
+            self.epilogue_partition(p.tiled_mma, mma_tidx, cD[(None, None, 0, 0)]).shape, self.acc_dtype
+        )
+        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+            p.tiled_mma, mma_tidx, sC
+        )
+        return KernelParams(mma_tidx=mma_tidx, sC=sC, gC=gC, dims=dims, gDs=gDs, cD=cD, acc=acc,
+                            tiled_copy_r2s=tiled_copy_r2s, tRS_sD=tRS_sD, tRS_rD=tRS_rD, tRS_rOut=tRS_rOut,
+                            epi_bar=epi_bar, store_pipe=store_pipe, tRS_rAcc=tiled_copy_r2s.retile(acc))
+
+    @cute.jit
+    def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
+                     tile: cutlass.Int32, epi_count: cutlass.Int32):
+        """One work item: home items always run (an empty group: no k tiles, zeros stored) and store
+        bf16; slot items with rows add fp32 into the reduce buffer; empty slot groups' items are skipped."""
+        g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
+        is_home = g < p.num_home
+        if is_home | (k_count > 0):
+            read_state, release_state = self.mma_k_tiles(
+                mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
+            )
+            if is_home:
+                # home: written in bf16 (registers -> shared -> TMA store)
+                bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
+                    p.tma_c, c.sC, c.gC[(None, None, m_idx, n_idx, g)]
+                )
+                for e in cutlass.range_constexpr(epi_tiles):
+                    self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
+                    self.store_subtile(
+                        c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, (epi_count + e) % self.epi_stage, c.epi_bar,
+                        warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
+                    )
+                epi_count = epi_count + epi_tiles
+            else:
+                # slot: fp32 read-add-write into the reduce buffer
+                tCcD = self.epilogue_partition(p.tiled_mma, c.mma_tidx, c.cD[(None, None, m_idx, n_idx)])
+                full = self.is_full_tile(m_idx, n_idx, c.dims)
+                self.add_into(
+                    c.acc,
+                    self.epilogue_partition(p.tiled_mma, c.mma_tidx, c.gDs[(None, None, m_idx, n_idx, g - p.num_home)]),
+                    tCcD, c.dims, full,
+                )
+        return read_state, release_state, epi_count
+
+
+def wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
+    """CPU check of the wgrad slot-group epilogue's thread -> element map (the fp32 read-add-write into
+    the reduce buffers; layout algebra at trace time only).
+
+    Returns how many (row, col) of a ``tile_m x tile_n`` output tile the consumer threads' partitions
+    (``GroupGemmWgradSm90.epilogue_partition``) write, how many distinct ones, and the tile size: every
+    element must be written by exactly one thread. Run with ``CUTE_DSL_ARCH=sm_90a`` (see the tests).
+    """
+    from csrc_cute.compile_check import expect_no_driver
+
+    kernel = GroupGemmWgradSm90(GroupGemmConfig(tile_m, tile_n, 1))
+    seen: list[tuple[int, int]] = []
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        tile = cute.make_identity_tensor((tile_m, tile_n))
+        for t in cutlass.range_constexpr(kernel.num_mma_threads):
+            part = kernel.epilogue_partition(kernel.tiled_mma, t, tile)
+            for i in cutlass.range_constexpr(cute.size(part)):
+                seen.append(tuple(int(v) for v in part[i]))
+
+    with expect_no_driver():
+        cute.compile(probe)
+    inside = all(0 <= r < tile_m and 0 <= c < tile_n for r, c in seen)
+    return dict(writes=len(seen), distinct=len(set(seen)), elements=tile_m * tile_n, inside=inside)
