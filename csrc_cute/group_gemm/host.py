@@ -10,12 +10,11 @@ inside the compile path, so importing this module stays cheap.
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Any
 
 import torch
 
+from ..jit import KernelFamily
 from .config import (
     H100_H200_NUM_SMS,
     GroupGemmConfig,
@@ -28,23 +27,16 @@ from .config import (
 # Compilation (once per static key)
 # ---------------------------------------------------------------------------------------------------
 
-_COMPILED: dict[tuple, Any] = {}
 # One TMA descriptor (CUtensorMap): its size and the alignment its global-memory copy needs.
 _DESC_BYTES = 128
-_COMPILE_LOCK = threading.Lock()
+# every GEMM kernel compiles through the one JIT layer (memory + disk cache, keyed with the target arch;
+# the disk entries are invalidated by the package's sources)
+_JIT = KernelFamily("group_gemm", ("csrc_cute.group_gemm",))
 
 
 def _compile_cached(key: tuple, build):
-    """``build()`` once per ``key`` and target arch (``CUTE_DSL_ARCH``)."""
-    key = key + (os.environ.get("CUTE_DSL_ARCH", ""),)
-    fn = _COMPILED.get(key)
-    if fn is not None:
-        return fn
-    with _COMPILE_LOCK:
-        fn = _COMPILED.get(key)
-        if fn is None:
-            fn = _COMPILED[key] = build()
-        return fn
+    """``build()`` once per ``key`` and target arch (csrc_cute/jit.py)."""
+    return _JIT.compiled(key, build)
 
 
 def _fake_sizes():
