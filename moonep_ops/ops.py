@@ -23,7 +23,7 @@ import meta.reduce_grad
 
 from . import planning
 from .comm import exchange, pull, resolve_group
-from .group import group_by_key, group_of, peers
+from .registry import group_by_key, group_of, peers
 
 Tensor = torch.Tensor
 
