@@ -27,7 +27,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, compiled, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
-from .host_checks import need_int, need_peers, need_rank, need_tensor
+from moonep_ops.checks import need_int, need_peers, need_rank, need_tensor
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 
 _NT = 256  # threads per CTA
