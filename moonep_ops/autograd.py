@@ -9,6 +9,8 @@ its op; Dynamo traces those under torch.compile. Backward never re-plans: it reu
   experts   (prefetch + fused SwiGLU GEMMs, one Function) backward = experts_ffn_backward: prefetch
             again, the down dgrad with the SwiGLU backward in its epilogue, the other dgrad/wgrad GEMMs,
             and reduce_grad of the copies' weight gradients into the home experts
+The steps of a MoE forward (`plan`, `dispatch`, `experts_ffn`, `combine`) take and return the named
+handles of handles.py; the Functions and ops underneath keep flat arguments.
 """
 
 from __future__ import annotations
