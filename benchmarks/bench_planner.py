@@ -59,7 +59,7 @@ def real_ranks(rank: int, R: int, S: int, K: int) -> list[dict]:
     import moonep_ops  # noqa: F401  (registers the ops)
     from csrc_cute import sync
     from moonep_ops import EPConfig, EPGroup
-    from moonep_ops.group import peers
+    from moonep_ops.registry import peers
 
     E = 48 * R
     cfg = EPConfig(S=S, H=8, K=K, E=E, F=8, R=R)

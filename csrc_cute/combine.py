@@ -42,7 +42,8 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from .host_checks import need_int, need_peers, need_tensor
+from moonep_ops.checks import need_int, need_peers, need_tensor
+
 from .jit import KernelFamily
 from .dispatch import (
     DEFAULT_NUM_CTAS,

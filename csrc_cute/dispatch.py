@@ -52,7 +52,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 
-from .host_checks import need_int, need_peers, need_placement, need_rank, need_tensor
+from moonep_ops.checks import need_int, need_peers, need_placement, need_rank, need_tensor
+
 from .jit import KernelFamily
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 from .plan import _ctz, _lanemask_lt, _match_any

@@ -49,7 +49,8 @@ from cutlass import Constexpr, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .host_checks import need_int, need_rank, need_tensor
+from moonep_ops.checks import need_int, need_rank, need_tensor
+
 from .jit import KernelFamily
 from .status import (  # the status bits the kernels set
     STATUS_BAD_COUNTS,

@@ -25,7 +25,8 @@ from cutlass import Constexpr, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .host_checks import need_peers, need_rank, need_tensor
+from moonep_ops.checks import need_peers, need_rank, need_tensor
+
 from .jit import KernelFamily
 from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, SIGNAL_BASE, STATUS_TIMEOUT, STATUS_WORD, control_words,
                      counts_base)

@@ -30,9 +30,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
+from moonep_ops.checks import need_int, need_peers, need_rank, need_tensor
+
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
-from .host_checks import need_int, need_peers, need_rank, need_tensor
 from .jit import KernelFamily
 from .plan import _lanemask_lt
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS

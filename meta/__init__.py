@@ -1,6 +1,10 @@
-"""Fake (meta) kernels of the moonep ops: input checks and output shapes from static arguments only.
+"""The design card's `meta/`: the fake (meta) kernels of the moonep ops.
 
-Each `meta/<op>.py` holds the fake kernel of `moonep::<op>`; `moonep_ops.ops` registers them. The
-CUDA and CPU implementations run the same checks, so bad input fails the same way when traced by
-torch.compile / torch.export and when run eagerly, before any kernel launches.
+They live in `moonep_ops/fake/` (one module per op, `fake/<op>.py` for `moonep::<op>`) so that they
+install inside the `moonep_ops` distribution: a top-level package named `meta` in site-packages is a
+generic name another distribution can own too. This thin package keeps the design card's layout for a
+source checkout (`meta.<op>` is `moonep_ops.fake.<op>`) and is not installed (pyproject.toml).
 """
+
+from moonep_ops.fake import *  # noqa: F401,F403
+from moonep_ops.fake import __all__  # noqa: F401

@@ -9,16 +9,35 @@ its op; Dynamo traces those under torch.compile. Backward never re-plans: it reu
   experts   (prefetch + fused SwiGLU GEMMs, one Function) backward = experts_ffn_backward: prefetch
             again, the down dgrad with the SwiGLU backward in its epilogue, the other dgrad/wgrad GEMMs,
             and reduce_grad of the copies' weight gradients into the home experts
+The steps of a MoE forward (`plan`, `dispatch`, `experts_ffn`, `combine`) take and return the named
+handles of handles.py; the Functions and ops underneath keep flat arguments.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from . import ops
 from .group import EPGroup
+from .handles import Dispatch, Plan
 
 Tensor = torch.Tensor
+
+
+def _forward_args(function: type[torch.autograd.Function]) -> tuple[str, ...]:
+    """The argument names of `function.forward` after ctx: its backward returns one entry per name."""
+    return tuple(inspect.signature(function.forward).parameters)[1:]
+
+
+def _backward_result(args: tuple[str, ...], **grads: Tensor) -> tuple[Tensor | None, ...]:
+    """What a backward returns: the gradients named by forward argument, None for every other argument
+    (the plan tables, the persistent buffers, the group's names and the static ints have none)."""
+    for name in grads:
+        if name not in args:
+            raise TypeError(f"backward: {name!r} is not an argument of the forward ({', '.join(args)})")
+    return tuple(grads.get(name) for name in args)
 
 
 # ---------------------------------------------------------------------------------------- group_gemm
@@ -72,7 +91,10 @@ class _Dispatch(torch.autograd.Function):
             g_row_w = torch.zeros(row_primary.shape, dtype=torch.float32, device=row_primary.device)
         gx, g_route_w = ops.dispatch_backward(g_rows.contiguous(), g_row_w.contiguous(), row_primary, row_next,
                                               dst_rank, dst_row, primary_row, ctx.ep_key)
-        return (gx, g_route_w) + (None,) * 13
+        return _backward_result(_DISPATCH_ARGS, x=gx, route_w=g_route_w)
+
+
+_DISPATCH_ARGS = _forward_args(_Dispatch)
 
 
 class _Combine(torch.autograd.Function):
@@ -87,21 +109,29 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):
         g_rows = ops.combine_backward(g_out.contiguous(), *ctx.saved_tensors, ctx.ep_key)
-        return (g_rows,) + (None,) * 11
+        return _backward_result(_COMBINE_ARGS, rows=g_rows)
 
 
-def dispatch(ep: EPGroup, x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
-             cu_seqlens: Tensor, group_rows: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Differentiable dispatch: (rows [NvS, H], row weights [NvS], row_primary [NvS], row_next [NvS])."""
-    return _Dispatch.apply(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
-                           ep.ctrl, ep.group_name, ep.key)
+_COMBINE_ARGS = _forward_args(_Combine)
 
 
-def combine(ep: EPGroup, rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tensor, dst_row: Tensor,
-            primary_row: Tensor, cu_seqlens: Tensor, group_rows: Tensor) -> Tensor:
-    """Differentiable combine: expert output rows [NvS, H] -> token rows [S, H]."""
-    return _Combine.apply(rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                          ep.presum, ep.ctrl, ep.group_name, ep.key)
+def plan(ep: EPGroup, topk_ids: Tensor) -> Plan:
+    """The plan of the router's top-k ids [S, K] (moonep::plan; integer tables, no gradient)."""
+    c = ep.cfg
+    return Plan(*ops.plan(topk_ids, c.E, c.B, c.P, c.R, ep.ctrl, ep.group_name))
+
+
+def dispatch(ep: EPGroup, x: Tensor, route_w: Tensor, plan: Plan) -> Dispatch:
+    """Differentiable dispatch of the token rows x [S, H] with route weights [S, K] along `plan`."""
+    return Dispatch(*_Dispatch.apply(x, route_w, plan.dst_rank, plan.dst_row, plan.primary_row, plan.cu_seqlens,
+                                     plan.group_rows, *ep.dispatch_buffers, ep.ctrl, ep.group_name, ep.key))
+
+
+def combine(ep: EPGroup, rows: Tensor, plan: Plan, dispatched: Dispatch) -> Tensor:
+    """Differentiable combine: expert output rows [NvS, H] (in `dispatched`'s row order) -> token rows [S, H]."""
+    return _Combine.apply(rows, dispatched.row_primary, dispatched.row_next, plan.dst_rank, plan.dst_row,
+                          plan.primary_row, plan.cu_seqlens, plan.group_rows, ep.presum, ep.ctrl, ep.group_name,
+                          ep.key)
 
 
 # ---------------------------------------------------------------------------------------- experts
@@ -127,18 +157,24 @@ class _ExpertsFFN(torch.autograd.Function):
         # collective: every rank runs the whole backward whatever it needs
         grads = ops.experts_ffn_backward(g_y.contiguous(), rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up,
                                          ctx.P, ctx.ep_key)
-        return grads + (None,) * 11
+        g_rows, g_row_w, dw_gate, dw_up, dw_down = grads
+        return _backward_result(_EXPERTS_FFN_ARGS, rows=g_rows, row_w=g_row_w, w_gate=dw_gate, w_up=dw_up,
+                                w_down=dw_down)
+
+
+_EXPERTS_FFN_ARGS = _forward_args(_ExpertsFFN)
 
 
 def experts_ffn(ep: EPGroup, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                cu_seqlens: Tensor, experts_to_copy: Tensor, experts_remote: Tensor) -> Tensor:
-    """Differentiable SwiGLU experts with copied slots: rows [NvS, H] -> route-weighted outputs [NvS, H].
-    With B < epn (inference) the copies without a slot (`experts_remote`) are read from their home rank."""
+                plan: Plan) -> Tensor:
+    """Differentiable SwiGLU experts with copied slots: rows [NvS, H] with route weights row_w [NvS],
+    grouped along `plan` -> route-weighted outputs [NvS, H]. With B < epn (inference) the copies without
+    a slot (`plan.experts_remote`) are read from their home rank."""
     # inference (no_grad, or nothing requires grad) keeps no pre-activations for a backward that never runs
     save_preact = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, row_w, w_gate, w_up, w_down))
     if save_preact and ep.cfg.B < ep.cfg.epn:
         raise RuntimeError(
             f"MoE experts: EPConfig.B={ep.cfg.B} < epn={ep.cfg.epn} is inference only (remote weight reads "
             f"have no gradient path); run under torch.no_grad() / inference_mode, or train with B = epn")
-    return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
-                             *ep.pools, ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact)
+    return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, plan.cu_seqlens, plan.experts_to_copy,
+                             plan.experts_remote, *ep.pools, ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact)

@@ -13,23 +13,17 @@ from __future__ import annotations
 import itertools
 import os
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from csrc_cute.status import DEFAULT_COMM_SMS, DEFAULT_TIMEOUT_S, STATUS_WORD, control_words
 
+from . import registry
 from .config import EPConfig
 from .status import check_status
 
 
-# data_ptr of a symmetric buffer -> (its owning EPGroup, int64 [R] peer addresses); data_ptr of a
-# control block -> its EPGroup. Weak values: a destroyed group leaves no entry behind.
-_PEERS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-_GROUP_OF_CTRL: dict[int, weakref.ref] = {}
-# EPGroup.key -> the group: how the backward ops (which take no buffer, see docs/design-notes.md) find it
-_GROUP_OF_KEY: dict[str, weakref.ref] = {}
 _SERIAL = itertools.count()
 
 
@@ -69,7 +63,7 @@ class EPGroup:
         self.rank = dist.get_rank(self.group)
         self.group_name = self.group.group_name
         self.key = f"{self.group_name}/{next(_SERIAL)}"  # names this EPGroup in the backward ops' schemas
-        _GROUP_OF_KEY[self.key] = weakref.ref(self)
+        registry.add_group(self)
         self._symmetric = device.type == "cuda"
         self._handles = []  # symmetric-memory handles, kept alive with the buffers
         c = cfg
@@ -90,7 +84,7 @@ class EPGroup:
         self._pools = self._reduce = None
         self._home_weights = []  # symmetric home-expert weights (inference with B < epn reads them remotely)
         if self._symmetric:
-            _GROUP_OF_CTRL[self.ctrl.data_ptr()] = weakref.ref(self)
+            registry.add_ctrl(self, self.ctrl)
             torch.cuda.synchronize(device)
             dist.barrier(group=self.group)  # every peer's buffers are initialised before anyone writes
 
@@ -112,7 +106,7 @@ class EPGroup:
         # itself instead of copying it into a graph-owned input (a copy would not be symmetric memory)
         torch._dynamo.mark_static_address(t)
         addrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
-        _PEERS[t.data_ptr()] = (weakref.ref(self), addrs)
+        registry.add_peers(self, t, addrs)
         return t
 
     @property
@@ -181,45 +175,17 @@ class EPGroup:
         if self._symmetric and self.ctrl is not None:
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group)  # no peer still reads or writes our buffers
-            _GROUP_OF_CTRL.pop(self.ctrl.data_ptr(), None)
         for name in ("ctrl", "send_rows", "recv_w", "recv_primary", "recv_next", "recv_src", "presum", "row_scratch"):
             t = getattr(self, name)
             if t is not None:
-                _PEERS.pop(t.data_ptr(), None)
+                registry.remove_buffer(t)
             setattr(self, name, None)
         for t in (self._pools or ()) + (self._reduce or ()) + tuple(self._home_weights):
-            _PEERS.pop(t.data_ptr(), None)
+            registry.remove_buffer(t)
         self._pools = self._reduce = None
         self._home_weights = []
         self._handles.clear()
-        _GROUP_OF_KEY.pop(self.key, None)
-
-
-def peers(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
-    """int64 [R] addresses of symmetric buffer `t` on every rank (CUDA ops only)."""
-    entry = _PEERS.get(t.data_ptr())
-    if entry is None or entry[0]() is None:
-        raise ValueError(f"moonep.{op}: {name} must be the symmetric buffer of a live CUDA EPGroup "
-                         f"(pass the EPGroup's own buffer, not a copy)")
-    return entry[1]
-
-
-def group_of(op: str, ctrl: torch.Tensor) -> EPGroup:
-    """The CUDA EPGroup whose control block is `ctrl`."""
-    ref = _GROUP_OF_CTRL.get(ctrl.data_ptr())
-    ep = ref() if ref is not None else None
-    if ep is None:
-        raise ValueError(f"moonep.{op}: ctrl must be the control block of a live CUDA EPGroup (EPGroup.ctrl)")
-    return ep
-
-
-def group_by_key(op: str, key: str) -> EPGroup:
-    """The live EPGroup whose `key` is `key`."""
-    ref = _GROUP_OF_KEY.get(key)
-    ep = ref() if ref is not None else None
-    if ep is None or ep.ctrl is None:
-        raise ValueError(f"moonep.{op}: ep_key={key!r} names no live EPGroup (pass EPGroup.key)")
-    return ep
+        registry.remove_group(self.key)
 
 
 MOONEP_OPS = ("plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad",

@@ -7,8 +7,9 @@ import math
 import torch
 from torch import nn
 
-from . import autograd, ops
+from . import autograd
 from .group import EPGroup
+from .handles import Dispatch, Plan
 from .routing import route
 
 
@@ -42,11 +43,11 @@ class MoEExperts(nn.Module):
         for w, fan_in in ((self.w_gate, c.H), (self.w_up, c.H), (self.w_down, c.F)):
             nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
-    def forward(self, rows: torch.Tensor, row_w: torch.Tensor, cu_seqlens: torch.Tensor,
-                experts_to_copy: torch.Tensor, experts_remote: torch.Tensor) -> torch.Tensor:
-        """rows [NvS, H] grouped by cu_seqlens (home experts, slots, remote reads) -> weighted outputs."""
-        return autograd.experts_ffn(self.ep, rows, row_w, self.w_gate, self.w_up, self.w_down, cu_seqlens,
-                                    experts_to_copy, experts_remote)
+    def forward(self, dispatched: Dispatch, plan: Plan) -> torch.Tensor:
+        """The dispatched rows [NvS, H], grouped by plan.cu_seqlens (home experts, slots, remote reads) ->
+        their outputs [NvS, H] times their route weights (dispatched.row_w)."""
+        return autograd.experts_ffn(self.ep, dispatched.rows, dispatched.row_w, self.w_gate, self.w_up, self.w_down,
+                                    plan)
 
 
 class MoELayer(nn.Module):
@@ -72,15 +73,12 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: x holds {tokens.shape[0]} tokens of size H={c.H}, EPConfig.S={c.S}")
         tokens = tokens.to(ep.dtype).contiguous()
         route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
-        dst_rank, dst_row, primary_row, experts_to_copy, experts_remote, cu_seqlens, group_rows, counts = ops.plan(
-            ids, c.E, c.B, c.P, c.R, ep.ctrl, ep.group_name)
-        rows, row_w, row_primary, row_next = autograd.dispatch(ep, tokens, route_w, dst_rank, dst_row, primary_row,
-                                                               cu_seqlens, group_rows)
-        out_rows = self.experts(rows, row_w, cu_seqlens, experts_to_copy, experts_remote)
-        out = autograd.combine(ep, out_rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens,
-                               group_rows)
+        plan = autograd.plan(ep, ids)
+        dispatched = autograd.dispatch(ep, tokens, route_w, plan)
+        out_rows = self.experts(dispatched, plan)
+        out = autograd.combine(ep, out_rows, plan, dispatched)
         if not torch.compiler.is_compiling():
-            self.last_counts = counts
+            self.last_counts = plan.counts
         return out.view(x.shape).to(x.dtype)
 
 

@@ -1,7 +1,8 @@
 """The `moonep` torch.library ops: schemas, CPU reference implementations, fake kernels.
 
 CPU implementations are the reference every CUDA kernel must match: pure torch, cross-rank traffic
-through torch.distributed (gloo), free to sync the host. Fake kernels live in `meta/<op>.py`.
+through torch.distributed (gloo), free to sync the host. Fake kernels live in `fake/<op>.py`; every
+implementation of an op runs the op's contract check (`checks.py`) once.
 Persistent buffers (receive rows, slot pools, reduce buffers) are arguments declared in
 `mutates_args`; on the GPU they are symmetric memory that peers write into. Outputs are always fresh
 tensors, never views of those buffers (see docs/design-notes.md, "Autograd and persistent buffers").
@@ -12,18 +13,9 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-import meta.backward
-import meta.combine
-import meta.dispatch
-import meta.gather_row_weights
-import meta.group_gemm
-import meta.plan
-import meta.prefetch_weights
-import meta.reduce_grad
-
-from . import planning
+from . import checks, fake, planning
 from .comm import exchange, pull, resolve_group
-from .group import group_by_key, group_of, peers
+from .registry import group_by_key, group_of, peers
 
 Tensor = torch.Tensor
 
@@ -36,7 +28,7 @@ def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_n
     ranks, then of this rank: experts_remote [epn-B] (copies read from their home rank, B < epn only),
     cu_seqlens [2*epn] and group_rows [2*epn] (real rows per group), and counts [R, E] of all ranks),
     all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status)."""
-    meta.plan.check_plan_args(topk_ids, E, B, P, R, ctrl)
+    checks.check_plan_args(topk_ids, E, B, P, R, ctrl)
     group = resolve_group("plan", group_name, R)
     S, K = topk_ids.shape
     bad = (topk_ids < 0) | (topk_ids >= E)
@@ -54,12 +46,12 @@ def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_n
             gp.cu_seqlens[rank].clone(), gp.group_rows[rank].clone(), counts)
 
 
-plan.register_fake(meta.plan.plan)
+plan.register_fake(fake.plan.plan)
 
 
 @plan.register_kernel("cuda")
 def _plan_cuda(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_name: str):
-    meta.plan.check_plan_args(topk_ids, E, B, P, R, ctrl)
+    checks.check_plan_args(topk_ids, E, B, P, R, ctrl)
     from csrc_cute import plan as kplan, sync  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("plan", ctrl)
@@ -106,8 +98,8 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     padding rows, which are zero. Persistent buffers: `send_rows` stages this rank's tokens for the
     peers to read; the recv_* tables receive, per row, its weight, primary row, next row and source
     (rank * S + token). Outputs are fresh tensors."""
-    meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                                      send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
+    checks.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, send_rows,
+                               recv_w, recv_primary, recv_next, recv_src, ctrl)
     group = resolve_group("dispatch", group_name)
     R = torch.distributed.get_world_size(group)
     NvS = recv_w.shape[0]
@@ -140,14 +132,14 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     return rows, recv_w.clone(), recv_primary.clone(), recv_next.clone()
 
 
-dispatch.register_fake(meta.dispatch.dispatch)
+dispatch.register_fake(fake.dispatch.dispatch)
 
 
 @dispatch.register_kernel("cuda")
 def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, send_rows, recv_w,
                    recv_primary, recv_next, recv_src, ctrl, group_name):
-    meta.dispatch.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
-                                      send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
+    checks.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, send_rows,
+                               recv_w, recv_primary, recv_next, recv_src, ctrl)
     from csrc_cute import dispatch as kd  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("dispatch", ctrl)
@@ -178,7 +170,7 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
     """Expert output rows [NvS, H] -> token rows [S, H], summing each token's K rows. The receiver first
     sums a token's rows on it into the row that carried it (fp32, stored in the row dtype in `presum`),
     so one row per (token, rank) crosses back; the source adds those in fp32, in k order."""
-    meta.combine.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
+    checks.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
     group = resolve_group("combine", group_name)
     valid = torch.nonzero(row_primary >= 0).flatten()
     acc = torch.zeros(rows.shape, dtype=torch.float32)
@@ -191,12 +183,12 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
     return parts.view(S, K, -1).sum(1).to(rows.dtype)
 
 
-combine.register_fake(meta.combine.combine)
+combine.register_fake(fake.combine.combine)
 
 
 @combine.register_kernel("cuda")
 def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name):
-    meta.combine.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
+    checks.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
     from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("combine", ctrl)
@@ -215,18 +207,18 @@ def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, row_
                        group_name: str) -> Tensor:
     """Per-row values [NvS] (the route-weight gradient) -> [S, K], read back from the computing ranks
     (through `row_scratch`, a buffer peers can read)."""
-    meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
+    checks.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
     group = resolve_group("gather_row_weights", group_name)
     row_scratch.copy_(row_vals)
     return pull(row_scratch, dst_rank.reshape(-1), dst_row.reshape(-1), group).view(dst_rank.shape)
 
 
-gather_row_weights.register_fake(meta.gather_row_weights.gather_row_weights)
+gather_row_weights.register_fake(fake.gather_row_weights.gather_row_weights)
 
 
 @gather_row_weights.register_kernel("cuda")
 def _gather_row_weights_cuda(row_vals, dst_rank, dst_row, row_scratch, ctrl, group_name):
-    meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
+    checks.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
     from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("gather_row_weights", ctrl)
@@ -264,19 +256,19 @@ def _weight(w_home: Tensor, w_slot: Tensor, g: int, w_remote: Tensor | None = No
 def group_gemm(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
     """y[rows of group g] = x[rows of g] @ W_g, W_g = w_home[g] (g < epn) else w_slot[g - epn]; fp32
     accumulation; every group length is a multiple of P; rows past the last group are zero."""
-    meta.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
+    fake.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
     y = x.new_zeros((x.shape[0], w_home.shape[2]))
     for g, s, e in _group_bounds("group_gemm", cu_seqlens, x.shape[0], P):
         y[s:e] = (x[s:e].float() @ _weight(w_home, w_slot, g).float()).to(x.dtype)
     return y
 
 
-group_gemm.register_fake(meta.group_gemm.group_gemm)
+group_gemm.register_fake(fake.group_gemm.group_gemm)
 
 
 @group_gemm.register_kernel("cuda")
 def _group_gemm_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
-    meta.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
+    fake.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
     from csrc_cute.group_gemm import group_gemm_fwd  # CuTe DSL loads on first CUDA use only
 
     return group_gemm_fwd(x, w_home, w_slot, cu_seqlens, pad=P)
@@ -285,19 +277,19 @@ def _group_gemm_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tens
 @custom_op("moonep::group_gemm_dgrad", mutates_args=(), device_types="cpu")
 def group_gemm_dgrad(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
     """dx[rows of g] = dy[rows of g] @ W_g^T; rows past the last group are zero."""
-    meta.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
+    fake.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
     dx = dy.new_zeros((dy.shape[0], w_home.shape[1]))
     for g, s, e in _group_bounds("group_gemm_dgrad", cu_seqlens, dy.shape[0], P):
         dx[s:e] = (dy[s:e].float() @ _weight(w_home, w_slot, g).float().t()).to(dy.dtype)
     return dx
 
 
-group_gemm_dgrad.register_fake(meta.group_gemm.group_gemm_dgrad)
+group_gemm_dgrad.register_fake(fake.group_gemm.group_gemm_dgrad)
 
 
 @group_gemm_dgrad.register_kernel("cuda")
 def _group_gemm_dgrad_cuda(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
-    meta.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
+    fake.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
     from csrc_cute.group_gemm import group_gemm_dgrad as dgrad_kernel  # CuTe DSL loads on first CUDA use only
 
     return dgrad_kernel(dy, w_home, w_slot, cu_seqlens, pad=P)
@@ -309,7 +301,7 @@ def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor,
     dw_home[g] (x's dtype: one rounding of the fp32 product; a home group with no rows gets zeros, so all
     of dw_home is written). Slot groups accumulate into dw_slot[g - epn] += ... in fp32 (the copies'
     reduce buffers); empty slot groups are not touched."""
-    meta.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
+    fake.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
     epn = dw_home.shape[0]
     dw_home.zero_()  # home groups without rows
     for g, s, e in _group_bounds("group_gemm_wgrad", cu_seqlens, x.shape[0], P):
@@ -320,12 +312,12 @@ def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor,
             dw_slot[g - epn].add_(dw)
 
 
-group_gemm_wgrad.register_fake(meta.group_gemm.group_gemm_wgrad)
+group_gemm_wgrad.register_fake(fake.group_gemm.group_gemm_wgrad)
 
 
 @group_gemm_wgrad.register_kernel("cuda")
 def _group_gemm_wgrad_cuda(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor, P: int) -> None:
-    meta.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
+    fake.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
     from csrc_cute.group_gemm import group_gemm_wgrad as wgrad_kernel  # CuTe DSL loads on first CUDA use only
 
     wgrad_kernel(x, dy, cu_seqlens, dw_home, dw_slot, pad=P)
@@ -367,7 +359,7 @@ def group_gemm_swiglu(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_
     Inference with B < epn: `experts_remote` [n_remote] (global expert ids, -1 = empty) names the groups
     after the slots, whose weights are read from their home rank (CUDA: through the peer mapping of the
     symmetric home weights; CPU: gloo, over the process group `group_name`)."""
-    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
+    F = fake.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
                                           experts_remote)
     op = "group_gemm_swiglu"
     remote_gate = _remote_home_weights(op, w_gate_home, experts_remote, group_name)
@@ -384,14 +376,14 @@ def group_gemm_swiglu(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_
     return h, gate, up
 
 
-group_gemm_swiglu.register_fake(meta.group_gemm.group_gemm_swiglu)
+group_gemm_swiglu.register_fake(fake.group_gemm.group_gemm_swiglu)
 
 
 @group_gemm_swiglu.register_kernel("cuda")
 def _group_gemm_swiglu_cuda(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_home: Tensor,
                             w_up_slot: Tensor, cu_seqlens: Tensor, P: int, save_preact: bool,
                             experts_remote: Tensor | None = None, group_name: str = ""):
-    F = meta.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
+    F = fake.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
                                           experts_remote)
     from csrc_cute.group_gemm import group_gemm_swiglu as swiglu_kernel  # CuTe DSL loads on first CUDA use only
 
@@ -412,7 +404,7 @@ def group_gemm_row_scale(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: 
     """y[r] = (x[r] @ W_g) * row_w[r] for r in group g: fp32 accumulation, the fp32 per-row scale (route
     weight, row_w [N] fp32) applied before the single rounding to x's dtype; rows past the last group
     are zero. Remote groups (`experts_remote`, `group_name`) as in group_gemm_swiglu."""
-    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
+    fake.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
     remote = _remote_home_weights("group_gemm_row_scale", w_home, experts_remote, group_name)
     y = x.new_zeros((x.shape[0], w_home.shape[2]))
     for g, s, e in _group_bounds("group_gemm_row_scale", cu_seqlens, x.shape[0], P):
@@ -420,13 +412,13 @@ def group_gemm_row_scale(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: 
     return y
 
 
-group_gemm_row_scale.register_fake(meta.group_gemm.group_gemm_row_scale)
+group_gemm_row_scale.register_fake(fake.group_gemm.group_gemm_row_scale)
 
 
 @group_gemm_row_scale.register_kernel("cuda")
 def _group_gemm_row_scale_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, row_w: Tensor,
                                P: int, experts_remote: Tensor | None = None, group_name: str = "") -> Tensor:
-    meta.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
+    fake.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
     from csrc_cute.group_gemm import group_gemm_row_scale as row_scale_kernel  # CuTe DSL loads on first CUDA use
 
     home_peers = _weights_cuda("group_gemm_row_scale", "w_home", w_home, experts_remote)
@@ -442,7 +434,7 @@ def group_gemm_swiglu_bwd(g_y: Tensor, w_down_home: Tensor, w_down_slot: Tensor,
     from the saved gate/up: returns g_gate = row_w*d*up*s*(1 + gate*(1 - s)), g_up = row_w*d*gate*s,
     h_w = row_w*h (all [N, F] in g_y's dtype; h_w is the down projection's wgrad operand,
     dW_down_g += h_w_g^T g_y_g) and g_row_w = sum_f d*h ([N] fp32, the route weights' gradient)."""
-    meta.group_gemm.check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
+    fake.group_gemm.check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
     n, F = gate.shape
     d = torch.zeros(n, F)
     for g, s, e in _group_bounds("group_gemm_swiglu_bwd", cu_seqlens, n, P):
@@ -455,13 +447,13 @@ def group_gemm_swiglu_bwd(g_y: Tensor, w_down_home: Tensor, w_down_slot: Tensor,
     return (g_gate.to(g_y.dtype), (gh * gf * sig).to(g_y.dtype), (h * rw).to(g_y.dtype), (d * h).sum(1))
 
 
-group_gemm_swiglu_bwd.register_fake(meta.group_gemm.group_gemm_swiglu_bwd)
+group_gemm_swiglu_bwd.register_fake(fake.group_gemm.group_gemm_swiglu_bwd)
 
 
 @group_gemm_swiglu_bwd.register_kernel("cuda")
 def _group_gemm_swiglu_bwd_cuda(g_y: Tensor, w_down_home: Tensor, w_down_slot: Tensor, cu_seqlens: Tensor,
                                 row_w: Tensor, gate: Tensor, up: Tensor, P: int):
-    meta.group_gemm.check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
+    fake.group_gemm.check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
     from csrc_cute.group_gemm import group_gemm_swiglu_bwd as bwd_kernel  # CuTe DSL loads on first CUDA use only
 
     return bwd_kernel(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, pad=P)
@@ -475,8 +467,7 @@ def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_co
     """Fill this rank's slot pools with the planned copies (gate, up, down) from their home ranks; empty
     slots keep what they held (no GEMM reads them). The pools are shared by every layer: the GEMMs read
     them in place, and a layer's backward prefetches its copies again."""
-    meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
-                                              ctrl)
+    checks.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl)
     group = resolve_group("prefetch_weights", group_name, experts_to_copy.shape[0])
     epn = w_gate.shape[0]
     mine = experts_to_copy[torch.distributed.get_rank(group)].long()
@@ -485,13 +476,12 @@ def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_co
         pool[used] = pull(w, mine[used] // epn, mine[used] % epn, group)
 
 
-prefetch_weights.register_fake(meta.prefetch_weights.prefetch_weights)
+prefetch_weights.register_fake(fake.prefetch_weights.prefetch_weights)
 
 
 @prefetch_weights.register_kernel("cuda")
 def _prefetch_weights_cuda(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name):
-    meta.prefetch_weights.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down,
-                                              ctrl)
+    checks.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl)
     if experts_to_copy.shape[0] == 1:
         return  # one rank: the plan never copies, so there is nothing to move and no peer to wait for
     from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
@@ -519,7 +509,7 @@ def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor,
     copies are not touched. Then every rank zeroes the slots it used, ready for the next layer or
     micro-batch."""
     reduce_bufs, homes = (reduce_gate, reduce_up, reduce_down), (home_gate, home_up, home_down)
-    meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
+    checks.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
     group = resolve_group("reduce_grad", group_name, experts_to_copy.shape[0])
     me = torch.distributed.get_rank(group)
     epn = home_gate.shape[0]
@@ -541,14 +531,14 @@ def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor,
         buf[used] = 0
 
 
-reduce_grad.register_fake(meta.reduce_grad.reduce_grad)
+reduce_grad.register_fake(fake.reduce_grad.reduce_grad)
 
 
 @reduce_grad.register_kernel("cuda")
 def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home_gate, home_up, home_down, ctrl,
                       group_name):
     reduce_bufs, homes = (reduce_gate, reduce_up, reduce_down), (home_gate, home_up, home_down)
-    meta.reduce_grad.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
+    checks.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
     if experts_to_copy.shape[0] == 1:
         return  # one rank: the plan never copies, so no copy has a gradient to fold home
     from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
@@ -575,14 +565,14 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
 def combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor, cu_seqlens: Tensor,
                      group_rows: Tensor, ep_key: str) -> Tensor:
     """Gradient of combine: the token gradients [S, H] dispatched to the rows [NvS, H] (unit weights)."""
-    meta.backward.check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
+    checks.check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
     ep = group_by_key("combine_backward", ep_key)
     unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=g_out.device)
     return dispatch(g_out, unit_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
                     ep.ctrl, ep.group_name)[0]
 
 
-combine_backward.register_fake(meta.backward.combine_backward)
+combine_backward.register_fake(fake.backward.combine_backward)
 
 
 @custom_op("moonep::dispatch_backward", mutates_args=())
@@ -590,15 +580,15 @@ def dispatch_backward(g_rows: Tensor, g_row_w: Tensor, row_primary: Tensor, row_
                       dst_row: Tensor, primary_row: Tensor, ep_key: str) -> tuple[Tensor, Tensor]:
     """Gradient of dispatch: (token gradients [S, H] = combine of the row gradients, route-weight
     gradients [S, K] = the per-row values read back)."""
-    meta.backward.check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row,
-                                               ep_key)
+    checks.check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row,
+                                        ep_key)
     ep = group_by_key("dispatch_backward", ep_key)
     gx = combine(g_rows, row_primary, row_next, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl, ep.group_name)
     g_route_w = gather_row_weights(g_row_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl, ep.group_name)
     return gx, g_route_w
 
 
-dispatch_backward.register_fake(meta.backward.dispatch_backward)
+dispatch_backward.register_fake(fake.backward.dispatch_backward)
 
 
 @custom_op("moonep::experts_ffn_backward", mutates_args=())
@@ -612,8 +602,8 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     backward and the route-weight gradient in its epilogue; the wgrad GEMMs write the home experts'
     gradients in the weights' dtype and accumulate the copies' gradients into the fp32 reduce buffers,
     and `reduce_grad` adds those to the home gradients (one more rounding for experts with copies)."""
-    meta.backward.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
-                                                  gate, up, ep_key)
+    checks.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
+                                           gate, up, ep_key)
     ep = group_by_key("experts_ffn_backward", ep_key)
     pool_gate, pool_up, pool_down = ep.pools
     reduce_gate, reduce_up, reduce_down = ep.reduce_buffers
@@ -633,4 +623,4 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     return g_rows, g_row_w, dw_gate, dw_up, dw_down
 
 
-experts_ffn_backward.register_fake(meta.backward.experts_ffn_backward)
+experts_ffn_backward.register_fake(fake.backward.experts_ffn_backward)

@@ -131,7 +131,7 @@ def barrier_timeout(rank: int, R: int):
     import time
 
     from csrc_cute import sync
-    from moonep_ops.group import peers
+    from moonep_ops.registry import peers
 
     cfg = EPConfig(R=R, S=64, H=8, K=4, E=8 * R, F=8)
     ep = EPGroup(cfg, device="cuda")
@@ -182,6 +182,7 @@ def dispatch_combine_traceable(rank: int, R: int, cfg_kwargs: dict, n_routings: 
     K rows (1 bf16 ulp), route-weight values come back exactly, autograd matches the dense formula,
     repeated steps are bitwise stable, CUDA-graph replay equals eager, no host sync when warm."""
     from moonep_ops import autograd as ag
+    from moonep_ops.handles import Plan
 
     cfg = EPConfig(R=R, **cfg_kwargs)
     c = cfg
@@ -237,10 +238,9 @@ def dispatch_combine_traceable(rank: int, R: int, cfg_kwargs: dict, n_routings: 
         # autograd through dispatch -> row weights -> combine, against the dense formula
         xg = x.clone().float().requires_grad_()
         wg = route_w.clone().requires_grad_()
-        r_rows, r_w, r_p, r_n = ag.dispatch(ep, xg.to(torch.bfloat16), wg, dst_rank, dst_row, primary_row, cu,
-                                            group_rows)
-        out_rows = (r_rows.float() * r_w[:, None]).to(torch.bfloat16)
-        y2 = ag.combine(ep, out_rows, r_p, r_n, dst_rank, dst_row, primary_row, cu, group_rows)
+        dispatched = ag.dispatch(ep, xg.to(torch.bfloat16), wg, Plan(*plan))
+        out_rows = (dispatched.rows.float() * dispatched.row_w[:, None]).to(torch.bfloat16)
+        y2 = ag.combine(ep, out_rows, Plan(*plan), dispatched)
         gy = _traceable_tokens(rank + 7, c.S, c.H).to(dev) / 16
         y2.float().backward(gy.float())
         x32, gy32 = x.float(), gy.float()

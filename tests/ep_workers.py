@@ -147,19 +147,18 @@ def partial_use(rank: int, R: int, cfg_kwargs: dict):
     """Backward through dispatch when only the rows are used (not the row weights): the collective
     backward ops (gather_row_weights among them) still run on every rank."""
     from moonep_ops import autograd as ag
-    from moonep_ops import ops
 
     cfg = EPConfig(R=R, **cfg_kwargs)
     layer, x, _ = build_layer(cfg, rank, "extreme")
     ep = layer.ep
     x.requires_grad_()
     ids = torch.topk(layer.router(x), cfg.K).indices
-    dst_rank, dst_row, primary_row, experts_to_copy, experts_remote, cu, group_rows, _ = ops.plan(
-        ids, cfg.E, cfg.B, cfg.P, cfg.R, ep.ctrl, ep.group_name)
+    plan = ag.plan(ep, ids)
     route_w = torch.full(ids.shape, 0.5, requires_grad=True)
-    rows, _, row_primary, row_next = ag.dispatch(ep, x, route_w, dst_rank, dst_row, primary_row, cu, group_rows)
-    y = layer.experts(rows, torch.ones(rows.shape[0]), cu, experts_to_copy, experts_remote)  # the row weights go unused
-    out = ag.combine(ep, y, row_primary, row_next, dst_rank, dst_row, primary_row, cu, group_rows)
+    dispatched = ag.dispatch(ep, x, route_w, plan)
+    # the row weights go unused
+    y = layer.experts(dispatched._replace(row_w=torch.ones(dispatched.rows.shape[0])), plan)
+    out = ag.combine(ep, y, plan, dispatched)
     out.sum().backward()
     e = layer.experts
     return dict(x=x.grad, gate=e.w_gate.grad, up=e.w_up.grad, down=e.w_down.grad, route_w=route_w.grad)

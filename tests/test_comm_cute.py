@@ -107,7 +107,7 @@ def test_host_validation_errors():
     cuda = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=DEV)  # noqa: E731
     with pytest.raises(ValueError, match="dst_row must have dtype"):
         D.dispatch_meta(**dict(a, dst_row=cuda(S, K, dtype=i64)))
-    with pytest.raises(ValueError, match=r"primary_row must have shape \(4, 2\)"):
+    with pytest.raises(ValueError, match=r"primary_row must have shape \[4, 2\]"):
         D.dispatch_meta(**dict(a, primary_row=cuda(S, K + 1, dtype=i32)))
     with pytest.raises(ValueError, match="K must be <= 32"):
         D.dispatch_meta(**dict(a, dst_rank=cuda(S, 33, dtype=i32)))

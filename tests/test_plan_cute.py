@@ -92,7 +92,7 @@ def test_host_validation_errors():
             ids = torch.zeros(2, 2, dtype=torch.int32, device=dev)
             c = torch.zeros(2, 4, dtype=torch.int32, device=dev)
             P.plan_tokens_cuda(ids, c, plan_of(2, 4, 1), 2)
-        with pytest.raises(ValueError, match=r"plan.experts_remote must have shape \(2, 1\)"):
+        with pytest.raises(ValueError, match=r"plan.experts_remote must have shape \[2, 1\]"):
             P.plan_tokens_cuda(ids, c, plan_of(2, 4, 1, remote=2), 0)
         with pytest.raises(ValueError, match=r"plan.experts_to_copy must be \[R, B\]"):
             P.plan_tokens_cuda(ids, c, plan_of(2, 4, 3, remote=0), 0)

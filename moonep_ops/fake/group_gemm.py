@@ -3,7 +3,7 @@ group_gemm_row_scale and group_gemm_swiglu_bwd."""
 
 import torch
 
-from .checks import ROW_DTYPES, check_pad, check_tensor
+from ..checks import ROW_DTYPES, check_pad, check_tensor
 
 
 def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device, experts_remote=None) -> tuple[int, int]:

@@ -1,0 +1,27 @@
+"""Fake kernels of the backward ops (moonep::combine_backward, dispatch_backward, experts_ffn_backward).
+
+They run the forward ops on the EP group's own buffers (moonep_ops/ops.py); the output shapes follow
+from the EPConfig of the group their `ep_key` names, which the checks return."""
+
+import torch
+
+from ..checks import check_combine_backward_args, check_dispatch_backward_args, check_experts_ffn_backward_args
+
+
+def combine_backward(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key: str):
+    cfg = check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
+    return g_out.new_empty((cfg.NvS, cfg.H))
+
+
+def dispatch_backward(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row, ep_key: str):
+    cfg = check_dispatch_backward_args(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row, primary_row,
+                                       ep_key)
+    return g_rows.new_empty((cfg.S, cfg.H)), g_row_w.new_empty((cfg.S, cfg.K))
+
+
+def experts_ffn_backward(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, P: int,
+                         ep_key: str):
+    check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up,
+                                    ep_key)
+    return (torch.empty_like(rows), torch.empty_like(row_w), torch.empty_like(w_gate), torch.empty_like(w_up),
+            torch.empty_like(w_down))
