@@ -33,12 +33,12 @@ def check_int32_tables(where: str, S: int, K: int, R: int, E: int, P: int) -> No
     control block (its R*E count matrix, twice)."""
     from csrc_cute.status import control_words
 
-    sizes = (("S*K*R (routed rows of all ranks)", S * K * R),
-             ("NvS = align_up(S*K + (P-1)*2*E/R, P) (receive rows per rank)", receive_rows(S, K, P, 2 * (E // R))),
-             ("the control block (2*R*E count words and the signals)", control_words(R, E)))
-    for name, v in sizes:
+    sizes = (("S*K*R", "routed rows of all ranks", S * K * R),
+             ("NvS", "receive rows per rank, align_up(S*K + (P-1)*2*E/R, P)", receive_rows(S, K, P, 2 * (E // R))),
+             ("the control block", "2*R*E count words and the signals", control_words(R, E)))
+    for name, what, v in sizes:
         if v >= INT32_LIMIT:
-            raise ValueError(f"{where}: {name} must be < 2**31 (int32 tables), got {v}")
+            raise ValueError(f"{where}: {name} must be < 2**31 ({what}; int32 tables), got {name}={v}")
 
 
 @dataclass(frozen=True)

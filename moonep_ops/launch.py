@@ -9,6 +9,7 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,8 +61,9 @@ def run_ranks_faulty(fn: Callable[..., Any], world_size: int, *args: Any, pg_tim
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + join_timeout_s
         for p in procs:
-            p.join(join_timeout_s)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()

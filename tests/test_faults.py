@@ -52,9 +52,11 @@ def test_out_of_step_ranks_fail_fast_and_the_group_can_be_rebuilt():
     assert fw.is_named(r1["rejected"], STATUS_PEER_REJECTED) and "rank(s) [0]" in r1["rejected"][1], r1["rejected"]
     for r in (r0, r1):
         assert r["after_rejected"][0] == "ok", r["after_rejected"]
-        for case in ("skip_forward", "skip_backward"):
+        # each rank's op where they met: rank 0 skipped a forward (it is in the backward's dispatch, rank 1
+        # in the second forward's plan), then a backward (it is in the next forward's plan)
+        for case, ops_met in (("skip_forward", ("dispatch", "plan")), ("skip_backward", ("plan", "dispatch"))):
             assert fw.is_named(r[case], STATUS_OP_MISMATCH), (case, r[case])
-            assert "rank 0: plan" in r[case][1] and "rank 1: dispatch" in r[case][1], (case, r[case])
+            assert f"rank 0: {ops_met[0]}" in r[case][1] and f"rank 1: {ops_met[1]}" in r[case][1], (case, r[case])
             assert r[case][2] < FAST_S, (case, r[case])
         assert r["rebuilt"][0] == "ok", r["rebuilt"]
 
@@ -181,11 +183,11 @@ def test_layer_checks_its_input(gloo1):
 
 
 def test_sizes_that_overflow_int32_tables_are_refused():
-    with pytest.raises(ValueError, match=r"NvS .* must be < 2\*\*31"):
+    with pytest.raises(ValueError, match=r"NvS must be < 2\*\*31"):
         EPConfig(S=8, H=16, K=2, E=4, F=8, R=1, P=2**31)
-    with pytest.raises(ValueError, match=r"NvS .* must be < 2\*\*31"):
+    with pytest.raises(ValueError, match=r"NvS must be < 2\*\*31"):
         EPConfig(S=2**31 - 1, H=16, K=1, E=4, F=8, R=1, P=16)
-    with pytest.raises(ValueError, match=r"S\*K\*R .* must be < 2\*\*31"):
+    with pytest.raises(ValueError, match=r"S\*K\*R must be < 2\*\*31"):
         EPConfig(S=2**28, H=16, K=4, E=4, F=8, R=2, P=16)
     with pytest.raises(ValueError, match="control block"):
         EPConfig(S=1, H=16, K=1, E=2**17, F=8, R=2**14, P=16)
@@ -198,8 +200,8 @@ def test_plan_global_validates_its_arguments():
     for args, match in (((counts, 2, 2, 3, 16), r"B must be in \[0, epn\] = \[0, 2\], got B=3"),
                         ((counts, 2, 2, 2, 0), "P must be a power of two >= 16, got P=0"),
                         ((counts, 2, 2, 2, 24), "P must be a power of two >= 16, got P=24"),
-                        ((counts, 2, 2, 2, 2**31), r"NvS .* must be < 2\*\*31"),
-                        ((counts, 2**30, 2, 2, 16), r"S\*K\*R .* must be < 2\*\*31"),
+                        ((counts, 2, 2, 2, 2**31), r"NvS must be < 2\*\*31"),
+                        ((counts, 2**30, 2, 2, 16), r"S\*K\*R must be < 2\*\*31"),
                         ((counts.float(), 2, 2, 2, 16), "int32/int64 \\[R, E\\]"),
                         ((counts[0], 2, 2, 2, 16), "int32/int64 \\[R, E\\]"),
                         ((counts[:, :3], 2, 2, 1, 16), "E must be a positive multiple of R"),
