@@ -5,7 +5,9 @@ thread t release-stores the new epoch into rank t's signal slot for this rank, t
 this rank's slot of rank t until it holds that epoch. Epochs only grow, so no slot is ever reset and a
 barrier needs no second phase; the epoch lives on the device (advanced by the barrier itself), so
 repeated launches and CUDA-graph replays stay in step as long as every rank runs the same ops in the
-same order. A wait that outlives the timeout ORs STATUS_TIMEOUT into the status word and returns
+same order. The signal word also carries the op id of the barrier ((epoch << 8) | op id, one store), so
+a waiter that sees a peer at the same epoch from another op (a rank skipped or repeated an op) ORs
+STATUS_OP_MISMATCH and records both ids in MISMATCH_WORD; epochs are then compared modulo 2**24. A wait that outlives the timeout ORs STATUS_TIMEOUT into the status word and returns
 instead of spinning forever. Plain peer pointers and system-scope acquire/release only (no multicast).
 
 Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once per static shape):
@@ -28,8 +30,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from moonep_ops.checks import need_peers, need_rank, need_tensor
 
 from .jit import KernelFamily
-from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, SIGNAL_BASE, STATUS_TIMEOUT, STATUS_WORD, control_words,
-                     counts_base)
+from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, MISMATCH_WORD, OP_IDS, SIGNAL_BASE, STATUS_OP_MISMATCH,
+                     STATUS_TIMEOUT, STATUS_WORD, control_words, counts_base)
 
 _NT = 256  # threads of the one-CTA sync kernels
 
@@ -53,35 +55,43 @@ def _peer_word(peer_ctrl: cute.Tensor, r, i):
 
 
 @cute.jit
-def signal_and_wait(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
+def signal_and_wait(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, op_id: Int32,
                     R: Constexpr[int], NT: Constexpr[int]):
     """The barrier, run by every thread of exactly one CTA (which must not have diverged). Every write
-    this CTA made before the call, local or remote, is visible to every peer once it passes."""
+    this CTA made before the call, local or remote, is visible to every peer once it passes. `op_id`
+    (csrc_cute/status.py OP_IDS, < 256) names the op; a peer met at this epoch from another op sets
+    STATUS_OP_MISMATCH."""
     tidx, _, _ = cute.arch.thread_idx()
     epoch = ctrl[EPOCH_WORD] + 1
+    mark = epoch << 8  # the epoch in the signal word's upper 24 bits
     cute.arch.sync_threads()  # all threads read the epoch before thread 0 advances it below
     cute.arch.fence_acq_rel_sys()
     for t in cutlass.range(tidx, R, NT):
-        cute.arch.store(_peer_word(peer_ctrl, t, SIGNAL_BASE + rank), epoch, sem="release", scope="sys")
+        cute.arch.store(_peer_word(peer_ctrl, t, SIGNAL_BASE + rank), mark | op_id, sem="release", scope="sys")
     for t in cutlass.range(tidx, R, NT):
         start = _globaltimer()
         seen = cute.arch.load(_word(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
-        pending = seen - epoch < 0  # epochs compared by difference: wrap-around safe
+        pending = (seen & Int32(-256)) - mark < 0  # epochs compared by difference: wrap-around safe
         while pending:
             seen = cute.arch.load(_word(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
             elapsed = _globaltimer() - start
-            if (seen - epoch < 0) & (elapsed > timeout_ns):
+            behind = (seen & Int32(-256)) - mark < 0
+            if behind & (elapsed > timeout_ns):
                 cute.arch.atomic_or(_word(ctrl, STATUS_WORD), Int32(STATUS_TIMEOUT))
-            pending = (seen - epoch < 0) & (elapsed <= timeout_ns)
+            pending = behind & (elapsed <= timeout_ns)
+        # a peer one barrier ahead has overwritten this barrier's id: it checked ours when it passed
+        if ((seen & Int32(-256)) == mark) & ((seen & Int32(255)) != op_id):
+            cute.arch.atomic_or(_word(ctrl, STATUS_WORD), Int32(STATUS_OP_MISMATCH))
+            ctrl[MISMATCH_WORD] = (op_id << 16) | (seen & Int32(255))
     cute.arch.sync_threads()
     if tidx == 0:
         ctrl[EPOCH_WORD] = epoch
 
 
 @cute.kernel
-def _barrier_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64,
+def _barrier_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, op_id: Int32,
                     R: Constexpr[int], NT: Constexpr[int]):
-    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, R, NT)
+    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, op_id, R, NT)
 
 
 @cute.kernel
@@ -95,16 +105,16 @@ def _exchange_counts_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, counts: c
         if r != rank:
             j = i - r * E
             cute.arch.store(_peer_word(peer_ctrl, r, zone + rank * E + j), counts[rank * E + j])
-    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, R, NT)
+    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, Int32(OP_IDS["plan"]), R, NT)
     for i in cutlass.range(tidx, R * E, NT, unroll=4):
         if i // E != rank:
             counts[i] = ctrl[zone + i]
 
 
 @cute.jit
-def _barrier_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, stream,
-                    R: Constexpr[int]):
-    _barrier_kernel(peer_ctrl, ctrl, rank, timeout_ns, R, _NT).launch(
+def _barrier_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, op_id: Int32,
+                    stream, R: Constexpr[int]):
+    _barrier_kernel(peer_ctrl, ctrl, rank, timeout_ns, op_id, R, _NT).launch(
         grid=(1, 1, 1), block=(_NT, 1, 1), stream=stream)
 
 
@@ -127,7 +137,7 @@ def _compile(kind: str, R: int, E: int):
         ctrl = cute.runtime.make_fake_compact_tensor(Int32, (control_words(R, E),), assumed_align=16)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         if kind == "barrier":
-            return cute.compile(_barrier_launch, peers, ctrl, Int32(0), Int64(0), stream, R,
+            return cute.compile(_barrier_launch, peers, ctrl, Int32(0), Int64(0), Int32(0), stream, R,
                                 options="--enable-tvm-ffi")
         counts = cute.runtime.make_fake_compact_tensor(Int32, (R * E,), assumed_align=4)
         return cute.compile(_exchange_counts_launch, peers, ctrl, counts, Int32(0), Int64(0), stream, R, E,
@@ -149,10 +159,12 @@ def _timeout_ns(timeout_s: float) -> int:
 
 
 def barrier(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, rank: int, E: int,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Cross-rank barrier on the current stream (no host sync)."""
+            timeout_s: float = DEFAULT_TIMEOUT_S, op: str = "plan") -> None:
+    """Cross-rank barrier on the current stream (no host sync) of the moonep op `op` (a key of OP_IDS)."""
     R = _check(peer_ctrl, ctrl, rank, E)
-    _compile("barrier", R, E)(peer_ctrl, ctrl, rank, _timeout_ns(timeout_s))
+    if op not in OP_IDS:
+        raise ValueError(f"op must be one of {sorted(OP_IDS)}, got {op!r}")
+    _compile("barrier", R, E)(peer_ctrl, ctrl, rank, _timeout_ns(timeout_s), OP_IDS[op])
 
 
 def exchange_counts(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, counts: torch.Tensor, rank: int,

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .agreement import wait_in_op
+
 
 def resolve_group(op: str, group_name: str, R: int | None = None):
     """The process group named `group_name`; checks its size against the configured R."""
@@ -25,7 +27,8 @@ def resolve_group(op: str, group_name: str, R: int | None = None):
 def exchange(per_dest: list[torch.Tensor], group) -> list[torch.Tensor]:
     """Send per_dest[d] to rank d; return what every rank sent to this one (index = source rank).
 
-    All tensors share dtype and trailing shape; their first dimension may differ.
+    All tensors share dtype and trailing shape; their first dimension may differ. Each collective is
+    waited at most the running op's timeout (a peer that died mid-op fails this rank with a named error).
     """
     R = dist.get_world_size(group)
     if R == 1:
@@ -33,11 +36,11 @@ def exchange(per_dest: list[torch.Tensor], group) -> list[torch.Tensor]:
     tail = per_dest[0].shape[1:]
     send_sizes = torch.tensor([t.shape[0] for t in per_dest], dtype=torch.int64)
     recv_sizes = torch.empty_like(send_sizes)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    wait_in_op(dist.all_to_all_single(recv_sizes, send_sizes, group=group, async_op=True), group)
     send = torch.cat(per_dest).contiguous()
     recv = send.new_empty((int(recv_sizes.sum()),) + tuple(tail))
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes.tolist(),
-                           input_split_sizes=send_sizes.tolist(), group=group)
+    wait_in_op(dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes.tolist(),
+                                      input_split_sizes=send_sizes.tolist(), group=group, async_op=True), group)
     return list(torch.split(recv, recv_sizes.tolist()))
 
 

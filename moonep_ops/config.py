@@ -15,8 +15,30 @@ ROW_ALIGN_ELEMS = 8
 MAX_TOPK = 32
 
 
+INT32_LIMIT = 2**31
+
+
 def align_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+def receive_rows(S: int, K: int, P: int, G: int) -> int:
+    """NvS: receive rows per rank, S*K real rows plus the worst-case padding of every one of G groups."""
+    return align_up(S * K + (P - 1) * G, P)
+
+
+def check_int32_tables(where: str, S: int, K: int, R: int, E: int, P: int) -> None:
+    """Every size the int32 plan and row tables hold must fit: rows routed by all ranks (S*K*R, also
+    the bound of the sources rank*S + token), receive rows per rank (NvS: rows, cu_seqlens), and the
+    control block (its R*E count matrix, twice)."""
+    from csrc_cute.status import control_words
+
+    sizes = (("S*K*R", "routed rows of all ranks", S * K * R),
+             ("NvS", "receive rows per rank, align_up(S*K + (P-1)*2*E/R, P)", receive_rows(S, K, P, 2 * (E // R))),
+             ("the control block", "2*R*E count words and the signals", control_words(R, E)))
+    for name, what, v in sizes:
+        if v >= INT32_LIMIT:
+            raise ValueError(f"{where}: {name} must be < 2**31 ({what}; int32 tables), got {name}={v}")
 
 
 @dataclass(frozen=True)
@@ -64,10 +86,7 @@ class EPConfig:
                     f"(rows move as 16-byte vectors of bf16), got {name}={v}")
         if self.P < 16 or self.P & (self.P - 1):
             raise ValueError(f"EPConfig.P must be a power of two >= 16, got P={self.P}")
-        if self.S * self.K * self.R >= 2**31:
-            raise ValueError(
-                f"EPConfig: S*K*R must be < 2**31 (int32 row and token indices), "
-                f"got S*K*R={self.S * self.K * self.R}")
+        check_int32_tables("EPConfig", self.S, self.K, self.R, self.E, self.P)
         if self.B is None:
             object.__setattr__(self, "B", self.epn)
         if isinstance(self.B, bool) or not isinstance(self.B, int):
@@ -89,4 +108,4 @@ class EPConfig:
     @property
     def NvS(self) -> int:
         """Receive rows per rank: S*K real rows plus the worst-case padding of every group."""
-        return align_up(self.S * self.K + (self.P - 1) * self.G, self.P)
+        return receive_rows(self.S, self.K, self.P, self.G)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from csrc_cute.status import DEFAULT_COMM_SMS, DEFAULT_TIMEOUT_S, STATUS_WORD, control_words
 
-from . import registry
+from . import agreement, registry
 from .config import EPConfig
-from .status import check_status
+from .status import MoEStatusError, check_status
 
 
 _SERIAL = itertools.count()
@@ -30,7 +30,9 @@ _SERIAL = itertools.count()
 class EPGroup:
     """Process group + EPConfig + persistent buffers.
 
-    timeout_s: how long a cross-rank wait spins before it sets STATUS_TIMEOUT (CUDA).
+    timeout_s: how long a cross-rank wait lasts before it fails: on CUDA a barrier sets STATUS_TIMEOUT;
+      on the CPU an op raises MoEStatusError (the ops' agreement exchange and their collectives).
+    Building it is collective: the ranks' EPConfig, dtype and device type must agree (moonep_ops/agreement.py).
     comm_sms: CTAs (one per SM) the dispatch/combine kernels use, leaving the rest for compute (CUDA).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
     """
@@ -54,6 +56,7 @@ class EPGroup:
             raise ValueError(f"EPGroup: timeout_s must be > 0, got {timeout_s}")
         if not isinstance(comm_sms, int) or comm_sms < 1:
             raise ValueError(f"EPGroup: comm_sms must be an int >= 1, got {comm_sms!r}")
+        agreement.check_fingerprint(cfg, dtype, device, self.group, float(timeout_s))
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -69,6 +72,7 @@ class EPGroup:
         c = cfg
 
         self.ctrl = self._buffer(control_words(c.R, c.E), dtype=torch.int32)
+        agreement.init_ctrl(self.ctrl, self.timeout_s)
         # dispatch: this rank's tokens staged for the peers to read, and per receive row its route
         # weight, the row that carried its token over the link (-1 = padding), the token's next row on
         # this rank (k order) and the token's source (rank * S + token)
@@ -115,8 +119,12 @@ class EPGroup:
         return self.ctrl[STATUS_WORD:STATUS_WORD + 1]
 
     def check(self, where: str = "") -> None:
-        """Raise MoEStatusError if a kernel of this group reported a problem (syncs the host)."""
-        check_status(self.status, where)
+        """Raise MoEStatusError if a kernel of this group reported a problem (syncs the host); an op
+        mismatch at a barrier names the two ops."""
+        try:
+            check_status(self.status, where)
+        except MoEStatusError as e:
+            raise MoEStatusError(e.code, where, agreement.barrier_mismatch(self.ctrl, e.code)) from None
 
     @property
     def dispatch_buffers(self) -> tuple[torch.Tensor, ...]:

@@ -9,6 +9,7 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,38 @@ def _entry(rank: int, world_size: int, workdir: str, backend: str, fn: Callable,
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _entry_no_teardown(rank: int, world_size: int, workdir: str, fn: Callable, args: tuple,
+                       pg_timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no closing barrier: after a fault the ranks are out of step on purpose
+
+
+def run_ranks_faulty(fn: Callable[..., Any], world_size: int, *args: Any, pg_timeout_s: float = 60,
+                     join_timeout_s: float = 120) -> list[Any]:
+    """Like run_ranks on gloo, for fault injection: a rank may exit or be killed (its result is None),
+    the survivors leave without a closing barrier, and no rank outlives join_timeout_s (killed, None)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = [ctx.Process(target=_entry_no_teardown, args=(r, world_size, workdir, fn, args, pg_timeout_s))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + join_timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        paths = [os.path.join(workdir, f"result{r}.pt") for r in range(world_size)]
+        return [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:

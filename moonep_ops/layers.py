@@ -13,6 +13,24 @@ from .handles import Dispatch, Plan
 from .routing import route
 
 
+def tokens_of(cfg, x: torch.Tensor) -> torch.Tensor:
+    """MoELayer's input x [..., H] -> its tokens [n, H], after the checks: a floating-point tensor whose
+    last dimension is H, holding a token count within the EP group's capacity (the one place that rule
+    lives: every rank computes exactly S*K rows, so n must be S for now)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"MoELayer: x must be a Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"MoELayer: x must have a floating-point dtype (it is cast to the group's dtype and "
+                         f"back), got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != cfg.H:
+        raise ValueError(f"MoELayer: x must be [..., H] with H={cfg.H} (EPConfig.H), got shape {list(x.shape)}")
+    n = x.numel() // cfg.H
+    if n != cfg.S:
+        raise ValueError(f"MoELayer: x holds {n} tokens but the EP group's capacity is exactly EPConfig.S={cfg.S} "
+                         f"tokens per rank (every rank computes S*K rows)")
+    return x.reshape(n, cfg.H)
+
+
 class MoEExperts(nn.Module):
     """This rank's home experts, SwiGLU: y = (silu(x W_gate) * (x W_up)) W_down, times the route weight.
 
@@ -68,10 +86,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ep = self.ep.cfg, self.ep
-        tokens = x.reshape(-1, c.H)
-        if tokens.shape[0] != c.S:
-            raise ValueError(f"MoELayer: x holds {tokens.shape[0]} tokens of size H={c.H}, EPConfig.S={c.S}")
-        tokens = tokens.to(ep.dtype).contiguous()
+        tokens = tokens_of(c, x).to(ep.dtype).contiguous()
         route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
         plan = autograd.plan(ep, ids)
         dispatched = autograd.dispatch(ep, tokens, route_w, plan)

@@ -14,8 +14,11 @@ import torch
 from torch.library import custom_op
 
 from . import checks, fake, planning
+from .agreement import agree, wait_in_op
 from .comm import exchange, pull, resolve_group
 from .registry import group_by_key, group_of, peers
+from .table_checks import (check_copies, check_range, check_received, check_row_tables, check_token_tables,
+                           check_unique_rows, real_rows)
 
 Tensor = torch.Tensor
 
@@ -28,16 +31,17 @@ def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_n
     ranks, then of this rank: experts_remote [epn-B] (copies read from their home rank, B < epn only),
     cu_seqlens [2*epn] and group_rows [2*epn] (real rows per group), and counts [R, E] of all ranks),
     all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status)."""
-    checks.check_plan_args(topk_ids, E, B, P, R, ctrl)
     group = resolve_group("plan", group_name, R)
+
+    def check():
+        checks.check_plan_args(topk_ids, E, B, P, R, ctrl)
+        check_range("plan", "topk_ids", topk_ids, 0, E, f"E={E}")
+
+    agree("plan", ctrl, group, check)  # a rank whose ids are bad fails every rank's plan, in step
     S, K = topk_ids.shape
-    bad = (topk_ids < 0) | (topk_ids >= E)
-    if bool(bad.any()):
-        s, k = (int(i) for i in torch.nonzero(bad)[0])
-        raise ValueError(f"moonep.plan: topk_ids[{s}, {k}] = {int(topk_ids[s, k])} is outside [0, E={E})")
     local = torch.bincount(topk_ids.reshape(-1).long(), minlength=E).int()
     gathered = [torch.empty_like(local) for _ in range(R)]
-    torch.distributed.all_gather(gathered, local, group=group)
+    wait_in_op(torch.distributed.all_gather(gathered, local, group=group, async_op=True), group)
     counts = torch.stack(gathered)
     gp = planning.plan_global(counts, S, K, B, P)
     rank = torch.distributed.get_rank(group)
@@ -98,16 +102,20 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     padding rows, which are zero. Persistent buffers: `send_rows` stages this rank's tokens for the
     peers to read; the recv_* tables receive, per row, its weight, primary row, next row and source
     (rank * S + token). Outputs are fresh tensors."""
-    checks.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, send_rows,
-                               recv_w, recv_primary, recv_next, recv_src, ctrl)
     group = resolve_group("dispatch", group_name)
     R = torch.distributed.get_world_size(group)
     NvS = recv_w.shape[0]
-    if bool((dst_rank < 0).any() | (dst_rank >= R).any() | (dst_row < 0).any() | (dst_row >= NvS).any()):
-        raise ValueError(f"moonep.dispatch: dst_rank/dst_row must lie in [0, R={R}) x [0, NvS={NvS})")
+
+    def check():
+        checks.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+                                   send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
+        check_token_tables("dispatch", R, NvS, dst_rank, dst_row, primary_row)
+        check_unique_rows("dispatch", dst_rank, dst_row, NvS)
+        return real_rows("dispatch", cu_seqlens, group_rows, NvS)
+
+    real = agree("dispatch", ctrl, group, check)
     S, K = dst_rank.shape
     rank = torch.distributed.get_rank(group)
-    send_rows.copy_(x)
     flat_rank = dst_rank.reshape(-1)
     next_row = next_row_same_rank(dst_rank, dst_row).reshape(-1)
     src = rank * S + torch.arange(S * K, dtype=torch.int32) // K
@@ -116,13 +124,18 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
         sel = flat_rank == d
         tables.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel], src[sel]], 1))
         weights.append(route_w.reshape(-1)[sel])
+    got = torch.cat(exchange(tables, group))
+    got_w = torch.cat(exchange(weights, group))
+    # the rows every peer sent must tile this rank's real rows: checked (and agreed) before any write
+    agree("dispatch (received tables)", ctrl, group,
+          lambda: check_received("dispatch", got[:, 0], got[:, 1], got[:, 2], got[:, 3], real, S, R))
+    send_rows.copy_(x)
     recv_w.zero_()
     for t in (recv_primary, recv_next, recv_src):
         t.fill_(-1)
-    for m, w in zip(exchange(tables, group), exchange(weights, group)):
-        row = m[:, 0].long()
-        recv_w[row] = w
-        recv_primary[row], recv_next[row], recv_src[row] = m[:, 1], m[:, 2], m[:, 3]
+    row = got[:, 0].long()
+    recv_w[row] = got_w
+    recv_primary[row], recv_next[row], recv_src[row] = got[:, 1], got[:, 2], got[:, 3]
     carriers = torch.nonzero(recv_primary == torch.arange(NvS)).flatten()
     token_rows = pull(send_rows, recv_src[carriers] // S, recv_src[carriers] % S, group)
     rows = x.new_zeros((NvS, x.shape[1]))
@@ -145,11 +158,11 @@ def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group
     ep = group_of("dispatch", ctrl)
     tables = (recv_w, recv_primary, recv_next, recv_src)
     names = ("recv_w", "recv_primary", "recv_next", "recv_src")
-    _barrier(ep, ctrl)  # every peer is done reading the previous dispatch's tables and staged rows
+    _barrier(ep, ctrl, "dispatch")  # every peer is done reading the previous dispatch's tables and staged rows
     kd.dispatch_meta(x, route_w, dst_rank, dst_row, primary_row,
                      *(peers("dispatch", n, t) for n, t in zip(names, tables)), *tables, send_rows, cu_seqlens,
                      group_rows, ep.rank, num_ctas=ep.comm_sms)
-    _barrier(ep, ctrl)  # every row's table entry has landed and every rank's tokens are staged
+    _barrier(ep, ctrl, "dispatch")  # every row's table entry has landed and every rank's tokens are staged
     out = (torch.empty((recv_w.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),) + tuple(
         torch.empty_like(t) for t in tables[:3])
     kd.dispatch_pull(peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0], num_ctas=ep.comm_sms)
@@ -157,10 +170,11 @@ def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group
     return out
 
 
-def _barrier(ep, ctrl: Tensor) -> None:
+def _barrier(ep, ctrl: Tensor, op: str) -> None:
+    """The EP group's barrier, carrying `op`'s id: ranks met from different ops set STATUS_OP_MISMATCH."""
     from csrc_cute import sync
 
-    sync.barrier(peers("moonep", "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s)
+    sync.barrier(peers(op, "ctrl", ctrl), ctrl, ep.rank, ep.cfg.E, ep.timeout_s, op)
 
 
 # ------------------------------------------------------------------------------------------- combine
@@ -170,8 +184,15 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
     """Expert output rows [NvS, H] -> token rows [S, H], summing each token's K rows. The receiver first
     sums a token's rows on it into the row that carried it (fp32, stored in the row dtype in `presum`),
     so one row per (token, rank) crosses back; the source adds those in fp32, in k order."""
-    checks.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
     group = resolve_group("combine", group_name)
+
+    def check():
+        checks.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
+        check_row_tables("combine", row_primary, row_next)
+        check_token_tables("combine", torch.distributed.get_world_size(group), rows.shape[0], dst_rank, dst_row,
+                           primary_row)
+
+    agree("combine", ctrl, group, check)
     valid = torch.nonzero(row_primary >= 0).flatten()
     acc = torch.zeros(rows.shape, dtype=torch.float32)
     acc.index_add_(0, row_primary[valid].long(), rows[valid].float())
@@ -192,9 +213,9 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
     from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("combine", ctrl)
-    _barrier(ep, ctrl)  # every peer is done reading the previous combine's presum
+    _barrier(ep, ctrl, "combine")  # every peer is done reading the previous combine's presum
     kc.combine_presum(rows, row_primary, row_next, presum, num_ctas=ep.comm_sms)
-    _barrier(ep, ctrl)  # every rank's presum is complete
+    _barrier(ep, ctrl, "combine")  # every rank's presum is complete
     out = rows.new_empty((dst_rank.shape[0], rows.shape[1]))
     kc.combine_pull(peers("combine", "presum", presum), dst_rank, dst_row, primary_row, out, num_ctas=ep.comm_sms)
     _debug_check(ep, "combine")
@@ -207,8 +228,14 @@ def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, row_
                        group_name: str) -> Tensor:
     """Per-row values [NvS] (the route-weight gradient) -> [S, K], read back from the computing ranks
     (through `row_scratch`, a buffer peers can read)."""
-    checks.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
     group = resolve_group("gather_row_weights", group_name)
+
+    def check():
+        checks.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
+        check_token_tables("gather_row_weights", torch.distributed.get_world_size(group), row_vals.shape[0],
+                           dst_rank, dst_row)
+
+    agree("gather_row_weights", ctrl, group, check)
     row_scratch.copy_(row_vals)
     return pull(row_scratch, dst_rank.reshape(-1), dst_row.reshape(-1), group).view(dst_rank.shape)
 
@@ -222,9 +249,9 @@ def _gather_row_weights_cuda(row_vals, dst_rank, dst_row, row_scratch, ctrl, gro
     from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("gather_row_weights", ctrl)
-    _barrier(ep, ctrl)  # every peer is done reading the previous values
+    _barrier(ep, ctrl, "gather_row_weights")  # every peer is done reading the previous values
     row_scratch.copy_(row_vals)
-    _barrier(ep, ctrl)
+    _barrier(ep, ctrl, "gather_row_weights")
     out = torch.empty(dst_rank.shape, dtype=torch.float32, device=row_vals.device)
     kc.gather_pull(peers("gather_row_weights", "row_scratch", row_scratch), dst_rank, dst_row, out,
                    num_ctas=ep.comm_sms)
@@ -303,8 +330,9 @@ def group_gemm_wgrad(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor,
     reduce buffers); empty slot groups are not touched."""
     fake.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
     epn = dw_home.shape[0]
+    groups = _group_bounds("group_gemm_wgrad", cu_seqlens, x.shape[0], P)  # validated before anything is written
     dw_home.zero_()  # home groups without rows
-    for g, s, e in _group_bounds("group_gemm_wgrad", cu_seqlens, x.shape[0], P):
+    for g, s, e in groups:
         dw = x[s:e].float().t() @ dy[s:e].float()
         if g < epn:
             dw_home[g] = dw  # rounded once to dw_home's dtype
@@ -333,8 +361,10 @@ def _remote_home_weights(op: str, w_home: Tensor, experts_remote: Tensor | None,
         raise ValueError(f"moonep.{op}: experts_remote needs group_name (the EP process group the home "
                          f"weights are read over)")
     group = resolve_group(op, group_name)
-    every = [torch.empty_like(w_home) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(every, w_home.contiguous(), group=group)
+    R = torch.distributed.get_world_size(group)
+    check_range(op, "experts_remote", experts_remote, -1, R * w_home.shape[0], f"E={R * w_home.shape[0]}")
+    every = [torch.empty_like(w_home) for _ in range(R)]
+    wait_in_op(torch.distributed.all_gather(every, w_home.contiguous(), group=group, async_op=True), group)
     every = torch.cat(every)  # [E, ...] in expert order
     ids = experts_remote.long()
     return torch.where((ids >= 0)[:, None, None], every[ids.clamp(min=0)], 0)
@@ -467,8 +497,13 @@ def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_co
     """Fill this rank's slot pools with the planned copies (gate, up, down) from their home ranks; empty
     slots keep what they held (no GEMM reads them). The pools are shared by every layer: the GEMMs read
     them in place, and a layer's backward prefetches its copies again."""
-    checks.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl)
     group = resolve_group("prefetch_weights", group_name, experts_to_copy.shape[0])
+
+    def check():
+        checks.check_prefetch_args(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl)
+        check_copies("prefetch_weights", experts_to_copy, w_gate.shape[0])
+
+    agree("prefetch_weights", ctrl, group, check, shared=("experts_to_copy", experts_to_copy))
     epn = w_gate.shape[0]
     mine = experts_to_copy[torch.distributed.get_rank(group)].long()
     used = torch.nonzero(mine >= 0).flatten()
@@ -487,11 +522,11 @@ def _prefetch_weights_cuda(w_gate, w_up, w_down, experts_to_copy, pool_gate, poo
     from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("prefetch_weights", ctrl)
-    _barrier(ep, ctrl)  # every rank's GEMMs are done with the copies the pools held
+    _barrier(ep, ctrl, "prefetch_weights")  # every rank's GEMMs are done with the copies the pools held
     weights.prefetch_push(w_gate, w_up, w_down, experts_to_copy, peers("prefetch_weights", "pool_gate", pool_gate),
                           peers("prefetch_weights", "pool_up", pool_up),
                           peers("prefetch_weights", "pool_down", pool_down), ep.rank, num_ctas=ep.comm_sms)
-    _barrier(ep, ctrl)  # every copy has landed
+    _barrier(ep, ctrl, "prefetch_weights")  # every copy has landed
     _debug_check(ep, "prefetch_weights")
 
 
@@ -509,8 +544,13 @@ def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor,
     copies are not touched. Then every rank zeroes the slots it used, ready for the next layer or
     micro-batch."""
     reduce_bufs, homes = (reduce_gate, reduce_up, reduce_down), (home_gate, home_up, home_down)
-    checks.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
     group = resolve_group("reduce_grad", group_name, experts_to_copy.shape[0])
+
+    def check():
+        checks.check_reduce_args(experts_to_copy, reduce_bufs, homes, ctrl)
+        check_copies("reduce_grad", experts_to_copy, home_gate.shape[0])
+
+    agree("reduce_grad", ctrl, group, check, shared=("experts_to_copy", experts_to_copy))
     me = torch.distributed.get_rank(group)
     epn = home_gate.shape[0]
     copies = experts_to_copy.long()
@@ -544,11 +584,11 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
     from csrc_cute import weights  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("reduce_grad", ctrl)
-    _barrier(ep, ctrl)  # every rank's wgrad GEMMs have accumulated into its reduce buffers
+    _barrier(ep, ctrl, "reduce_grad")  # every rank's wgrad GEMMs have accumulated into its reduce buffers
     weights.reduce_pull(experts_to_copy, *(peers("reduce_grad", n, b) for n, b in
                                            zip(("reduce_gate", "reduce_up", "reduce_down"), reduce_bufs)),
                         *homes, ep.rank, num_ctas=ep.comm_sms)
-    _barrier(ep, ctrl)  # every home rank has read its copies' gradients
+    _barrier(ep, ctrl, "reduce_grad")  # every home rank has read its copies' gradients
     weights.reduce_zero(experts_to_copy, *reduce_bufs, ep.rank, num_ctas=ep.comm_sms)
     _debug_check(ep, "reduce_grad")
 

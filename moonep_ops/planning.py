@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from .config import check_int32_tables
+
 
 class GlobalPlan(NamedTuple):
     alloc: torch.Tensor            # int32 [E, R]: rows of expert e computed on rank d
@@ -62,17 +64,31 @@ def rank_imbalance(counts: torch.Tensor) -> float:
     return float(load.max() / load.mean())
 
 
-def _check_counts(counts: torch.Tensor, S: int, K: int) -> None:
-    if counts.dim() != 2 or counts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"counts must be an int32/int64 [R, E] tensor, got {counts.dtype} {tuple(counts.shape)}")
+def _check_args(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> None:
+    """plan_global's arguments: the sizes as EPConfig checks them, and a count matrix of that shape."""
+    for name, v in (("S", S), ("K", K), ("B", B), ("P", P)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"plan_global: {name} must be an int, got {type(v).__name__}")
+    if not isinstance(counts, torch.Tensor) or counts.dim() != 2 or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"plan_global: counts must be an int32/int64 [R, E] tensor, got "
+                         f"{getattr(counts, 'dtype', type(counts).__name__)} {tuple(getattr(counts, 'shape', ()))}")
     R, E = counts.shape
-    if R < 1 or E % R != 0:
-        raise ValueError(f"counts: E={E} must be a positive multiple of R={R}")
+    if R < 1 or E < 1 or E % R != 0:
+        raise ValueError(f"plan_global: counts is [R={R}, E={E}]; E must be a positive multiple of R")
+    if S < 1 or K < 1:
+        raise ValueError(f"plan_global: S and K must be >= 1, got S={S}, K={K}")
+    if not 0 <= B <= E // R:
+        raise ValueError(f"plan_global: B must be in [0, epn] = [0, {E // R}], got B={B}")
+    if P < 16 or P & (P - 1):
+        raise ValueError(f"plan_global: P must be a power of two >= 16, got P={P}")
+    check_int32_tables("plan_global", S, K, R, E, P)
     if bool((counts < 0).any()):
-        raise ValueError("counts must be non-negative")
-    per_rank = counts.sum(1)
+        r, e = (int(i) for i in torch.nonzero(counts < 0)[0])
+        raise ValueError(f"plan_global: counts must be non-negative, got counts[{r}, {e}] = {int(counts[r, e])}")
+    per_rank = counts.long().sum(1)
     if bool((per_rank != S * K).any()):
-        raise ValueError(f"counts: every rank routes exactly S*K={S * K} rows, got row sums {per_rank.tolist()}")
+        raise ValueError(f"plan_global: every rank routes exactly S*K={S * K} rows, got row sums "
+                         f"{per_rank.tolist()}")
 
 
 def rank_flows(load: torch.Tensor, T: int) -> list[tuple[int, int, int]]:
@@ -99,7 +115,7 @@ def hottest_first(tot_home: torch.Tensor) -> torch.Tensor:
 
 def plan_global(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> GlobalPlan:
     """counts int [R, E] (tokens of rank r routed to expert e) -> the global plan, identical on every rank."""
-    _check_counts(counts, S, K)
+    _check_args(counts, S, K, B, P)
     R, E = counts.shape
     epn = E // R
     T = S * K
