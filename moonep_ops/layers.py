@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import autograd, ops
 from .group import EPGroup
+from .planning import ABSENT
 from .routing import route
 
 
@@ -52,8 +54,16 @@ class MoEExperts(nn.Module):
 class MoELayer(nn.Module):
     """Drop-in MoE FFN block: router -> plan -> dispatch -> prefetch -> grouped GEMMs -> combine.
 
-    Input and output: [S, H] (or any [..., H] with S tokens) on this rank. Every rank computes exactly
-    S*K rows whatever the router does.
+    Input and output: [s, H] (or any [..., H]) with s <= S tokens on this rank; S = EPConfig.S is the
+    static capacity of the buffers, and ranks may pass different s in the same step. The tokens are
+    padded to S inside (pad rows are absent: expert ids -1, neither sent nor computed). With N routed
+    rows over all ranks, rank d computes exactly N // R + (1 if d < N % R else 0) rows whatever the
+    router does.
+
+    `layer(x_full, n_tokens=t)`: x_full holds the capacity [S, H] (or [..., H] with S tokens) and only
+    its first t rows are present; t is an int32 tensor [1] on x's device (read on the device: no
+    recompile and no host sync when it changes, so decode steps replay one CUDA graph) or a Python
+    int. Output rows >= t are zero.
     """
 
     def __init__(self, ep: EPGroup, normalize_topk: bool = True, dtype: torch.dtype | None = None):
@@ -65,13 +75,28 @@ class MoELayer(nn.Module):
         self.experts = MoEExperts(ep, dtype)
         self.last_counts: torch.Tensor | None = None  # [R, E] token counts of the last eager forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n_tokens: torch.Tensor | int | None = None) -> torch.Tensor:
         c, ep = self.ep.cfg, self.ep
-        tokens = x.reshape(-1, c.H)
-        if tokens.shape[0] != c.S:
-            raise ValueError(f"MoELayer: x holds {tokens.shape[0]} tokens of size H={c.H}, EPConfig.S={c.S}")
-        tokens = tokens.to(ep.dtype).contiguous()
-        route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
+        tokens = x.reshape(-1, c.H).to(ep.dtype)
+        s = tokens.shape[0]
+        if n_tokens is None:
+            if s > c.S:
+                raise ValueError(f"MoELayer: x holds {s} tokens of size H={c.H}, more than the capacity "
+                                 f"EPConfig.S={c.S}")
+            route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
+            pad = c.S - s  # symbolic under torch.compile(dynamic=True): a new s does not recompile
+            tokens = F.pad(tokens, (0, 0, 0, pad))
+            route_w = F.pad(route_w, (0, 0, 0, pad))
+            ids = F.pad(ids, (0, 0, 0, pad), value=ABSENT)
+        else:
+            if s != c.S:
+                raise ValueError(f"MoELayer: with n_tokens, x must hold the capacity EPConfig.S={c.S} tokens "
+                                 f"of size H={c.H}, got {s}")
+            route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
+            present = (torch.arange(c.S, device=tokens.device) < _token_count(n_tokens, c.S, tokens.device))[:, None]
+            ids = torch.where(present, ids, ABSENT)
+            route_w = torch.where(present, route_w, 0.0)
+        tokens = tokens.contiguous()
         dst_rank, dst_row, primary_row, experts_to_copy, experts_remote, cu_seqlens, group_rows, counts = ops.plan(
             ids, c.E, c.B, c.P, c.R, ep.ctrl, ep.group_name)
         rows, row_w, row_primary, row_next = autograd.dispatch(ep, tokens, route_w, dst_rank, dst_row, primary_row,
@@ -81,7 +106,20 @@ class MoELayer(nn.Module):
                                group_rows)
         if not torch.compiler.is_compiling():
             self.last_counts = counts
-        return out.view(x.shape).to(x.dtype)
+        return out[:s].view(x.shape).to(x.dtype)
+
+
+def _token_count(n_tokens: torch.Tensor | int, S: int, device: torch.device) -> torch.Tensor | int:
+    """MoELayer's n_tokens, checked: an int in [0, S], or an integer tensor [1] on the tokens' device
+    (its value is read on the device only; values past S count as S, below 0 as 0)."""
+    if isinstance(n_tokens, torch.Tensor):
+        if n_tokens.dtype not in (torch.int32, torch.int64) or n_tokens.shape != (1,) or n_tokens.device != device:
+            raise ValueError(f"MoELayer: n_tokens must be an int32/int64 tensor [1] on {device}, got "
+                             f"{n_tokens.dtype} {list(n_tokens.shape)} on {n_tokens.device}")
+        return n_tokens
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= S:
+        raise ValueError(f"MoELayer: n_tokens must be in [0, EPConfig.S={S}], got {n_tokens!r}")
+    return n_tokens
 
 
 class MoEBlock(nn.Module):

@@ -35,15 +35,14 @@ def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_n
     """Router top-k ids [S, K] -> (dst_rank, dst_row, primary_row [S, K], experts_to_copy [R, B] of all
     ranks, then of this rank: experts_remote [epn-B] (copies read from their home rank, B < epn only),
     cu_seqlens [2*epn] and group_rows [2*epn] (real rows per group), and counts [R, E] of all ranks),
-    all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status)."""
+    all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status).
+    S is the capacity: a token whose K ids are all -1 is absent (not counted, destinations -1); with
+    N routed rows over all ranks, rank d computes N // R + (d < N % R) rows."""
     meta.plan.check_plan_args(topk_ids, E, B, P, R, ctrl)
     group = resolve_group("plan", group_name, R)
     S, K = topk_ids.shape
-    bad = (topk_ids < 0) | (topk_ids >= E)
-    if bool(bad.any()):
-        s, k = (int(i) for i in torch.nonzero(bad)[0])
-        raise ValueError(f"moonep.plan: topk_ids[{s}, {k}] = {int(topk_ids[s, k])} is outside [0, E={E})")
-    local = torch.bincount(topk_ids.reshape(-1).long(), minlength=E).int()
+    planning.check_topk_ids("moonep.plan", topk_ids, E)
+    local = planning.count_routed(topk_ids, E)
     gathered = [torch.empty_like(local) for _ in range(R)]
     torch.distributed.all_gather(gathered, local, group=group)
     counts = torch.stack(gathered)
@@ -101,7 +100,8 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Token rows [S, H] -> this rank's expert-grouped rows [NvS, H], row weights [NvS] and, per row,
     the row that carried its token over the link and the token's next row on this rank in k order
-    (both -1 for padding). Each token crosses to a rank once; the receiver copies it to the token's
+    (both -1 for padding). Rows with dst_rank = -1 (absent tokens) are neither sent nor written.
+    Each token crosses to a rank once; the receiver copies it to the token's
     other rows there. cu_seqlens/group_rows (this rank's padded group ends and real rows) locate the
     padding rows, which are zero. Persistent buffers: `send_rows` stages this rank's tokens for the
     peers to read; the recv_* tables receive, per row, its weight, primary row, next row and source
@@ -111,8 +111,11 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     group = resolve_group("dispatch", group_name)
     R = torch.distributed.get_world_size(group)
     NvS = recv_w.shape[0]
-    if bool((dst_rank < 0).any() | (dst_rank >= R).any() | (dst_row < 0).any() | (dst_row >= NvS).any()):
-        raise ValueError(f"moonep.dispatch: dst_rank/dst_row must lie in [0, R={R}) x [0, NvS={NvS})")
+    absent = (dst_rank == -1) & (dst_row == -1) & (primary_row == -1)
+    routed = (dst_rank >= 0) & (dst_rank < R) & (dst_row >= 0) & (dst_row < NvS)
+    if not bool((absent | routed).all()):
+        raise ValueError(f"moonep.dispatch: dst_rank/dst_row must lie in [0, R={R}) x [0, NvS={NvS}), or "
+                         f"dst_rank = dst_row = primary_row = -1 (an absent token's row)")
     S, K = dst_rank.shape
     rank = torch.distributed.get_rank(group)
     send_rows.copy_(x)
@@ -177,7 +180,8 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
             primary_row: Tensor, presum: Tensor, ctrl: Tensor, group_name: str) -> Tensor:
     """Expert output rows [NvS, H] -> token rows [S, H], summing each token's K rows. The receiver first
     sums a token's rows on it into the row that carried it (fp32, stored in the row dtype in `presum`),
-    so one row per (token, rank) crosses back; the source adds those in fp32, in k order."""
+    so one row per (token, rank) crosses back; the source adds those in fp32, in k order. An absent
+    token (dst_rank = -1 in all K) gets a zero row."""
     meta.combine.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
     group = resolve_group("combine", group_name)
     valid = torch.nonzero(row_primary >= 0).flatten()
@@ -185,7 +189,7 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
     acc.index_add_(0, row_primary[valid].long(), rows[valid].float())
     presum.copy_(acc)
     S, K = dst_rank.shape
-    sel = torch.nonzero((dst_row == primary_row).reshape(-1)).flatten()
+    sel = torch.nonzero(((dst_row == primary_row) & (dst_rank >= 0)).reshape(-1)).flatten()
     parts = torch.zeros(S * K, rows.shape[1], dtype=torch.float32)
     parts[sel] = pull(presum, dst_rank.reshape(-1)[sel], primary_row.reshape(-1)[sel], group).float()
     return parts.view(S, K, -1).sum(1).to(rows.dtype)
@@ -214,11 +218,14 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
 def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, row_scratch: Tensor, ctrl: Tensor,
                        group_name: str) -> Tensor:
     """Per-row values [NvS] (the route-weight gradient) -> [S, K], read back from the computing ranks
-    (through `row_scratch`, a buffer peers can read)."""
+    (through `row_scratch`, a buffer peers can read); 0 where dst_rank = -1 (absent tokens)."""
     meta.gather_row_weights.check_gather_args(row_vals, dst_rank, dst_row, row_scratch, ctrl)
     group = resolve_group("gather_row_weights", group_name)
     row_scratch.copy_(row_vals)
-    return pull(row_scratch, dst_rank.reshape(-1), dst_row.reshape(-1), group).view(dst_rank.shape)
+    out = torch.zeros(dst_rank.numel(), dtype=row_vals.dtype)
+    sel = torch.nonzero(dst_rank.reshape(-1) >= 0).flatten()
+    out[sel] = pull(row_scratch, dst_rank.reshape(-1)[sel], dst_row.reshape(-1)[sel], group)
+    return out.view(dst_rank.shape)
 
 
 gather_row_weights.register_fake(meta.gather_row_weights.gather_row_weights)
