@@ -8,6 +8,7 @@ from expecttest import assert_expected_inline
 
 from benchmarks.routing_gen import counts_of, sample_topk
 from moonep_ops.config import EPConfig
+from routings import with_absent_tokens
 from moonep_ops.planning import (check_topk_ids, count_routed, group_of_expert, maxvio, plan_global,
                                   plan_tokens)
 
@@ -170,26 +171,13 @@ def test_plan_invariants(case, P):
     assert target.tolist() == [S * K] * R  # every token present: every rank computes S*K rows, as before
 
 
-def with_absent_tokens(ids, seed):
-    """Each rank keeps a different number of its first tokens (0, 1, all, or random); the rest get -1."""
-    g = torch.Generator().manual_seed(seed)
-    S = ids[0].shape[0]
-    out = []
-    for r, i in enumerate(ids):
-        keep = [0, 1, S, int(torch.randint(0, S + 1, (1,), generator=g))][(r + seed) % 4]
-        i = i.clone()
-        i[keep:] = -1
-        out.append(i)
-    return out
-
-
 @pytest.mark.parametrize("case", range(0, len(CASES), 3))
 def test_plan_invariants_with_absent_tokens(case):
     """Ranks route different numbers of tokens (s <= S, 0 and 1 included): T_d rule, one donor per
     receiver, <= B copies, the oracle walk for the present rows, -1 everywhere for the absent ones."""
     name, R, S, K, E, ids = CASES[case]
     for seed in range(3):
-        sparse = with_absent_tokens(ids, seed + case)
+        sparse = list(with_absent_tokens(torch.stack(ids), seed + case))
         target = check_plan(R, S, K, E, sparse, 16)
         N = sum(int((i >= 0).sum()) for i in sparse)
         assert int(target.sum()) == N and int(target.max() - target.min()) <= 1
