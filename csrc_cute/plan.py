@@ -968,7 +968,8 @@ def plan_simulated(topk_ids_per_rank: torch.Tensor | None = None, counts: torch.
                    *, E: int | None = None, S: int | None = None, K: int | None = None, B: int,
                    P: int = 128, rank: int | None = None, status: torch.Tensor | None = None):
     """All R ranks on one GPU: count (from topk_ids_per_rank [R, S, K]) or take counts [R, E], plan
-    globally, and, given `rank`, place that rank's tokens (needs topk_ids_per_rank).
+    globally, and, given `rank`, place that rank's tokens (needs topk_ids_per_rank). S is the
+    capacity: tokens with -1 in all K ids are absent (each rank may route a different number).
 
     Returns (counts, GPUGlobalPlan, GPUTokenPlan or None, status)."""
     if (topk_ids_per_rank is None) == (counts is None):
