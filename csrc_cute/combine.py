@@ -17,7 +17,8 @@ Semantics (S tokens, K top-k, R ranks, NvS rows; plan tables [S, K] int32 `dst_r
 
 Every sum is a fixed-order fp32 sum (no atomics): deterministic. Chains are followed for at most 32
 rows (K <= 32) and stop at a row outside [0, NvS); plan entries with a rank outside [0, R) or a row
-outside [0, NvS) are skipped.
+outside [0, NvS) are skipped: dst_rank = -1 marks an absent token, whose output row is zero (combine)
+and whose values are 0 (gather).
 
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
 static key):

@@ -24,8 +24,9 @@ Semantics (S tokens, K top-k, R ranks, NvS receive rows, G = epn+B groups; plan 
 
 Peer arguments are int64 [R] tensors holding the device address of the same (16-byte aligned) buffer
 on every rank. Rows move as 16-byte vectors (any row dtype with H * itemsize a multiple of 16).
-Entries with a destination rank outside [0, R) or a row outside [0, NvS) (a failed plan, flagged in
-the plan's status word) are skipped; chains are followed for at most 32 rows and stop at a row
+Entries with a destination rank outside [0, R) or a row outside [0, NvS) are skipped: dst_rank = -1
+is the legal mark of an absent token (never sent, nothing written); any other such entry is a failed
+plan, flagged in the plan's status word; chains are followed for at most 32 rows and stop at a row
 outside [0, NvS); a head row whose src is outside [0, R*S) is zeroed (its chain is not followed).
 
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per

@@ -4,14 +4,19 @@ Bit-exact GPU counterpart of `moonep_ops/planning.py` (`plan_global`, `plan_toke
 synchronises with the host: problems found on the device (bad expert ids, inconsistent counts or
 plan inputs) set bits of an int32 status word instead of raising.
 
+Absent tokens: expert id -1 in all K ids of a token marks it absent (S is the capacity). It is not
+counted, gets dst_rank = dst_row = primary_row = -1, and sets no status bit; a token that mixes -1
+with expert ids sets STATUS_BAD_EXPERT_ID (tok_hist checks it). Every rank routes at most S*K rows;
+with N routed rows over all ranks, rank d's target is T_d = N // R + (1 if d < N % R else 0).
+
 Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once per static shape):
   count        topk_ids [Rb, S*K] -> counts [Rb, E]      smem histogram per CTA, warp-aggregated
                                                           (match.any) atomics, then global atomics
                                                           (integer sums: deterministic).
   plan_global  counts [R, E] -> workspace [tot[E], pre[E], rfrom, rstart, ramt, otot [R each]]
-               one CTA: totals and row sums in one pass, per-rank loads, the greedy rank loop in
-               warp 0 (loads in registers, redux.sync max/min + ballot: ties to the lowest rank, at
-               most R-1 steps), and pre[e] = rows ranked before e in its donor's hottest-first order
+               one CTA: totals and row sums in one pass (a row sum above S*K is flagged), per-rank
+               surpluses load - T_d, the greedy rank loop in warp 0 (surpluses in registers,
+               redux.sync max/min + ballot: ties to the lowest rank, at most R-1 steps), and pre[e] = rows ranked before e in its donor's hottest-first order
                (found by counting, so the "sort" is exact and deterministic).
   plan_expand  workspace -> alloc [E, R], experts_to_copy [R, B], experts_remote [R, epn-B],
                cu_seqlens and group_rows [R, 2*epn]
@@ -21,7 +26,8 @@ Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once pe
                B = epn: every foreign expert gets a slot. B < epn: the CTA first ranks the foreign
                experts by (rows desc, id asc) by counting, O(epn^2 / 256); the first B get slots.
   tok_hist     this rank's ids, cut into warp chunks of whole tokens -> hist [NCH, E]
-               (per-warp smem histogram, match.any leaders add, no atomics).
+               (per-warp smem histogram, match.any leaders add, no atomics); flags tokens that mix
+               the absent marker -1 with expert ids.
   tok_scan     exclusive scan of hist over chunks per expert, plus sum(counts[:rank, e]) -> base
                [NCH, E] (in place); cend [E, R] = row-wise cumsum of alloc.
   tok_assign   per warp chunk: position of each (s, k) in its expert's global sequence = base +
@@ -154,9 +160,9 @@ def _lower_bounds(lst, W, rows, keys):
 
 def _checked_key(ok, v, E, bad):
     """Expert id ``v`` read where ``ok``: (v if it is a valid expert id else -1, ``bad`` or-ed with
-    whether it is out of [0, E))."""
+    whether it is out of [0, E) and not the absent-token marker -1)."""
     good = ok & (v >= 0) & (v < E)
-    bad = bad | cutlass.select_(ok & (good == False), Int32(1), Int32(0))  # noqa: E712
+    bad = bad | cutlass.select_(ok & (good == False) & (v != -1), Int32(1), Int32(0))  # noqa: E712
     return cutlass.select_(good, Int32(v), Int32(-1)), bad
 
 
@@ -185,7 +191,7 @@ def _chunk_keys(ids: cute.Tensor, c, lane, S: Constexpr[int], K: Constexpr[int],
     """The ids of warp chunk ``c``: in round r, lane tk * K + kk (< TR * K) reads (s, k) = (c * TPC +
     r * TR + tk, kk). Per round: the checked key (-1 where invalid or no (s, k)), whether the lane has
     an (s, k), its flat index s * K + k (0 where not); then the lane's tk and whether any id was out
-    of range."""
+    of range (-1, an absent token, is not)."""
     TPC = RPW * TR
     tk = lane // K
     kk = lane - tk * K
@@ -257,7 +263,8 @@ def _count_launch(ids: cute.Tensor, counts: cute.Tensor, status: cute.Tensor, st
 def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tensor,
                         R: Constexpr[int], E: Constexpr[int], TT: Constexpr[int], NT: Constexpr[int]):
     """One CTA: totals, loads, greedy flows, hottest-first offsets -> workspace
-    ws = [tot[E], pre[E], rfrom[R], rstart[R], ramt[R], otot[R]]."""
+    ws = [tot[E], pre[E], rfrom[R], rstart[R], ramt[R], otot[R]]. TT = S*K, the most rows a rank
+    routes; the targets T_d come from N, the sum of all row sums."""
     epn = E // R
     NW = NT // 32
     tidx, _, _ = cute.arch.thread_idx()
@@ -306,9 +313,9 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
         if neg != 0:
             cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_COUNTS))
     cute.arch.sync_threads()
-    # every rank routes exactly S*K rows
+    # every rank routes at most S*K rows
     for r in cutlass.range(tidx, R, NT):
-        if rows[r] != TT:
+        if rows[r] > TT:
             cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_COUNTS))
     # home-group loads
     for g in cutlass.range(warp, R, NW):
@@ -320,18 +327,27 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
             cur[g] = s
     cute.arch.sync_threads()
 
-    # rank-level greedy (warp 0), at most R-1 steps: the most loaded rank g fills the least loaded
-    # rank d to TT exactly (ties: lowest rank). Lane l keeps the loads of ranks l, l+32, ... in
-    # registers; max/min by redux.sync, the lowest rank holding it by ballot.
+    # rank-level greedy (warp 0), at most R-1 steps: the rank g with the largest surplus load - T
+    # fills the rank d with the largest deficit exactly to T_d (ties: lowest rank), where
+    # T_d = N // R + (d < N % R) for N routed rows in all. Lane l keeps the surpluses of ranks l,
+    # l+32, ... in registers; max/min by redux.sync, the lowest rank holding it by ballot.
     if warp == 0:
         NV = (R + 31) // 32
+        n_all = Int32(0)
+        for j in cutlass.range_constexpr(NV):
+            n_all = n_all + cutlass.select_(j * 32 + lane < R, rows[cutlass.min(j * 32 + lane, Int32(R - 1))],
+                                            Int32(0))
+        n_all = _warp_sum(n_all)
+        t_base = n_all // R
+        t_extra = n_all - t_base * R
         curs = []
         otots = []
         valids = []
         for j in cutlass.range_constexpr(NV):
             rr = j * 32 + lane
             valids.append(rr < R)
-            curs.append(cur[cutlass.min(rr, Int32(R - 1))])
+            target = t_base + cutlass.select_(rr < t_extra, Int32(1), Int32(0))
+            curs.append(cur[cutlass.min(rr, Int32(R - 1))] - target)
             otots.append(Int32(0))
         done = Int32(0)
         for _step in cutlass.range_constexpr(R - 1):
@@ -349,9 +365,9 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
                 g = cutlass.select_(bm != 0, j * 32 + _ctz(bm), g)
                 bn = cute.arch.vote_ballot_sync(valids[j] & (curs[j] == mn))
                 d = cutlass.select_(bn != 0, j * 32 + _ctz(bn), d)
-            active = (done == 0) & (mx > TT) & (g < R) & (d < R) & (g != d)
+            active = (done == 0) & (mx > 0) & (g < R) & (d < R) & (g != d)
             done = cutlass.select_(active, done, Int32(1))
-            amt = cutlass.select_(active, TT - mn, Int32(0))
+            amt = cutlass.select_(active, Int32(0) - mn, Int32(0))
             for j in cutlass.range_constexpr(NV):
                 rr = j * 32 + lane
                 isg = active & (rr == g)
@@ -543,7 +559,7 @@ def _tok_hist_kernel(ids: cute.Tensor, hist: cute.Tensor, status: cute.Tensor,
         for e in cutlass.range(lane, E, 32):
             hs[hb + e] = 0
         cute.arch.sync_warp()
-        keys, _, _, _, bad = _chunk_keys(ids, c, lane, S, K, E, TR, RPW)
+        keys, oks, _, tk, bad = _chunk_keys(ids, c, lane, S, K, E, TR, RPW)
         for r in cutlass.range_constexpr(RPW):
             key = keys[r]
             m = _match_any(key)
@@ -551,6 +567,10 @@ def _tok_hist_kernel(ids: cute.Tensor, hist: cute.Tensor, status: cute.Tensor,
                 if cute.arch.popc(m & lt) == 0:
                     hs[hb + key] = hs[hb + key] + cute.arch.popc(m)
             cute.arch.sync_warp()
+            # a token's K lanes are all routed or all absent (-1); fewer than K alike: mixed
+            alike = _match_any(cutlass.select_(oks[r], tk * 2 + cutlass.select_(key >= 0, Int32(1), Int32(0)),
+                                               Int32(-1) - lane))
+            bad = bad | cutlass.select_(oks[r] & (cute.arch.popc(alike) != K), Int32(1), Int32(0))
         _flag_bad_expert_ids(status, bad)
         for e in cutlass.range(lane, E, 32):
             hist[c * E + e] = hs[hb + e]
@@ -935,7 +955,8 @@ def plan_simulated(topk_ids_per_rank: torch.Tensor | None = None, counts: torch.
                    *, E: int | None = None, S: int | None = None, K: int | None = None, B: int,
                    P: int = 128, rank: int | None = None, status: torch.Tensor | None = None):
     """All R ranks on one GPU: count (from topk_ids_per_rank [R, S, K]) or take counts [R, E], plan
-    globally, and, given `rank`, place that rank's tokens (needs topk_ids_per_rank).
+    globally, and, given `rank`, place that rank's tokens (needs topk_ids_per_rank). S is the
+    capacity: tokens with -1 in all K ids are absent (each rank may route a different number).
 
     Returns (counts, GPUGlobalPlan, GPUTokenPlan or None, status)."""
     if (topk_ids_per_rank is None) == (counts is None):

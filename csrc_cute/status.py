@@ -4,9 +4,9 @@ and the layout of the EP group's control block that holds it.
 `moonep_ops.check_status` reads the word (a deliberate host sync) and raises with these messages.
 """
 
-STATUS_BAD_EXPERT_ID = 1      # a topk id outside [0, E): not counted, its row gets -1
+STATUS_BAD_EXPERT_ID = 1      # a topk id outside [0, E) and not -1, or a token mixing -1 (absent) with ids
 # bit 2 is unused: it meant "slot overflow", which cannot happen since slotless copies are read remotely
-STATUS_BAD_COUNTS = 4         # counts negative or a row sum != S*K (CPU reference raises)
+STATUS_BAD_COUNTS = 4         # counts negative or a row sum > S*K (CPU reference raises)
 STATUS_COUNTS_MISMATCH = 8    # plan_tokens: topk_ids histogram != counts[rank]
 STATUS_BAD_PLAN = 16          # plan_tokens: a row has no place in the plan (inconsistent inputs)
 STATUS_TIMEOUT = 32           # a cross-rank barrier gave up waiting for a peer
@@ -15,8 +15,9 @@ STATUS_BAD_TABLE = 128        # an index table entry was out of range: the kerne
 STATUS_PEER_REJECTED = 256    # CPU: a peer rejected its arguments to the same op (it raised the reason)
 
 MESSAGES = {
-    STATUS_BAD_EXPERT_ID: "topk_ids held an expert id outside [0, E); those rows were routed nowhere",
-    STATUS_BAD_COUNTS: "the count matrix had a negative entry or a rank whose counts do not sum to S*K",
+    STATUS_BAD_EXPERT_ID: "topk_ids held an expert id outside [0, E) other than -1, or a token mixed the "
+                          "absent-token marker -1 with expert ids; those rows were routed nowhere",
+    STATUS_BAD_COUNTS: "the count matrix had a negative entry or a rank whose counts sum to more than S*K",
     STATUS_COUNTS_MISMATCH: "this rank's topk_ids do not match its row of the count matrix",
     STATUS_BAD_PLAN: "a token's position lies past its expert's allocation, or its destination holds no "
                      "group of its expert (inconsistent plan inputs)",

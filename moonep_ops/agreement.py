@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from csrc_cute.status import (DEFAULT_TIMEOUT_S, MISMATCH_WORD, OP_COUNT_WORD, OP_IDS, OP_NAMES,
                               STATUS_OP_MISMATCH, STATUS_PEER_REJECTED, STATUS_TIMEOUT, TIMEOUT_MS_WORD)
-from meta.checks import ROW_DTYPES
+from .checks import ROW_DTYPES
 
 from .status import MoEStatusError
 

@@ -5,18 +5,20 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import autograd
 from .group import EPGroup
 from .handles import Dispatch, Plan
+from .planning import ABSENT
 from .routing import route
 
 
-def tokens_of(cfg, x: torch.Tensor) -> torch.Tensor:
-    """MoELayer's input x [..., H] -> its tokens [n, H], after the checks: a floating-point tensor whose
-    last dimension is H, holding a token count within the EP group's capacity (the one place that rule
-    lives: every rank computes exactly S*K rows, so n must be S for now)."""
+def tokens_of(cfg, x: torch.Tensor, at_capacity: bool = False) -> torch.Tensor:
+    """MoELayer's input x [..., H] -> its tokens [s, H], after the checks (the one place these rules
+    live): a floating-point tensor whose last dimension is H, holding s <= EPConfig.S tokens (S is the
+    capacity of the EP group's buffers), or exactly S with `at_capacity` (the n_tokens form)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"MoELayer: x must be a Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -25,9 +27,12 @@ def tokens_of(cfg, x: torch.Tensor) -> torch.Tensor:
     if x.dim() < 1 or x.shape[-1] != cfg.H:
         raise ValueError(f"MoELayer: x must be [..., H] with H={cfg.H} (EPConfig.H), got shape {list(x.shape)}")
     n = x.numel() // cfg.H
-    if n != cfg.S:
-        raise ValueError(f"MoELayer: x holds {n} tokens but the EP group's capacity is exactly EPConfig.S={cfg.S} "
-                         f"tokens per rank (every rank computes S*K rows)")
+    if at_capacity and n != cfg.S:
+        raise ValueError(f"MoELayer: with n_tokens, x must hold the capacity EPConfig.S={cfg.S} tokens of size "
+                         f"H={cfg.H}, got {n}")
+    if n > cfg.S:
+        raise ValueError(f"MoELayer: x holds {n} tokens of size H={cfg.H}, more than the capacity "
+                         f"EPConfig.S={cfg.S}")
     return x.reshape(n, cfg.H)
 
 
@@ -71,8 +76,16 @@ class MoEExperts(nn.Module):
 class MoELayer(nn.Module):
     """Drop-in MoE FFN block: router -> plan -> dispatch -> prefetch -> grouped GEMMs -> combine.
 
-    Input and output: [S, H] (or any [..., H] with S tokens) on this rank. Every rank computes exactly
-    S*K rows whatever the router does.
+    Input and output: [s, H] (or any [..., H]) with s <= S tokens on this rank; S = EPConfig.S is the
+    static capacity of the buffers, and ranks may pass different s in the same step. The tokens are
+    padded to S inside (pad rows are absent: expert ids -1, neither sent nor computed). With N routed
+    rows over all ranks, rank d computes exactly N // R + (1 if d < N % R else 0) rows whatever the
+    router does.
+
+    `layer(x_full, n_tokens=t)`: x_full holds the capacity [S, H] (or [..., H] with S tokens) and only
+    its first t rows are present; t is an int32 tensor [1] on x's device (read on the device: no
+    recompile and no host sync when it changes, so decode steps replay one CUDA graph) or a Python
+    int. Output rows >= t are zero.
     """
 
     def __init__(self, ep: EPGroup, normalize_topk: bool = True, dtype: torch.dtype | None = None):
@@ -84,17 +97,41 @@ class MoELayer(nn.Module):
         self.experts = MoEExperts(ep, dtype)
         self.last_counts: torch.Tensor | None = None  # [R, E] token counts of the last eager forward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n_tokens: torch.Tensor | int | None = None) -> torch.Tensor:
         c, ep = self.ep.cfg, self.ep
-        tokens = tokens_of(c, x).to(ep.dtype).contiguous()
+        tokens = tokens_of(c, x, at_capacity=n_tokens is not None).to(ep.dtype)
+        s = tokens.shape[0]
         route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
+        if n_tokens is None:
+            pad = c.S - s  # symbolic under torch.compile(dynamic=True): a new s does not recompile
+            tokens = F.pad(tokens, (0, 0, 0, pad))
+            route_w = F.pad(route_w, (0, 0, 0, pad))
+            ids = F.pad(ids, (0, 0, 0, pad), value=ABSENT)
+        else:
+            present = (torch.arange(c.S, device=tokens.device) < _token_count(n_tokens, c.S, tokens.device))[:, None]
+            ids = torch.where(present, ids, ABSENT)
+            route_w = torch.where(present, route_w, 0.0)
+        tokens = tokens.contiguous()
         plan = autograd.plan(ep, ids)
         dispatched = autograd.dispatch(ep, tokens, route_w, plan)
         out_rows = self.experts(dispatched, plan)
         out = autograd.combine(ep, out_rows, plan, dispatched)
         if not torch.compiler.is_compiling():
             self.last_counts = plan.counts
-        return out.view(x.shape).to(x.dtype)
+        return out[:s].view(x.shape).to(x.dtype)
+
+
+def _token_count(n_tokens: torch.Tensor | int, S: int, device: torch.device) -> torch.Tensor | int:
+    """MoELayer's n_tokens, checked: an int in [0, S], or an integer tensor [1] on the tokens' device
+    (its value is read on the device only; values past S count as S, below 0 as 0)."""
+    if isinstance(n_tokens, torch.Tensor):
+        if n_tokens.dtype not in (torch.int32, torch.int64) or n_tokens.shape != (1,) or n_tokens.device != device:
+            raise ValueError(f"MoELayer: n_tokens must be an int32/int64 tensor [1] on {device}, got "
+                             f"{n_tokens.dtype} {list(n_tokens.shape)} on {n_tokens.device}")
+        return n_tokens
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= S:
+        raise ValueError(f"MoELayer: n_tokens must be in [0, EPConfig.S={S}], got {n_tokens!r}")
+    return n_tokens
 
 
 class MoEBlock(nn.Module):

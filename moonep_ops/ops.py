@@ -30,16 +30,18 @@ def plan(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, group_n
     """Router top-k ids [S, K] -> (dst_rank, dst_row, primary_row [S, K], experts_to_copy [R, B] of all
     ranks, then of this rank: experts_remote [epn-B] (copies read from their home rank, B < epn only),
     cu_seqlens [2*epn] and group_rows [2*epn] (real rows per group), and counts [R, E] of all ranks),
-    all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status)."""
+    all int32. `ctrl` is the EP group's control block (CUDA: count exchange, barrier, status).
+    S is the capacity: a token whose K ids are all -1 is absent (not counted, destinations -1); with
+    N routed rows over all ranks, rank d computes N // R + (d < N % R) rows."""
     group = resolve_group("plan", group_name, R)
 
     def check():
         checks.check_plan_args(topk_ids, E, B, P, R, ctrl)
-        check_range("plan", "topk_ids", topk_ids, 0, E, f"E={E}")
+        planning.check_topk_ids("moonep.plan", topk_ids, E)
 
     agree("plan", ctrl, group, check)  # a rank whose ids are bad fails every rank's plan, in step
     S, K = topk_ids.shape
-    local = torch.bincount(topk_ids.reshape(-1).long(), minlength=E).int()
+    local = planning.count_routed(topk_ids, E)
     gathered = [torch.empty_like(local) for _ in range(R)]
     wait_in_op(torch.distributed.all_gather(gathered, local, group=group, async_op=True), group)
     counts = torch.stack(gathered)
@@ -97,7 +99,8 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Token rows [S, H] -> this rank's expert-grouped rows [NvS, H], row weights [NvS] and, per row,
     the row that carried its token over the link and the token's next row on this rank in k order
-    (both -1 for padding). Each token crosses to a rank once; the receiver copies it to the token's
+    (both -1 for padding). Rows with dst_rank = -1 (absent tokens) are neither sent nor written.
+    Each token crosses to a rank once; the receiver copies it to the token's
     other rows there. cu_seqlens/group_rows (this rank's padded group ends and real rows) locate the
     padding rows, which are zero. Persistent buffers: `send_rows` stages this rank's tokens for the
     peers to read; the recv_* tables receive, per row, its weight, primary row, next row and source
@@ -183,7 +186,8 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
             primary_row: Tensor, presum: Tensor, ctrl: Tensor, group_name: str) -> Tensor:
     """Expert output rows [NvS, H] -> token rows [S, H], summing each token's K rows. The receiver first
     sums a token's rows on it into the row that carried it (fp32, stored in the row dtype in `presum`),
-    so one row per (token, rank) crosses back; the source adds those in fp32, in k order."""
+    so one row per (token, rank) crosses back; the source adds those in fp32, in k order. An absent
+    token (dst_rank = -1 in all K) gets a zero row."""
     group = resolve_group("combine", group_name)
 
     def check():
@@ -198,7 +202,7 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
     acc.index_add_(0, row_primary[valid].long(), rows[valid].float())
     presum.copy_(acc)
     S, K = dst_rank.shape
-    sel = torch.nonzero((dst_row == primary_row).reshape(-1)).flatten()
+    sel = torch.nonzero(((dst_row == primary_row) & (dst_rank >= 0)).reshape(-1)).flatten()
     parts = torch.zeros(S * K, rows.shape[1], dtype=torch.float32)
     parts[sel] = pull(presum, dst_rank.reshape(-1)[sel], primary_row.reshape(-1)[sel], group).float()
     return parts.view(S, K, -1).sum(1).to(rows.dtype)
@@ -227,7 +231,7 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
 def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, row_scratch: Tensor, ctrl: Tensor,
                        group_name: str) -> Tensor:
     """Per-row values [NvS] (the route-weight gradient) -> [S, K], read back from the computing ranks
-    (through `row_scratch`, a buffer peers can read)."""
+    (through `row_scratch`, a buffer peers can read); 0 where dst_rank = -1 (absent tokens)."""
     group = resolve_group("gather_row_weights", group_name)
 
     def check():
@@ -237,7 +241,10 @@ def gather_row_weights(row_vals: Tensor, dst_rank: Tensor, dst_row: Tensor, row_
 
     agree("gather_row_weights", ctrl, group, check)
     row_scratch.copy_(row_vals)
-    return pull(row_scratch, dst_rank.reshape(-1), dst_row.reshape(-1), group).view(dst_rank.shape)
+    out = torch.zeros(dst_rank.numel(), dtype=row_vals.dtype)
+    sel = torch.nonzero(dst_rank.reshape(-1) >= 0).flatten()
+    out[sel] = pull(row_scratch, dst_rank.reshape(-1)[sel], dst_row.reshape(-1)[sel], group)
+    return out.view(dst_rank.shape)
 
 
 gather_row_weights.register_fake(fake.gather_row_weights.gather_row_weights)

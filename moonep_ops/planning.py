@@ -3,14 +3,22 @@
 This module is the bit-exact reference of the GPU planner: every rank computes the same global plan
 from the same `[R, E]` count matrix, and then the destinations of its own tokens.
 
+Absent tokens: a rank may route fewer than S tokens in a step (S is the static capacity). An absent
+token has expert id -1 in all K of its top-k ids; it is not counted, gets destination -1 and is never
+sent or computed. With N = all ranks' routed rows (the sum of the count matrix), rank d computes
+exactly T_d = N // R + (1 if d < N % R else 0) rows; with every token present T_d = S*K.
+
 Global plan (`plan_global`), rank-level greedy, deterministic:
-  1. `load[r]` = tokens routed to rank r's home experts; the target of every rank is T = S*K.
-  2. Repeat: the most loaded rank g (ties: lowest rank) fills the least loaded rank d (ties: lowest
-     rank) exactly to T from its home experts, until no rank is above T. A receiver is filled in a
-     single step, so each receiving rank takes experts of one home group only and never needs more
-     than epn copy slots. A donor may give so much that it falls below T; it is then filled later
-     from another group like any other receiver. Every step finishes at least one rank, so there
-     are at most R-1 steps.
+  1. `load[r]` = rows routed to rank r's home experts; the target of rank r is T_r (above), its
+     surplus `load[r] - T_r` (negative: a deficit).
+  2. Repeat: the rank g with the largest surplus (ties: lowest rank) fills the rank d with the largest
+     deficit (ties: lowest rank) exactly to T_d from its home experts, until no surplus is positive.
+     A receiver is filled in a single step and then never gives nor takes again, so each receiving
+     rank takes experts of one home group only and never needs more than epn copy slots. A donor may
+     give so much that it falls below its target; it is then filled later from another group like
+     any other receiver. A donor never gives more than it holds at home (load[g] > T_g >= T_d - 1,
+     so load[g] >= T_d >= the deficit). Every step finishes at least one rank, so there are at most
+     R-1 steps.
   3. Each donor cuts its outflows, in step order, from its home experts' tokens taken hottest first
      (total desc, expert id asc): few experts cover a given number of rows, so few copies are made.
      What is left stays home.
@@ -45,8 +53,8 @@ class GlobalPlan(NamedTuple):
 
 
 class TokenPlan(NamedTuple):
-    dst_rank: torch.Tensor     # int32 [S, K]: rank that computes row (s, k)
-    dst_row: torch.Tensor      # int32 [S, K]: row of (s, k) in that rank's receive buffer
+    dst_rank: torch.Tensor     # int32 [S, K]: rank that computes row (s, k); -1 for an absent token
+    dst_row: torch.Tensor      # int32 [S, K]: row of (s, k) in that rank's receive buffer; -1 if absent
     primary_row: torch.Tensor  # int32 [S, K]: the row on dst_rank that carries token s over the link
                                # (its first k there); rows with dst_row != primary_row are local copies
 
@@ -62,6 +70,35 @@ def rank_imbalance(counts: torch.Tensor) -> float:
     R = counts.shape[0]
     load = counts.sum(0).view(R, -1).sum(1).double()
     return float(load.max() / load.mean())
+
+
+ABSENT = -1  # the expert id that marks an absent token (all K of its ids)
+
+
+def check_topk_ids(op: str, topk_ids: torch.Tensor, E: int) -> None:
+    """Expert ids [S, K] must lie in [0, E), or be -1 (ABSENT) in all K ids of a token."""
+    bad = ((topk_ids < ABSENT) | (topk_ids >= E)).nonzero()
+    if bad.numel():
+        s, k = (int(i) for i in bad[0])
+        raise ValueError(f"{op}: topk_ids[{s}, {k}] = {int(topk_ids[s, k])} is outside [0, E={E}) "
+                         f"(-1 marks an absent token)")
+    absent = topk_ids == ABSENT
+    mixed = (absent.any(1) & ~absent.all(1)).nonzero()
+    if mixed.numel():
+        s = int(mixed[0])
+        raise ValueError(f"{op}: topk_ids[{s}] = {topk_ids[s].tolist()} mixes the absent-token marker -1 "
+                         f"with expert ids (an absent token has -1 in all K ids)")
+
+
+def count_routed(topk_ids: torch.Tensor, E: int) -> torch.Tensor:
+    """int32 [E]: rows of `topk_ids` routed to each expert; absent tokens (-1) are not counted."""
+    flat = topk_ids.reshape(-1).long()
+    return torch.bincount(flat[flat >= 0], minlength=E).int()
+
+
+def rank_targets(N: int, R: int) -> torch.Tensor:
+    """int64 [R]: rows rank d computes when all ranks route N rows, T_d = N // R + (d < N % R)."""
+    return N // R + (torch.arange(R) < N % R).long()
 
 
 def _check_args(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> None:
@@ -86,24 +123,24 @@ def _check_args(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> None:
         r, e = (int(i) for i in torch.nonzero(counts < 0)[0])
         raise ValueError(f"plan_global: counts must be non-negative, got counts[{r}, {e}] = {int(counts[r, e])}")
     per_rank = counts.long().sum(1)
-    if bool((per_rank != S * K).any()):
-        raise ValueError(f"plan_global: every rank routes exactly S*K={S * K} rows, got row sums "
-                         f"{per_rank.tolist()}")
+    if bool((per_rank > S * K).any()):
+        raise ValueError(f"plan_global: every rank routes at most S*K={S * K} rows (S tokens of capacity), "
+                         f"got row sums {per_rank.tolist()}")
 
 
-def rank_flows(load: torch.Tensor, T: int) -> list[tuple[int, int, int]]:
+def rank_flows(load: torch.Tensor, target: torch.Tensor) -> list[tuple[int, int, int]]:
     """Step 2 of the plan: the (donor, receiver, rows) transfers, in step order."""
-    cur = load.clone()
+    surplus = load - target
     flows = []
     while True:
-        g = int(torch.argmax(cur))  # first maximum: lowest rank on ties
-        if int(cur[g]) <= T:
+        g = int(torch.argmax(surplus))  # first maximum: lowest rank on ties
+        if int(surplus[g]) <= 0:
             return flows
-        d = int(torch.argmin(cur))
-        amt = T - int(cur[d])
+        d = int(torch.argmin(surplus))  # largest deficit, lowest rank on ties
+        amt = -int(surplus[d])
         flows.append((g, d, amt))
-        cur[g] -= amt
-        cur[d] += amt
+        surplus[g] -= amt
+        surplus[d] += amt
 
 
 def hottest_first(tot_home: torch.Tensor) -> torch.Tensor:
@@ -118,14 +155,14 @@ def plan_global(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> GlobalP
     _check_args(counts, S, K, B, P)
     R, E = counts.shape
     epn = E // R
-    T = S * K
     tot = counts.long().sum(0)
     load = tot.view(R, epn).sum(1)
+    target = rank_targets(int(tot.sum()), R)
 
     alloc = torch.zeros(E, R, dtype=torch.long)
     alloc[torch.arange(E), torch.arange(E) // epn] = tot
     outflows: dict[int, list[tuple[int, int]]] = {}
-    for g, d, amt in rank_flows(load, T):
+    for g, d, amt in rank_flows(load, target):
         outflows.setdefault(g, []).append((d, amt))
     for g, flows in outflows.items():
         order = hottest_first(tot[g * epn:(g + 1) * epn]) + g * epn
@@ -187,30 +224,37 @@ def group_of_expert(plan: GlobalPlan, E: int) -> torch.Tensor:
 
 
 def plan_tokens(topk_ids: torch.Tensor, counts: torch.Tensor, plan: GlobalPlan, rank: int) -> TokenPlan:
-    """Destinations (rank, row) of rank `rank`'s routed rows, and which of them cross the link."""
+    """Destinations (rank, row) of rank `rank`'s routed rows, and which of them cross the link.
+    Absent tokens (ids -1) get dst_rank = dst_row = primary_row = -1."""
     S, K = topk_ids.shape
     R, E = counts.shape
     flat = topk_ids.reshape(-1).long()
-    # position of each (s, k) among this rank's rows of the same expert, in s*K+k order
-    sorted_ids, perm = torch.sort(flat, stable=True)
+    routed = torch.nonzero(flat >= 0).flatten()   # in s*K+k order
+    ids = flat[routed]
+    # position of each routed (s, k) among this rank's rows of the same expert, in s*K+k order
+    sorted_ids, perm = torch.sort(ids, stable=True)
     seg_start = torch.searchsorted(sorted_ids, torch.arange(E))
-    local = torch.empty_like(flat)
-    local[perm] = torch.arange(flat.numel()) - seg_start[sorted_ids]
+    local = torch.empty_like(ids)
+    local[perm] = torch.arange(ids.numel()) - seg_start[sorted_ids]
     # position in the expert's global sequence, ordered by source rank first
     before = counts.long()[:rank].sum(0)
-    idx = before[flat] + local
+    idx = before[ids] + local
     # the chunk of the expert's sequence that each destination rank computes
     alloc = plan.alloc.long()
     chunk_end = alloc.cumsum(1)                       # [E, R]
-    dst = torch.searchsorted(chunk_end[flat], idx[:, None], right=True).squeeze(1)
-    chunk_start = chunk_end[flat, dst] - alloc[flat, dst]
-    group = group_of_expert(plan, E)[dst, flat]
+    dst = torch.searchsorted(chunk_end[ids], idx[:, None], right=True).squeeze(1)
+    chunk_start = chunk_end[ids, dst] - alloc[ids, dst]
+    group = group_of_expert(plan, E)[dst, ids]
     cu = plan.cu_seqlens.long()
     group_start = torch.cat([torch.zeros(R, 1, dtype=torch.long), cu[:, :-1]], 1)[dst, group]
-    row = group_start + idx - chunk_start
-    dst_rank = dst.view(S, K)
-    dst_row = row.view(S, K)
+    dst_rank = torch.full((S * K,), -1, dtype=torch.long)
+    dst_row = torch.full((S * K,), -1, dtype=torch.long)
+    dst_rank[routed] = dst
+    dst_row[routed] = group_start + idx - chunk_start
+    dst_rank = dst_rank.view(S, K)
+    dst_row = dst_row.view(S, K)
     # first k of each (token, destination rank) carries the row; later ones copy it on the receiver
+    # (an absent token's ids are all -1, so its primary row is its dst_row, -1)
     same = dst_rank[:, :, None] == dst_rank[:, None, :]           # [S, K(k), K(k')]
     first = torch.argmax(same.int(), dim=2)                       # lowest k' with the same rank
     primary_row = torch.gather(dst_row, 1, first)

@@ -1,6 +1,6 @@
 """Value checks of the index tables the CPU reference ops index with, run before an op writes anything.
 
-The fake kernels (meta/) check shapes and dtypes; these read the values, so they run in the real ops
+The fake kernels (moonep_ops/fake/) check shapes and dtypes; these read the values, so they run in the real ops
 only (the CUDA kernels flag the same cases in the status word instead: STATUS_BAD_TABLE). Each raises a
 ValueError naming the op, the table, the first offending entry and the rule.
 """
@@ -27,12 +27,19 @@ def check_range(op: str, name: str, t: Tensor, lo: int, hi: int, what: str) -> N
 def check_token_tables(op: str, R: int, NvS: int, dst_rank: Tensor, dst_row: Tensor,
                        primary_row: Tensor | None = None) -> None:
     """dst_rank in [0, R), dst_row in [0, NvS); primary_row[s, k] = dst_row of token s's first k with the
-    same destination rank (the row that carries the token there)."""
-    check_range(op, "dst_rank", dst_rank, 0, R, f"R={R}")
-    check_range(op, "dst_row", dst_row, 0, NvS, f"NvS={NvS}")
+    same destination rank (the row that carries the token there). An absent token's row is -1 in every
+    table (ABSENT, moonep_ops/planning.py)."""
+    absent = (dst_rank == -1) & (dst_row == -1)
+    if primary_row is not None:
+        absent &= primary_row == -1
+    rule = "(-1 in every table marks an absent token)"
+    _raise_first(op, "dst_rank", dst_rank, ~absent & ((dst_rank < 0) | (dst_rank >= R)), f"is outside [0, R={R}) {rule}")
+    _raise_first(op, "dst_row", dst_row, ~absent & ((dst_row < 0) | (dst_row >= NvS)),
+                 f"is outside [0, NvS={NvS}) {rule}")
     if primary_row is None:
         return
-    check_range(op, "primary_row", primary_row, 0, NvS, f"NvS={NvS}")
+    _raise_first(op, "primary_row", primary_row, ~absent & ((primary_row < 0) | (primary_row >= NvS)),
+                 f"is outside [0, NvS={NvS}) {rule}")
     same = dst_rank[:, :, None] == dst_rank[:, None, :]
     first = torch.argmax(same.int(), dim=2)
     want = torch.gather(dst_row, 1, first)
@@ -41,9 +48,10 @@ def check_token_tables(op: str, R: int, NvS: int, dst_rank: Tensor, dst_row: Ten
 
 
 def check_unique_rows(op: str, dst_rank: Tensor, dst_row: Tensor, NvS: int) -> None:
-    """No two routed rows share a destination (a duplicate would overwrite a token)."""
+    """No two routed rows share a destination (a duplicate would overwrite a token); absent rows (-1)
+    have none."""
     key = (dst_rank.long() * NvS + dst_row.long()).reshape(-1)
-    uniq, counts = torch.unique(key, return_counts=True)
+    uniq, counts = torch.unique(key[dst_rank.reshape(-1) >= 0], return_counts=True)
     if bool((counts > 1).any()):
         dup = int(uniq[counts > 1][0])
         where = torch.nonzero(key == dup).flatten().tolist()[:2]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from moonep_ops import EPConfig, EPGroup, MoEStatusError, dense_moe, planning
 from moonep_ops.status import check_status
-from routings import cpu_counts, routings
+from routings import cpu_counts, routings, with_absent_tokens
 
 ops = torch.ops.moonep
 
@@ -43,15 +43,17 @@ def plan_bitexact(rank: int, R: int, configs: list[dict], n_routings: int):
         dt = kw.pop("ids", torch.int64)
         cfg = EPConfig(R=R, H=8, F=8, **kw)
         ep = EPGroup(cfg, device="cuda")
-        for name, ids_all in routings(R, cfg.S, cfg.K, cfg.E, seed=100 + i, n=n_routings):
-            ref = _reference_plan(ids_all, cfg, rank)
-            outs = _plan(ep, ids_all[rank].to(dt).cuda())
-            code = int(ep.status.item())
-            ep.status.zero_()
-            diff = _diff(outs, ref)
-            checked += 1
-            if diff or code:
-                bad.append((str(kw), name, diff, code))
+        for j, (name, full) in enumerate(routings(R, cfg.S, cfg.K, cfg.E, seed=100 + i, n=n_routings)):
+            # every token present, then ranks routing 0, 1, S or a random number of tokens (rest absent)
+            for label, ids_all in ((name, full), (f"{name}-absent", with_absent_tokens(full, j))):
+                ref = _reference_plan(ids_all, cfg, rank)
+                outs = _plan(ep, ids_all[rank].to(dt).cuda())
+                code = int(ep.status.item())
+                ep.status.zero_()
+                diff = _diff(outs, ref)
+                checked += 1
+                if diff or code:
+                    bad.append((str(kw), label, diff, code))
         ep.destroy()
     return dict(bad=bad, checked=checked)
 
@@ -348,6 +350,63 @@ def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled:
     y = dense_moe(*leaves, K=cfg.K, ids=ids)
     y.backward(g.float())
     out["ref"] = [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
+    ep.destroy()
+    return out
+
+
+def moe_layer_tokens_vs_dense(rank: int, R: int, cfg_kwargs: dict, steps: int):
+    """MoELayer on the GPU with s <= S tokens per call (different per rank and step, 0 and 1 included):
+    per step the output and input gradient against the dense fp32 reference of this rank's present
+    tokens (ids as the layer chose them); then the capacity + n_tokens form compiled (fullgraph) over
+    `steps` counts: 0 recompiles, rows past the count zero, equal to the eager s form."""
+    import ep_workers
+    from torch._dynamo.utils import counters
+
+    from moonep_ops import MoELayer
+    from moonep_ops.routing import route
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    x_all, router, w_gate, w_up, w_down, grad_out = ep_workers.global_weights(cfg, "extreme")
+    bf = torch.bfloat16
+    router, w_gate, w_up, w_down = (t.to(bf) for t in (router, w_gate, w_up, w_down))
+    ep = EPGroup(cfg, device="cuda")
+    layer = MoELayer(ep)
+    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
+    with torch.no_grad():
+        layer.router.weight.copy_(router)
+        layer.experts.w_gate.copy_(w_gate[mine])
+        layer.experts.w_up.copy_(w_up[mine])
+        layer.experts.w_down.copy_(w_down[mine])
+    x_full = x_all[tokens].to(bf).cuda()
+    g_full = grad_out[tokens].to(bf).cuda()
+    errs, eager = [], []
+    for step in range(steps):
+        s = ep_workers.token_counts(cfg, step, rank)
+        x = x_full[:s].clone().requires_grad_()
+        y = layer(x)
+        y.backward(g_full[:s])
+        eager.append(y.detach().float().cpu())
+        with torch.no_grad():
+            _, ids = route(layer.router(x_full[:s]), cfg.K)
+        leaves = [t.float().cuda().requires_grad_() for t in (x_full[:s], router, w_gate, w_up, w_down)]
+        ref = dense_moe(*leaves, K=cfg.K, ids=ids)
+        if s:
+            ref.backward(g_full[:s].float())
+            for got, want in ((y.detach(), ref.detach()), (x.grad, leaves[0].grad)):
+                errs.append(float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)))
+    ep.check("moe layer, s <= S")
+    counters.clear()
+    compiled = torch.compile(lambda x, n: layer(x, n_tokens=n), fullgraph=True)
+    cap_bad = []
+    with torch.no_grad():
+        for step in range(steps):
+            s = ep_workers.token_counts(cfg, step, rank)
+            y = compiled(x_full, torch.tensor([s], dtype=torch.int32, device="cuda")).float().cpu()
+            err = float((y[:s] - eager[step]).abs().max()) if s else 0.0
+            if y[s:].any() or err > 3e-2 * float(eager[step].abs().max().clamp_min(1e-6)):
+                cap_bad.append((step, s, err))
+    ep.check("moe layer, n_tokens")
+    out = dict(max_err=max(errs), cap_bad=cap_bad, recompiles=sum(counters["recompiles"].values()))
     ep.destroy()
     return out
 

@@ -258,3 +258,111 @@ def no_grad_forward(rank: int, R: int, cfg_kwargs: dict):
     with torch.no_grad():
         y_inference = layer(x)
     return bool(torch.equal(y.detach(), y_inference)) and y.requires_grad and not y_inference.requires_grad
+
+
+def token_counts(cfg: EPConfig, step: int, rank: int) -> int:
+    """Tokens rank `rank` routes at step `step`: rotates over S, 0, 1 and two in between, so that the
+    ranks differ within a step and each rank changes between steps."""
+    return [cfg.S, 0, 1, cfg.S - 3, cfg.S // 2][(step + 2 * rank) % 5]
+
+
+def variable_tokens(rank: int, R: int, cfg_kwargs: dict, steps: int):
+    """Per step: this rank passes its first token_counts(...) tokens (s <= S); output and every
+    gradient. One more step runs the capacity + n_tokens form; it must equal the s form exactly, with
+    zero rows (and zero gradients) past n_tokens."""
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    layer, x_full, grad_full = build_layer(cfg, rank, "extreme")
+    out = []
+    for step in range(steps):
+        s = token_counts(cfg, step, rank)
+        layer.zero_grad()
+        x = x_full[:s].clone().requires_grad_()
+        y = layer(x)
+        computed = int((layer.ep.recv_primary >= 0).sum())  # real rows of this rank's receive buffer
+        y.backward(grad_full[:s])
+        e = layer.experts
+        out.append(dict(y=y.detach(), x=x.grad, router=layer.router.weight.grad, gate=e.w_gate.grad.clone(),
+                        up=e.w_up.grad.clone(), down=e.w_down.grad.clone(), s=s, computed=computed))
+    # the capacity form, with the same token count as the s form's step 0
+    s = token_counts(cfg, 0, rank)
+    layer.zero_grad()
+    x = x_full.clone().requires_grad_()
+    y = layer(x, n_tokens=torch.tensor([s], dtype=torch.int32))
+    y.backward(torch.cat([grad_full[:s], torch.randn(cfg.S - s, cfg.H)]))  # gradient of absent rows: ignored
+    first = out[0]
+    # the router's matmul over S rows instead of s may round differently: compare within fp32 rounding
+    diff = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in (
+        (y[:s].detach(), first["y"]), (x.grad[:s], first["x"]), (layer.router.weight.grad, first["router"]),
+        (layer.experts.w_gate.grad, first["gate"]), (layer.experts.w_down.grad, first["down"])))
+    zero_past = not y[s:].any() and not x.grad[s:].any()
+    return dict(steps=out, capacity_form_diff=diff, capacity_form_zero_past=zero_past)
+
+
+def compiled_token_counts(rank: int, R: int, cfg_kwargs: dict, steps: int):
+    """torch.compile(fullgraph=True) of forward+backward with the capacity + n_tokens form over
+    `steps` different token counts (tensor n_tokens: 0 recompiles); then torch.compile(dynamic=True)
+    with x of changing s (no recompile after the first two shapes); both against eager."""
+    from torch._dynamo.utils import counters
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    layer, x_full, _ = build_layer(cfg, rank, "uniform")
+
+    def loss_count(x, n):
+        y = layer(x, n_tokens=n)
+        return y, (y * y).sum()
+
+    def loss_s(x):
+        y = layer(x)
+        return y, (y * y).sum()
+
+    def step(fn, x, *args):
+        layer.zero_grad()
+        x = x.clone().requires_grad_()
+        y, loss = fn(x, *args)
+        loss.backward()
+        return [y.detach(), x.grad, layer.router.weight.grad, layer.experts.w_gate.grad]
+
+    def max_rel(a, b):
+        return max(float((u - v).abs().max() / v.abs().max().clamp(min=1e-30)) for u, v in zip(a, b))
+
+    res = {}
+    counts = [(3 * i + rank) % (cfg.S + 1) for i in range(steps)]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss_count, fullgraph=True)
+    diffs = []
+    for t in counts:
+        n = torch.tensor([t], dtype=torch.int32)
+        diffs.append(max_rel(step(compiled, x_full, n), step(loss_count, x_full, n)))
+    res["count_recompiles"] = sum(counters["recompiles"].values())
+    res["count_frames"] = counters["stats"]["unique_graphs"]
+    res["count_diff"] = max(diffs)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss_s, fullgraph=True, dynamic=True)
+    sizes = [cfg.S - 1, 5, 7, cfg.S, 3, 9, 2, cfg.S - 4][: max(3, steps // 2)]
+    frames, diffs = [], []
+    for s in sizes:
+        x = x_full[:s]
+        diffs.append(max_rel(step(compiled, x), step(loss_s, x)))
+        frames.append(counters["stats"]["unique_graphs"])
+    res["dynamic_frames"] = frames
+    res["dynamic_recompiles_after_two"] = frames[-1] - frames[1]
+    res["dynamic_diff"] = max(diffs)
+    return res
+
+
+def too_many_tokens(rank: int, R: int, cfg_kwargs: dict) -> list[str]:
+    """The errors for x past the capacity and a bad n_tokens."""
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    layer, x, _ = build_layer(cfg, rank, "uniform")
+    msgs = []
+    for call in (lambda: layer(torch.randn(cfg.S + 1, cfg.H)), lambda: layer(x[:2], n_tokens=1),
+                 lambda: layer(x, n_tokens=cfg.S + 1), lambda: layer(x, n_tokens=torch.tensor([1.0]))):
+        try:
+            call()
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs

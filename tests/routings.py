@@ -3,6 +3,7 @@
 import torch
 
 from benchmarks.routing_gen import sample_topk
+from moonep_ops.planning import count_routed
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -38,5 +39,17 @@ def routings(R, S, K, E, seed, n):
 
 
 def cpu_counts(ids, E):
-    R = ids.shape[0]
-    return torch.stack([torch.bincount(ids[r].reshape(-1), minlength=E) for r in range(R)]).int()
+    """int32 [R, E] counts of ids [R, S, K]; absent tokens (-1) are not counted."""
+    return torch.stack([count_routed(ids[r], E) for r in range(ids.shape[0])])
+
+
+def with_absent_tokens(ids, seed):
+    """ids [R, S, K] with each rank keeping a different number of its first tokens (0, 1, all, or a
+    random count, rotating over the ranks); the rest become absent (-1 in all K ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    R, S, _ = ids.shape
+    out = ids.clone()
+    for r in range(R):
+        keep = [0, 1, S, int(torch.randint(0, S + 1, (1,), generator=gen))][(r + seed) % 4]
+        out[r, keep:] = -1
+    return out

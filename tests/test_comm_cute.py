@@ -176,6 +176,12 @@ def make_ids(kind, R, S, K, E, gen):
         u = torch.rand(R, S, E, generator=gen, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
         g = -torch.log(-torch.log(u))
         return torch.topk(pop + g, K, dim=-1).indices.contiguous()
+    if kind == "absent":          # ranks route 0, 1, S or a random number of tokens; the rest absent (-1)
+        keep = [0, 1, S, int(torch.randint(0, S + 1, (1,), generator=gen))]
+        ids = make_ids("random", R, S, K, E, gen)
+        for r in range(R):
+            ids[r, keep[r % 4]:] = -1
+        return ids
     raise ValueError(kind)
 
 
@@ -187,7 +193,7 @@ class Case:
         self.epn = E // R
         self.G = self.epn + B
         self.NVS = align_up(S * K + (P - 1) * self.G, P)
-        counts = torch.stack([torch.bincount(ids[r].reshape(-1), minlength=E) for r in range(R)]).int()
+        counts = torch.stack([planning.count_routed(ids[r], E) for r in range(R)])
         self.plan = planning.plan_global(counts, S, K, B, P)
         self.tok = [planning.plan_tokens(ids[r], counts, self.plan, r) for r in range(R)]
         alloc, e2c = self.plan.alloc.long(), self.plan.experts_to_copy.long()
@@ -468,7 +474,7 @@ CONFIGS = [
     (4, 64, 2, 8, 2, 8, 72, torch.float32, 1),
     (2, 33, 3, 4, 2, 4, 64, torch.float16, 5),
 ]
-KINDS = ("random", "one-expert", "one-rank", "dupes", "skew")
+KINDS = ("random", "one-expert", "one-rank", "dupes", "skew", "absent")
 
 
 def _cfg_id(cfg):

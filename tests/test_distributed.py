@@ -136,3 +136,54 @@ def test_inference_small_B_matches_dense(R):
 def test_training_with_small_B_is_refused():
     res = run_ranks(ep_workers.train_small_B, 2, dict(SHAPE, E=8, B=1))
     assert all("inference only" in msg for msg in res), res
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_tokens_per_call_up_to_capacity_match_dense(R):
+    """Steps where every rank passes a different number s <= S of tokens (0 and 1 included): forward
+    and every gradient equal the dense MoE on the concatenated present tokens; each rank computes
+    exactly N // R (+1 on the first N % R ranks) rows; the capacity + n_tokens form equals the s form."""
+    steps = 5
+    cfg_kwargs = dict(SHAPE, E=4 * R)
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    res = run_ranks(ep_workers.variable_tokens, R, cfg_kwargs, steps)
+    x_all, router, w_gate, w_up, w_down, grad_out = ep_workers.global_weights(cfg, "extreme")
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for step in range(steps):
+        per = [r["steps"][step] for r in res]
+        sizes = [p["s"] for p in per]
+        assert sizes == [ep_workers.token_counts(cfg, step, r) for r in range(R)]
+        present = torch.cat([torch.arange(r * cfg.S, r * cfg.S + s) for r, s in enumerate(sizes)])
+        leaves = [t.clone().requires_grad_() for t in (x_all[present], router, w_gate, w_up, w_down)]
+        y = dense_moe(*leaves, K=cfg.K)
+        if y.requires_grad:
+            y.backward(grad_out[present])
+        for t in leaves:  # no token at all (R = 1, s = 0): every gradient is zero
+            t.grad = torch.zeros_like(t) if t.grad is None else t.grad
+        torch.testing.assert_close(torch.cat([p["y"] for p in per]), y.detach(), **tol)
+        torch.testing.assert_close(torch.cat([p["x"] for p in per]), leaves[0].grad, **tol)
+        torch.testing.assert_close(sum(p["router"] for p in per), leaves[1].grad, **tol)
+        for i, name in enumerate(("gate", "up", "down")):
+            torch.testing.assert_close(torch.cat([p[name] for p in per]), leaves[2 + i].grad, **tol)
+        N = sum(sizes) * cfg.K
+        assert [p["computed"] for p in per] == [N // R + (1 if d < N % R else 0) for d in range(R)]
+    assert all(r["capacity_form_zero_past"] and r["capacity_form_diff"] < 1e-5 for r in res), [(r["capacity_form_diff"], r["capacity_form_zero_past"]) for r in res]
+
+
+def test_changing_token_counts_compile_once():
+    """The capacity + n_tokens form under torch.compile(fullgraph=True): 20 steps with different
+    counts, 0 recompiles; x with changing s under dynamic=True: no recompile after the first two
+    shapes; both equal eager."""
+    res = run_ranks(ep_workers.compiled_token_counts, 2, dict(SHAPE, E=8), 20)
+    for r in res:
+        assert r["count_recompiles"] == 0 and r["count_frames"] == 1, r
+        assert r["count_diff"] < 1e-5 and r["dynamic_diff"] < 1e-5, r
+        assert r["dynamic_recompiles_after_two"] == 0, r
+
+
+def test_too_many_tokens_and_bad_n_tokens():
+    msgs = run_ranks(ep_workers.too_many_tokens, 2, dict(SHAPE, E=8))[0]
+    assert "MoELayer: x holds 13 tokens of size H=16, more than the capacity EPConfig.S=12" in msgs[0]
+    assert "MoELayer: with n_tokens, x must hold the capacity EPConfig.S=12 tokens" in msgs[1]
+    assert "MoELayer: n_tokens must be in [0, EPConfig.S=12], got 13" in msgs[2]
+    assert "MoELayer: n_tokens must be an int32/int64 tensor [1]" in msgs[3]

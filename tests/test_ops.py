@@ -23,11 +23,12 @@ def ids_fixture():
 
 
 
-def op_cases(group):
-    """(op, args) for every op, with consistent real inputs at R=1; and the EPGroup, which the caller
-    keeps alive (the backward ops find it by key, and the registry holds it weakly)."""
+def op_cases(group, ids=None):
+    """(op, args) for every op, with consistent real inputs at R=1 (routing `ids`, default
+    ids_fixture()); and the EPGroup, which the caller keeps alive (the backward ops find it by key,
+    and the registry holds it weakly)."""
     c = CFG
-    ids = ids_fixture()
+    ids = ids_fixture() if ids is None else ids
     dst_rank, dst_row, primary_row, etc, _, cu, group_rows, counts = plan_of(ids, group)
     x = torch.randn(c.S, c.H)
     route_w = torch.rand(c.S, c.K)
@@ -274,9 +275,63 @@ def test_expert_id_out_of_range(gloo1):
     ids[2, 1] = CFG.E
     with pytest.raises(ValueError, match=r"moonep.plan: topk_ids\[2, 1\] = 4 is outside \[0, E=4\)"):
         plan_of(ids, gloo1)
-    ids[2, 1] = -1
-    with pytest.raises(ValueError, match=r"topk_ids\[2, 1\] = -1 is outside"):
+    ids[2, 1] = -2
+    with pytest.raises(ValueError, match=r"topk_ids\[2, 1\] = -2 is outside \[0, E=4\) \(-1 marks an absent"):
         plan_of(ids, gloo1)
+    ids[2, 1] = -1  # the absent marker in one of the token's K ids only
+    with pytest.raises(ValueError, match=r"moonep.plan: topk_ids\[2\] = \[2, -1, 0\] mixes the absent-token marker"):
+        plan_of(ids, gloo1)
+
+
+def absent_ids():
+    """ids_fixture with tokens 1 and 4 absent (all K ids -1)."""
+    ids = ids_fixture()
+    ids[[1, 4]] = -1
+    return ids
+
+
+def test_absent_tokens_are_neither_sent_nor_computed(gloo1):
+    """Absent tokens (ids -1): destinations -1, no receive row, combine and gather_row_weights give 0;
+    the present tokens' rows are those of the same tokens planned without the absent ones."""
+    c = CFG
+    ids = absent_ids()
+    present = (ids >= 0).all(1)
+    dst_rank, dst_row, primary_row, _, _, cu, group_rows, counts = plan_of(ids, gloo1)
+    assert int(counts.sum()) == int(present.sum()) * c.K and int(group_rows.sum()) == int(counts.sum())
+    for t in (dst_rank, dst_row, primary_row):
+        assert bool((t[~present] == -1).all()) and bool((t[present] >= 0).all())
+    x = torch.randn(c.S, c.H)
+    route_w = torch.rand(c.S, c.K)
+    ep = EPGroup(c, dtype=torch.float32)
+    rows, row_w, row_primary, row_next = ops.dispatch(x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
+                                                      *ep.dispatch_buffers, ep.ctrl, gloo1)
+    assert int((row_primary >= 0).sum()) == int(present.sum()) * c.K  # only present tokens' rows are written
+    assert set((ep.recv_src[ep.recv_src >= 0]).tolist()) == set(torch.nonzero(present).flatten().tolist())
+    out = ops.combine(rows, row_primary, row_next, dst_rank, dst_row, primary_row, ep.presum, ep.ctrl, gloo1)
+    torch.testing.assert_close(out[present], (x * c.K)[present])  # R=1: every k's row is x[s]
+    assert not out[~present].any()
+    got_w = ops.gather_row_weights(row_w, dst_rank, dst_row, ep.row_scratch, ep.ctrl, gloo1)
+    assert torch.equal(got_w[present], route_w[present]) and not got_w[~present].any()
+
+
+@pytest.mark.parametrize("name", ["plan", "dispatch", "combine", "gather_row_weights", "combine_backward",
+                                  "dispatch_backward"])
+def test_opcheck_with_absent_tokens(gloo1, name):
+    ep, cases = op_cases(gloo1, absent_ids())
+    op, args = cases[name]
+    opcheck(op, args)
+
+
+def test_dispatch_rejects_half_absent_rows(gloo1):
+    c = CFG
+    dst_rank, dst_row, primary_row, _, _, cu, group_rows, _ = plan_of(absent_ids(), gloo1)
+    dst_row = dst_row.clone()
+    dst_row[1, 0] = 0  # dst_rank -1 but a real row
+    ep = EPGroup(c, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"moonep.dispatch: dst_rank/dst_row must lie in .* or dst_rank = dst_row = "
+                                         r"primary_row = -1"):
+        ops.dispatch(torch.randn(c.S, c.H), torch.rand(c.S, c.K), dst_rank, dst_row, primary_row, cu, group_rows,
+                     *ep.dispatch_buffers, ep.ctrl, gloo1)
 
 
 def test_remote_groups_read_the_home_ranks_weights(gloo1):

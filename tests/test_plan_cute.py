@@ -20,7 +20,7 @@ if ROOT not in sys.path:
 
 from kernel_compile import check_module_compiles  # noqa: E402
 from moonep_ops import planning  # noqa: E402
-from routings import cpu_counts, lognormal_ids, routings  # noqa: E402
+from routings import cpu_counts, lognormal_ids, routings, with_absent_tokens  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -177,7 +177,7 @@ def test_cuda_bad_expert_id_sets_status():
     R, S, K, E = 2, 16, 4, 8
     for dt in (torch.int32, torch.int64):
         ids = torch.randint(0, E, (R, S, K)).to(dt).cuda()
-        ids[0, 3, 1] = -1
+        ids[0, 3, 1] = -2  # -1 alone is the absent-token marker, legal in all K ids of a token
         ids[1, 5, 2] = E
         if dt == torch.int64:
             ids[1, 6, 0] = 2 ** 32 + 1  # must not wrap to a valid int32 id
@@ -188,12 +188,46 @@ def test_cuda_bad_expert_id_sets_status():
         single, st1 = P.count_experts(ids[0].contiguous(), E)
         assert int(st1.item()) & P.STATUS_BAD_EXPERT_ID
         assert torch.equal(single.cpu(), ref[0].int())
-        # the planner sees bad row sums; plan_tokens marks the bad rows with -1
+        # the bad rows are not counted (row sums below S*K are legal: absent tokens); plan_tokens
+        # flags them and marks them with -1
         _, plan, tok, status = P.plan_simulated(ids, E=E, B=E // R, P=4, rank=0)
         st = int(status.item())
-        assert st & P.STATUS_BAD_EXPERT_ID and st & P.STATUS_BAD_COUNTS
+        assert st & P.STATUS_BAD_EXPERT_ID and not st & P.STATUS_BAD_COUNTS
         assert int(tok.dst_rank[3, 1]) == -1 and int(tok.dst_row[3, 1]) == -1
         assert int(tok.primary_row[3, 1]) == -1
+
+
+@needs_cuda
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c[0] * c[1] <= 8 * 512],
+                         ids=lambda c: "R{}-S{}-K{}-E{}-B{}-P{}".format(*c[:6]))
+def test_cuda_plan_bitexact_with_absent_tokens(cfg):
+    """Ranks route different numbers of tokens (0, 1, all, random; the rest absent, ids -1): the GPU
+    plan equals the CPU reference on every rank, absent rows get -1, and no status bit is set."""
+    from csrc_cute import plan as P
+
+    R, S, K, E, B, Pad, dt, n = cfg
+    for i, (name, ids_cpu) in enumerate(routings(R, S, K, E, seed=77 * R + E + S, n=min(n, 6))):
+        sparse = with_absent_tokens(ids_cpu, i)
+        ref = _check_routing(P, R, S, K, E, B, Pad, dt, f"absent-{name}", sparse, sorted({0, R - 1, i % R}))
+        N = int((sparse >= 0).sum())
+        assert ref.alloc.sum(0).tolist() == [N // R + (1 if d < N % R else 0) for d in range(R)]
+
+
+@needs_cuda
+def test_cuda_mixed_absent_marker_sets_status():
+    """A token with -1 in some but not all of its K ids: STATUS_BAD_EXPERT_ID from plan_tokens."""
+    from csrc_cute import plan as P
+
+    R, S, K, E = 2, 16, 4, 8
+    ids = torch.randint(0, E, (R, S, K)).int()
+    ids[:, 10:] = -1
+    ids[0, 4, 2] = -1
+    counts, plan, tok, status = P.plan_simulated(ids.cuda(), E=E, B=E // R, P=16, rank=0)
+    assert int(status.item()) & P.STATUS_BAD_EXPERT_ID
+    clean = ids.clone()
+    clean[0, 4, 2] = 0
+    counts, plan, tok, status = P.plan_simulated(clean.cuda(), E=E, B=E // R, P=16, rank=0)
+    assert int(status.item()) == 0 and bool((tok.dst_rank[10:] == -1).all())
 
 
 @needs_cuda

@@ -8,25 +8,33 @@ from expecttest import assert_expected_inline
 
 from benchmarks.routing_gen import counts_of, sample_topk
 from moonep_ops.config import EPConfig
-from moonep_ops.planning import group_of_expert, maxvio, plan_global, plan_tokens
+from routings import with_absent_tokens
+from moonep_ops.planning import (check_topk_ids, count_routed, group_of_expert, maxvio, plan_global,
+                                  plan_tokens)
 
 
 # ----------------------------------------------------------------------------- independent oracles
-def oracle_greedy(counts, S, K):
+def oracle_targets(N, R):
+    """Rows each rank computes when all ranks route N rows: N // R, the first N % R ranks one more."""
+    return [N // R + (1 if d < N % R else 0) for d in range(R)]
+
+
+def oracle_greedy(counts):
     """DESIGN.md's reference policy written as plainly as possible: lists of ints, no torch."""
     R, E = counts.shape
-    epn, T = E // R, S * K
+    epn = E // R
     tot = [int(v) for v in counts.sum(0)]
-    load = [sum(tot[r * epn:(r + 1) * epn]) for r in range(R)]
+    T = oracle_targets(sum(tot), R)
+    surplus = [sum(tot[r * epn:(r + 1) * epn]) - T[r] for r in range(R)]
     alloc = [[0] * R for _ in range(E)]
     for e in range(E):
         alloc[e][e // epn] = tot[e]
-    while max(load) > T:
-        g = load.index(max(load))
-        d = load.index(min(load))
-        amt = T - load[d]
-        load[g] -= amt
-        load[d] += amt
+    while max(surplus) > 0:
+        g = surplus.index(max(surplus))
+        d = surplus.index(min(surplus))
+        amt = -surplus[d]
+        surplus[g] -= amt
+        surplus[d] += amt
         hot = sorted(range(g * epn, (g + 1) * epn), key=lambda e: (-tot[e], e))
         for e in hot:  # take from the hottest expert that still has rows at home
             take = min(amt, alloc[e][g])
@@ -45,7 +53,8 @@ def oracle_rows(ids_per_rank, alloc, experts_to_copy, cu_seqlens, E):
     seqs = {e: [] for e in range(E)}  # expert -> its rows ordered by (source rank, s*K + k)
     for r in range(R):
         for s, k in itertools.product(*map(range, ids_per_rank[r].shape)):
-            seqs[int(ids_per_rank[r][s, k])].append((r, s, k))
+            if ids_per_rank[r][s, k] >= 0:  # -1: an absent token, routed nowhere
+                seqs[int(ids_per_rank[r][s, k])].append((r, s, k))
     out = {}
     for e, seq in seqs.items():
         i = 0
@@ -97,21 +106,25 @@ def test_enough_routings():
     assert len(CASES) >= 200
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("P", [16])
-def test_plan_invariants(case, P):
-    name, R, S, K, E, ids = CASES[case]
+def counts_with_absent(ids, E):
+    return torch.stack([count_routed(i, E) for i in ids])
+
+
+def check_plan(R, S, K, E, ids, P):
+    """Every invariant of the plan of one routing (ids per rank [S, K], -1 = absent token)."""
     cfg = EPConfig(S=S, H=8, K=K, E=E, F=8, R=R, P=P)
-    epn, B, T = cfg.epn, cfg.B, S * K
-    counts = counts_of(ids, E)
+    epn, B = cfg.epn, cfg.B
+    counts = counts_with_absent(ids, E)
+    target = torch.tensor(oracle_targets(int(counts.sum()), R))
     gp = plan_global(counts, S, K, B, P)
     alloc = gp.alloc.long()
-    # conservation and exact balance
+    # conservation and exact balance: rank d computes T_d = N // R + (d < N % R) rows
     assert torch.equal(alloc.sum(1), counts.long().sum(0))
-    assert torch.equal(alloc.sum(0), torch.full((R,), T))
+    assert torch.equal(alloc.sum(0), target)
     # the reference policy, from an independent implementation
-    assert alloc.tolist() == oracle_greedy(counts, S, K)
-    # slots: ascending copied experts, -1 after; remote rows only for slot experts; <= B per rank
+    assert alloc.tolist() == oracle_greedy(counts)
+    # slots: ascending copied experts, -1 after; remote rows only for slot experts; <= B per rank,
+    # all of one donor group
     home = torch.arange(E) // epn
     for d in range(R):
         slots = [int(v) for v in gp.experts_to_copy[d]]
@@ -119,6 +132,7 @@ def test_plan_invariants(case, P):
         assert slots == used + [-1] * (B - len(used)) and used == sorted(used)
         foreign = [e for e in range(E) if alloc[e, d] > 0 and home[e] != d]
         assert foreign == used
+        assert len({e // epn for e in used}) <= 1
     # groups: home experts then slots, padded to P, within NvS
     cu = gp.cu_seqlens.long()
     lens = torch.diff(torch.cat([torch.zeros(R, 1, dtype=torch.long), cu], 1), dim=1)
@@ -126,22 +140,73 @@ def test_plan_invariants(case, P):
     for d in range(R):
         want = [alloc[d * epn + i, d] for i in range(epn)] + [alloc[e, d] if e >= 0 else 0 for e in gp.experts_to_copy[d]]
         assert lens[d].tolist() == [(int(n) + P - 1) // P * P for n in want]
-    # token destinations: oracle walk, every rank exactly T distinct rows inside its groups
+    # token destinations: oracle walk, every rank exactly T_d distinct rows inside its groups
     tps = [plan_tokens(ids[r], counts, gp, r) for r in range(R)]
     want_rows = oracle_rows(ids, alloc.tolist(), gp.experts_to_copy, gp.cu_seqlens, E)
     for r, tp in enumerate(tps):
-        got = {(r, s, k): (int(tp.dst_rank[s, k]), int(tp.dst_row[s, k])) for s in range(S) for k in range(K)}
+        got = {(r, s, k): (int(tp.dst_rank[s, k]), int(tp.dst_row[s, k])) for s in range(S) for k in range(K)
+               if ids[r][s, k] >= 0}
         assert got == {key: v for key, v in want_rows.items() if key[0] == r}
+        absent = ids[r] < 0
+        for t in tp:
+            assert bool((t[absent] == -1).all())
         for s in range(S):  # the first k of each destination rank carries the token
             for k in range(K):
                 first = next(j for j in range(K) if tp.dst_rank[s, j] == tp.dst_rank[s, k])
                 assert tp.primary_row[s, k] == tp.dst_row[s, first]
     for d in range(R):
         rows = torch.cat([tp.dst_row[tp.dst_rank == d] for tp in tps])
-        assert rows.numel() == T and rows.unique().numel() == T
+        assert rows.numel() == int(target[d]) and rows.unique().numel() == int(target[d])
     # deterministic
     again = plan_global(counts.clone(), S, K, B, P)
     assert all(torch.equal(a, b) for a, b in zip(gp, again))
+    return target
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("P", [16])
+def test_plan_invariants(case, P):
+    name, R, S, K, E, ids = CASES[case]
+    target = check_plan(R, S, K, E, ids, P)
+    assert target.tolist() == [S * K] * R  # every token present: every rank computes S*K rows, as before
+
+
+@pytest.mark.parametrize("case", range(0, len(CASES), 3))
+def test_plan_invariants_with_absent_tokens(case):
+    """Ranks route different numbers of tokens (s <= S, 0 and 1 included): T_d rule, one donor per
+    receiver, <= B copies, the oracle walk for the present rows, -1 everywhere for the absent ones."""
+    name, R, S, K, E, ids = CASES[case]
+    for seed in range(3):
+        sparse = list(with_absent_tokens(torch.stack(ids), seed + case))
+        target = check_plan(R, S, K, E, sparse, 16)
+        N = sum(int((i >= 0).sum()) for i in sparse)
+        assert int(target.sum()) == N and int(target.max() - target.min()) <= 1
+
+
+def test_every_token_absent():
+    ids = [torch.full((4, 2), -1)] * 2
+    counts = counts_with_absent(ids, 8)
+    gp = plan_global(counts, 4, 2, 4, 16)
+    assert not gp.alloc.any() and not gp.cu_seqlens.any() and gp.n_copies == 0
+    tp = plan_tokens(ids[1], counts, gp, 1)
+    assert all(bool((t == -1).all()) for t in tp)
+
+
+def test_uneven_targets_go_to_the_lowest_ranks():
+    """N = 7 rows over R = 2: rank 0 computes 4, rank 1 computes 3, whoever routed them."""
+    ids = [torch.tensor([[4], [5], [6], [7], [4], [-1]]), torch.tensor([[5], [6], [-1], [-1], [-1], [-1]])]
+    gp = plan_global(counts_with_absent(ids, 8), 6, 1, 4, 16)
+    assert gp.alloc.sum(0).tolist() == [4, 3]
+
+
+def test_absent_marker_misuse():
+    check_topk_ids("op", torch.tensor([[-1, -1], [0, 3]]), 4)
+    with pytest.raises(ValueError, match=r"op: topk_ids\[1, 0\] = -2 is outside \[0, E=4\)"):
+        check_topk_ids("op", torch.tensor([[0, 1], [-2, -2]]), 4)
+    with pytest.raises(ValueError, match=r"op: topk_ids\[0, 1\] = 4 is outside"):
+        check_topk_ids("op", torch.tensor([[0, 4]]), 4)
+    with pytest.raises(ValueError, match=r"op: topk_ids\[1\] = \[2, -1\] mixes the absent-token marker -1"):
+        check_topk_ids("op", torch.tensor([[0, 1], [2, -1]]), 4)
 
 
 def test_receivers_take_one_home_group():
@@ -208,9 +273,9 @@ def test_small_B_plans_hold_the_invariants(B):
             assert bool((tp.dst_row < cu[tp.dst_rank.long(), g]).all()), name
 
 
-def test_counts_must_match_S_times_K():
-    with pytest.raises(ValueError, match=r"every rank routes exactly S\*K=16 rows"):
-        plan_global(torch.tensor([[8, 0], [4, 4]], dtype=torch.int32), 8, 2, 1, 16)
+def test_counts_must_fit_S_times_K():
+    with pytest.raises(ValueError, match=r"every rank routes at most S\*K=16 rows"):
+        plan_global(torch.tensor([[8, 9], [4, 4]], dtype=torch.int32), 8, 2, 1, 16)
 
 
 def format_plan(ids, E, S, K, P, B=None):
