@@ -177,7 +177,7 @@ def test_layer_checks_its_input(gloo1):
     for x, match in ((torch.randn(16, 8), r"\[\.\.\., H\] with H=16"), (torch.randn(8, 17), "H=16"),
                      (torch.ones(8, 16, dtype=torch.int64), "floating-point"),
                      (torch.ones(8, 16, dtype=torch.bool), "floating-point"),
-                     (torch.randn(4, 16), "holds 4 tokens but the EP group's capacity")):
+                     (torch.randn(12, 16), "holds 12 tokens of size H=16, more than the capacity EPConfig.S=8")):
         with pytest.raises(ValueError, match=match):
             layer(x)
 

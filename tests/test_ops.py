@@ -328,8 +328,8 @@ def test_dispatch_rejects_half_absent_rows(gloo1):
     dst_row = dst_row.clone()
     dst_row[1, 0] = 0  # dst_rank -1 but a real row
     ep = EPGroup(c, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"moonep.dispatch: dst_rank/dst_row must lie in .* or dst_rank = dst_row = "
-                                         r"primary_row = -1"):
+    with pytest.raises(ValueError, match=r"moonep.dispatch: dst_rank\[1, 0\] = -1 is outside \[0, R=1\) \(-1 in every "
+                                         r"table marks an absent token\)"):
         ops.dispatch(torch.randn(c.S, c.H), torch.rand(c.S, c.K), dst_rank, dst_row, primary_row, cu, group_rows,
                      *ep.dispatch_buffers, ep.ctrl, gloo1)
 
