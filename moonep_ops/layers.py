@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
 
-from . import autograd, ops
+from . import autograd
+from .functional import moe_experts
 from .group import EPGroup
+from .routers import Router, RouterOutput
 from .routing import route
 
 
@@ -37,6 +40,25 @@ class MoEExperts(nn.Module):
         self.w_down = nn.Parameter(weight(c.epn, c.F, c.H))
         self.reset_parameters()
 
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.half()`, `.cuda()`... of a model holding these experts. Their tensors are tied to the
+        EPGroup (its slot pools, receive buffers and, with B < epn on CUDA, symmetric home weights are
+        fixed), so: a device change is refused; a dtype change leaves the experts in the group's dtype
+        (with a warning naming it) while the rest of the model converts: the routed path casts the
+        tokens to the group's dtype and its output back to the input's."""
+        probe = fn(torch.empty(0, dtype=self.w_gate.dtype, device=self.w_gate.device))
+        if probe.device != self.w_gate.device:
+            raise RuntimeError(
+                f"MoEExperts: cannot move the experts to {probe.device}: they belong to an EPGroup on "
+                f"{self.ep.device} (dtype={self.ep.dtype}) whose buffers are fixed; build the EPGroup on the "
+                f"device you want and the layers on it")
+        if probe.dtype != self.w_gate.dtype:
+            warnings.warn(f"MoEExperts: the experts stay in the EPGroup's dtype={self.ep.dtype} (requested "
+                          f"{probe.dtype}); tokens are cast to it and the output back. For {probe.dtype} "
+                          f"experts build the EPGroup with dtype={probe.dtype}", stacklevel=2)
+            return self
+        return super()._apply(fn, recurse)
+
     def reset_parameters(self) -> None:
         c = self.ep.cfg
         for w, fan_in in ((self.w_gate, c.H), (self.w_up, c.H), (self.w_down, c.F)):
@@ -50,38 +72,55 @@ class MoEExperts(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """Drop-in MoE FFN block: router -> plan -> dispatch -> prefetch -> grouped GEMMs -> combine.
+    """Drop-in MoE FFN block: router -> plan -> dispatch -> prefetch -> grouped GEMMs -> combine
+    (`moe_experts`), plus the optional shared experts on every token.
 
     Input and output: [S, H] (or any [..., H] with S tokens) on this rank. Every rank computes exactly
     S*K rows whatever the router does.
+    router: a `moonep_ops.routers.Router` (forward -> RouterOutput(weights, ids, logits)), or any module
+        returning logits [S, E], routed by softmax -> top-k (-> renormalised when `normalize_topk`);
+        default: nn.Linear(H, E) with that routing. The last eager forward's logits stay in
+        `router_logits` (the auxiliary load-balancing loss reads them).
+    shared_experts: a module [S, H] -> [S, H] added to the routed output (e.g. `SharedExperts`).
     """
 
-    def __init__(self, ep: EPGroup, normalize_topk: bool = True, dtype: torch.dtype | None = None):
+    def __init__(self, ep: EPGroup, normalize_topk: bool = True, dtype: torch.dtype | None = None,
+                 router: nn.Module | None = None, shared_experts: nn.Module | None = None):
         super().__init__()
         c = ep.cfg
         self.ep = ep
         self.normalize_topk = normalize_topk
-        self.router = nn.Linear(c.H, c.E, bias=False, dtype=dtype or ep.dtype, device=ep.device)
+        self.router = router if router is not None else nn.Linear(c.H, c.E, bias=False, dtype=dtype or ep.dtype,
+                                                                  device=ep.device)
         self.experts = MoEExperts(ep, dtype)
+        self.shared_experts = shared_experts
         self.last_counts: torch.Tensor | None = None  # [R, E] token counts of the last eager forward
+        self.router_logits: torch.Tensor | None = None  # [S, E] of the last eager forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, ep = self.ep.cfg, self.ep
+        c = self.ep.cfg
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"MoELayer: x must be a floating tensor [..., H={c.H}], got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() < 1 or x.shape[-1] != c.H:
+            raise ValueError(f"MoELayer: x must have hidden size H={c.H} in its last dimension, got shape "
+                             f"{tuple(x.shape)}")
+        if isinstance(self.router, Router):
+            x = self.router.prepare_input(x)
         tokens = x.reshape(-1, c.H)
-        if tokens.shape[0] != c.S:
-            raise ValueError(f"MoELayer: x holds {tokens.shape[0]} tokens of size H={c.H}, EPConfig.S={c.S}")
-        tokens = tokens.to(ep.dtype).contiguous()
-        route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
-        dst_rank, dst_row, primary_row, experts_to_copy, experts_remote, cu_seqlens, group_rows, counts = ops.plan(
-            ids, c.E, c.B, c.P, c.R, ep.ctrl, ep.group_name)
-        rows, row_w, row_primary, row_next = autograd.dispatch(ep, tokens, route_w, dst_rank, dst_row, primary_row,
-                                                               cu_seqlens, group_rows)
-        out_rows = self.experts(rows, row_w, cu_seqlens, experts_to_copy, experts_remote)
-        out = autograd.combine(ep, out_rows, row_primary, row_next, dst_rank, dst_row, primary_row, cu_seqlens,
-                               group_rows)
+        routed = self.router(tokens)
+        if isinstance(routed, RouterOutput):
+            route_w, ids, logits = routed
+        else:
+            logits = routed
+            route_w, ids = route(logits, c.K, self.normalize_topk)
+        out, counts = moe_experts(self.ep, self.experts, tokens, ids, route_w)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         if not torch.compiler.is_compiling():
             self.last_counts = counts
-        return out.view(x.shape).to(x.dtype)
+            self.router_logits = logits
+        return out.view(x.shape)
 
 
 class MoEBlock(nn.Module):
