@@ -131,16 +131,15 @@ def lm_against_hf(rank: int, R: int, names: tuple[str, ...], export: bool) -> di
         saved = model.state_dict()  # collective: gathers the experts
         res["save_keys_match"] = set(saved) == set(other_sd)
         res["save_exact"] = res["save_keys_match"] and all(torch.equal(saved[k], other_sd[k]) for k in other_sd)
-        fresh = hf_model(name, seed=2)
-        fresh.load_state_dict(saved)
-        res["reload_exact"] = all(torch.equal(v, other_sd[k]) for k, v in fresh.state_dict().items())
+        ref.load_state_dict(saved)  # the untouched LM (done with as the reference) takes the saved checkpoint
+        res["reload_exact"] = all(torch.equal(v, other_sd[k]) for k, v in ref.state_dict().items())
         with torch.no_grad():
             res["loaded_logits"] = _rel(model(ids).logits, other(ids).logits)
         out[name] = res
     return out
 
 
-def generate_against_hf(rank: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_against_hf(R: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """8 greedy new tokens of the swapped Qwen3-MoE LM and of the untouched one (same prompt on every
     rank; decoding steps feed s = 1 < S tokens per rank)."""
     ref = hf_model("qwen3_moe")
