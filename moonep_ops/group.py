@@ -35,23 +35,26 @@ class EPGroup:
     Building it is collective: the ranks' EPConfig, dtype and device type must agree (moonep_ops/agreement.py).
     comm_sms: CTAs (one per SM) the dispatch/combine kernels use, leaving the rest for compute (CUDA).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
+    device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
+    dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
+        only dtype of the CUDA kernels: anything else is refused) and torch.get_default_dtype() (fp32)
+        on the CPU reference, which runs any float dtype.
+    R = 1 needs no process group: without an initialised torch.distributed, EPGroup initialises a
+    1-rank default group itself (in-process HashStore; gloo for cpu, nccl for cuda;
+    `owns_process_group` is then True). It stays the process's default group (later EPGroups and
+    other code share it); `dist.destroy_process_group()` ends it.
     """
 
     def __init__(self, cfg: EPConfig, group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, comm_sms: int = DEFAULT_COMM_SMS,
                  debug: bool | None = None):
-        if not dist.is_initialized():
-            raise RuntimeError("EPGroup: initialise torch.distributed first (gloo on CPU, nccl on CUDA)")
+        self.owns_process_group = _init_single_rank_world(cfg, group, device)
         self.group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(self.group)
         if world != cfg.R:
             raise ValueError(f"EPGroup: EPConfig.R={cfg.R} but the process group has {world} ranks")
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"EPGroup: device must be cpu or cuda, got {device}")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device, dtype = _default_device_dtype(self.group, device, dtype)
         if not timeout_s > 0:
             raise ValueError(f"EPGroup: timeout_s must be > 0, got {timeout_s}")
         if not isinstance(comm_sms, int) or comm_sms < 1:
@@ -194,6 +197,40 @@ class EPGroup:
         self._home_weights = []
         self._handles.clear()
         registry.remove_group(self.key)
+
+
+def _init_single_rank_world(cfg: EPConfig, group: dist.ProcessGroup | None,
+                            device: torch.device | str | None) -> bool:
+    """R = 1 without torch.distributed: initialise a 1-rank default group in-process (True if it did).
+    The ops then run unchanged (their collectives are over one rank); a larger R needs the caller's group."""
+    if dist.is_initialized():
+        return False
+    if cfg.R != 1 or group is not None:
+        raise RuntimeError(f"EPGroup: EPConfig.R={cfg.R} needs torch.distributed initialised first "
+                           f"(gloo on CPU, nccl on CUDA); only R=1 initialises its own 1-rank group")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def _default_device_dtype(group: dist.ProcessGroup, device: torch.device | str | None,
+                          dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    """The group's device and compute dtype: given ones checked, missing ones from the backend."""
+    if device is None:
+        device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"EPGroup: device must be cpu or cuda, got {device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"EPGroup: dtype must be a floating torch.dtype, got {dtype!r}")
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"EPGroup: the CUDA kernels compute in torch.bfloat16 only, got dtype={dtype} "
+                         f"(fp32 runs on the CPU reference: device='cpu' with a gloo group)")
+    return device, dtype
 
 
 MOONEP_OPS = ("plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import autograd
+from .functional import moe_experts
 from .group import EPGroup
 from .handles import Dispatch, Plan
-from .planning import ABSENT
+from .routers import Router, RouterOutput
 from .routing import route
 
 
@@ -61,6 +62,25 @@ class MoEExperts(nn.Module):
         self.w_down = nn.Parameter(weight(c.epn, c.F, c.H))
         self.reset_parameters()
 
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.half()`, `.cuda()`... of a model holding these experts. Their tensors are tied to the
+        EPGroup (its slot pools, receive buffers and, with B < epn on CUDA, symmetric home weights are
+        fixed), so: a device change is refused; a dtype change leaves the experts in the group's dtype
+        (with a warning naming it) while the rest of the model converts: the routed path casts the
+        tokens to the group's dtype and its output back to the input's."""
+        probe = fn(torch.empty(0, dtype=self.w_gate.dtype, device=self.w_gate.device))
+        if probe.device != self.w_gate.device:
+            raise RuntimeError(
+                f"MoEExperts: cannot move the experts to {probe.device}: they belong to an EPGroup on "
+                f"{self.ep.device} (dtype={self.ep.dtype}) whose buffers are fixed; build the EPGroup on the "
+                f"device you want and the layers on it")
+        if probe.dtype != self.w_gate.dtype:
+            warnings.warn(f"MoEExperts: the experts stay in the EPGroup's dtype={self.ep.dtype} (requested "
+                          f"{probe.dtype}); tokens are cast to it and the output back. For {probe.dtype} "
+                          f"experts build the EPGroup with dtype={probe.dtype}", stacklevel=2)
+            return self
+        return super()._apply(fn, recurse)
+
     def reset_parameters(self) -> None:
         c = self.ep.cfg
         for w, fan_in in ((self.w_gate, c.H), (self.w_up, c.H), (self.w_down, c.F)):
@@ -74,64 +94,56 @@ class MoEExperts(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """Drop-in MoE FFN block: router -> plan -> dispatch -> prefetch -> grouped GEMMs -> combine.
+    """Drop-in MoE FFN block: router -> plan -> dispatch -> prefetch -> grouped GEMMs -> combine
+    (`moe_experts`), plus the optional shared experts on every token.
 
     Input and output: [s, H] (or any [..., H]) with s <= S tokens on this rank; S = EPConfig.S is the
     static capacity of the buffers, and ranks may pass different s in the same step. The tokens are
     padded to S inside (pad rows are absent: expert ids -1, neither sent nor computed). With N routed
     rows over all ranks, rank d computes exactly N // R + (1 if d < N % R else 0) rows whatever the
     router does.
-
     `layer(x_full, n_tokens=t)`: x_full holds the capacity [S, H] (or [..., H] with S tokens) and only
     its first t rows are present; t is an int32 tensor [1] on x's device (read on the device: no
     recompile and no host sync when it changes, so decode steps replay one CUDA graph) or a Python
-    int. Output rows >= t are zero.
+    int. Output rows >= t are zero (the routed part: shared experts still add theirs).
+    router: a `moonep_ops.routers.Router` (forward -> RouterOutput(weights, ids, logits)), or any module
+        returning logits [s, E], routed by softmax -> top-k (-> renormalised when `normalize_topk`);
+        default: nn.Linear(H, E) with that routing. The last eager forward's logits stay in
+        `router_logits` (the auxiliary load-balancing loss reads them).
+    shared_experts: a module [s, H] -> [s, H] added to the routed output (e.g. `SharedExperts`).
     """
 
-    def __init__(self, ep: EPGroup, normalize_topk: bool = True, dtype: torch.dtype | None = None):
+    def __init__(self, ep: EPGroup, normalize_topk: bool = True, dtype: torch.dtype | None = None,
+                 router: nn.Module | None = None, shared_experts: nn.Module | None = None):
         super().__init__()
         c = ep.cfg
         self.ep = ep
         self.normalize_topk = normalize_topk
-        self.router = nn.Linear(c.H, c.E, bias=False, dtype=dtype or ep.dtype, device=ep.device)
+        self.router = router if router is not None else nn.Linear(c.H, c.E, bias=False, dtype=dtype or ep.dtype,
+                                                                  device=ep.device)
         self.experts = MoEExperts(ep, dtype)
+        self.shared_experts = shared_experts
         self.last_counts: torch.Tensor | None = None  # [R, E] token counts of the last eager forward
+        self.router_logits: torch.Tensor | None = None  # [S, E] of the last eager forward
 
     def forward(self, x: torch.Tensor, n_tokens: torch.Tensor | int | None = None) -> torch.Tensor:
-        c, ep = self.ep.cfg, self.ep
-        tokens = tokens_of(c, x, at_capacity=n_tokens is not None).to(ep.dtype)
-        s = tokens.shape[0]
-        route_w, ids = route(self.router(tokens), c.K, self.normalize_topk)
-        if n_tokens is None:
-            pad = c.S - s  # symbolic under torch.compile(dynamic=True): a new s does not recompile
-            tokens = F.pad(tokens, (0, 0, 0, pad))
-            route_w = F.pad(route_w, (0, 0, 0, pad))
-            ids = F.pad(ids, (0, 0, 0, pad), value=ABSENT)
+        c = self.ep.cfg
+        tokens = tokens_of(c, x, at_capacity=n_tokens is not None)
+        if isinstance(self.router, Router):
+            tokens = self.router.prepare_input(tokens)
+        routed = self.router(tokens)
+        if isinstance(routed, RouterOutput):
+            route_w, ids, logits = routed
         else:
-            present = (torch.arange(c.S, device=tokens.device) < _token_count(n_tokens, c.S, tokens.device))[:, None]
-            ids = torch.where(present, ids, ABSENT)
-            route_w = torch.where(present, route_w, 0.0)
-        tokens = tokens.contiguous()
-        plan = autograd.plan(ep, ids)
-        dispatched = autograd.dispatch(ep, tokens, route_w, plan)
-        out_rows = self.experts(dispatched, plan)
-        out = autograd.combine(ep, out_rows, plan, dispatched)
+            logits = routed
+            route_w, ids = route(logits, c.K, self.normalize_topk)
+        out, counts = moe_experts(self.ep, self.experts, tokens, ids, route_w, n_tokens)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         if not torch.compiler.is_compiling():
-            self.last_counts = plan.counts
-        return out[:s].view(x.shape).to(x.dtype)
-
-
-def _token_count(n_tokens: torch.Tensor | int, S: int, device: torch.device) -> torch.Tensor | int:
-    """MoELayer's n_tokens, checked: an int in [0, S], or an integer tensor [1] on the tokens' device
-    (its value is read on the device only; values past S count as S, below 0 as 0)."""
-    if isinstance(n_tokens, torch.Tensor):
-        if n_tokens.dtype not in (torch.int32, torch.int64) or n_tokens.shape != (1,) or n_tokens.device != device:
-            raise ValueError(f"MoELayer: n_tokens must be an int32/int64 tensor [1] on {device}, got "
-                             f"{n_tokens.dtype} {list(n_tokens.shape)} on {n_tokens.device}")
-        return n_tokens
-    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= S:
-        raise ValueError(f"MoELayer: n_tokens must be in [0, EPConfig.S={S}], got {n_tokens!r}")
-    return n_tokens
+            self.last_counts = counts
+            self.router_logits = logits
+        return out.view(x.shape)
 
 
 class MoEBlock(nn.Module):

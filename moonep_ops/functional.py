@@ -1,0 +1,89 @@
+"""The routed-experts step as a public function: any router's top-k -> plan -> dispatch -> experts ->
+combine. `MoELayer` is this function behind a router module; a model with its own router (or the
+Hugging Face adapter, moonep_ops/hf.py) calls it directly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import autograd
+from .group import EPGroup
+from .planning import ABSENT
+
+
+def _check_args(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                at_capacity: bool) -> None:
+    c = ep.cfg
+    if getattr(experts, "ep", None) is not ep:
+        raise ValueError("moe_experts: experts must be a MoEExperts built on this EPGroup (experts.ep is ep)")
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moe_experts: {name} must be a tensor, got {type(t).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"moe_experts: x must be a floating tensor (the tokens' hidden states), got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != c.H:
+        raise ValueError(f"moe_experts: x must be [s, H={c.H}] (tokens of this rank), got shape {tuple(x.shape)}")
+    s = x.shape[0]
+    if at_capacity and s != c.S:
+        raise ValueError(f"moe_experts: with n_tokens, x must hold the capacity EPConfig.S={c.S} tokens, got {s}")
+    if s > c.S:
+        raise ValueError(f"moe_experts: x holds {s} tokens, more than the capacity EPConfig.S={c.S}")
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise TypeError(f"moe_experts: topk_ids must be an integer tensor (expert ids), got {topk_ids.dtype}")
+    if tuple(topk_ids.shape) != (s, c.K):
+        raise ValueError(f"moe_experts: topk_ids must be [s={s}, K={c.K}], got shape {tuple(topk_ids.shape)}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"moe_experts: topk_weights must be a floating tensor, got {topk_weights.dtype}")
+    if tuple(topk_weights.shape) != (s, c.K):
+        raise ValueError(f"moe_experts: topk_weights must be [s={s}, K={c.K}], got shape "
+                         f"{tuple(topk_weights.shape)}")
+
+
+def _token_count(n_tokens: torch.Tensor | int, S: int, device: torch.device) -> torch.Tensor | int:
+    """moe_experts' n_tokens, checked: an int in [0, S], or an integer tensor [1] on the tokens' device
+    (its value is read on the device only; values past S count as S, below 0 as 0)."""
+    if isinstance(n_tokens, torch.Tensor):
+        if n_tokens.dtype not in (torch.int32, torch.int64) or n_tokens.shape != (1,) or n_tokens.device != device:
+            raise ValueError(f"moe_experts: n_tokens must be an int32/int64 tensor [1] on {device}, got "
+                             f"{n_tokens.dtype} {list(n_tokens.shape)} on {n_tokens.device}")
+        return n_tokens
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= S:
+        raise ValueError(f"moe_experts: n_tokens must be in [0, EPConfig.S={S}], got {n_tokens!r}")
+    return n_tokens
+
+
+def moe_experts(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                n_tokens: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_k topk_weights[s, k] * expert_{topk_ids[s, k]}(x[s]) over the EP group: (out [s, H] in x's
+    dtype, counts [R, E] int32, every rank's tokens per expert).
+
+    x [s, H]: this rank's s <= EPConfig.S tokens (any float dtype: computed in ep.dtype; S is the static
+    capacity of the group's buffers, and ranks may pass different s). The tokens are padded to S inside;
+    pad rows are absent (expert ids -1: neither sent nor computed), so with N routed rows over all ranks
+    rank d computes N // R + (1 if d < N % R else 0) rows. topk_ids [s, K] integer in [0, E) (the plan op
+    rejects others); topk_weights [s, K] (computed in fp32; differentiable, like x and the experts'
+    weights). `experts` is this rank's `MoEExperts`.
+    n_tokens: x holds the capacity [S, H] and only its first n_tokens rows are present, an int32 tensor
+    [1] on x's device (read on the device: no recompile and no host sync when it changes, so decode
+    steps replay one CUDA graph) or a Python int; output rows >= n_tokens are zero.
+    Collective: every rank of the EP group calls it once per layer.
+    """
+    _check_args(ep, experts, x, topk_ids, topk_weights, at_capacity=n_tokens is not None)
+    c = ep.cfg
+    s = x.shape[0]
+    tokens, route_w, ids = x.to(ep.dtype), topk_weights.float(), topk_ids
+    if n_tokens is None:
+        pad = c.S - s  # symbolic under torch.compile(dynamic=True): a new s does not recompile
+        tokens = F.pad(tokens, (0, 0, 0, pad))
+        route_w = F.pad(route_w, (0, 0, 0, pad))
+        ids = F.pad(ids, (0, 0, 0, pad), value=ABSENT)
+    else:
+        present = (torch.arange(c.S, device=x.device) < _token_count(n_tokens, c.S, x.device))[:, None]
+        ids = torch.where(present, ids, ABSENT)
+        route_w = torch.where(present, route_w, 0.0)
+    plan = autograd.plan(ep, ids.contiguous())
+    dispatched = autograd.dispatch(ep, tokens.contiguous(), route_w.contiguous(), plan)
+    out_rows = experts(dispatched, plan)
+    out = autograd.combine(ep, out_rows, plan, dispatched)
+    return out[:s].to(x.dtype), plan.counts
