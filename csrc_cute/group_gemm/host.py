@@ -98,6 +98,25 @@ def compile_group_gemm_dgrad(kd: int, nd: int, config: GroupGemmConfig):
     return _compile_rows_kernel("group_gemm_dgrad", nd, kd, kd, nd, True, config)
 
 
+def compile_group_gemm_dgrad2(kd: int, nd: int, config: GroupGemmConfig):
+    """The dgrad of two operand pairs into one output: takes (dy_a [N, Nd], wa_home, wa_slot, dy_b [N, Nd],
+    wb_home, wb_slot [*, Kd, Nd], cu_seqlens, dx [N, Kd]) and writes ``dy_a @ Wa_g^T + dy_b @ Wb_g^T`` per
+    group (one fp32 accumulator). ``config.tile_n`` tiles the output columns, Kd."""
+    import cutlass
+
+    def build():
+        from .rows import GroupGemmDgrad2Sm90
+
+        n, epn, nb, ng = _fake_sizes()
+        bf = cutlass.BFloat16
+        pair = lambda: (_fake(bf, (n, nd)), _fake(bf, (epn, kd, nd)), _fake(bf, (nb, kd, nd)))  # noqa: E731
+        return _compile_for_torch(
+            GroupGemmDgrad2Sm90(config), *pair(), *pair(), _fake(cutlass.Int32, (ng,), 4), _fake(bf, (n, kd)),
+        )
+
+    return _compile_cached(("group_gemm_dgrad2", int(kd), int(nd), tuple(config)), build)
+
+
 def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
     """The varlen-K wgrad kernel: takes (x [N, Kd], dy [N, Nd], cu_seqlens, dw_home bf16, dw_slot fp32),
     writes ``x_g^T dy_g`` into the home groups' ``dw_home[g]`` (bf16) and adds it into the slot groups'
@@ -333,13 +352,15 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
 
 
 def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
-    """The kernel of ``op`` ("fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
+    """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd"; "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote": with remote groups) for
     static (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
         return compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
+    if op == "dgrad2":
+        return compile_group_gemm_dgrad2(kd, nd, select_config(pad, kd, num_sms))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op in ("row_scale", "row_scale_remote"):
@@ -641,7 +662,7 @@ def compile_group_gemm_for_sm90(
     dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
     op: str = "fwd",
 ):
-    """Compile one kernel (``op`` = "fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
+    """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", or with remote groups "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,
