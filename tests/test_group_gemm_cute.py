@@ -108,20 +108,22 @@ def _inputs(n=256, kd=64, nd=64, epn=2, nb=1, dtype=torch.bfloat16, device="cpu"
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda a: (a[0].float(), *a[1:]), r"^x must be bfloat16"),
-        (lambda a: (a[0], a[1].half(), *a[2:]), r"^w_home must be bfloat16"),
-        (lambda a: (a[0], a[1], a[2].float(), a[3]), r"^w_slot must be bfloat16"),
-        (lambda a: (a[0].t(), *a[1:]), r"^x must be contiguous"),
-        (lambda a: (a[0], a[1].transpose(1, 2), *a[2:]), r"^w_home must be contiguous"),
-        (lambda a: (a[0][None], *a[1:]), r"^x must be 2-D"),
-        (lambda a: (a[0], a[1][0], *a[2:]), r"^w_home must be 3-D"),
-        (lambda a: (a[0], a[1], a[2][0], a[3]), r"^w_slot must be 3-D"),
-        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^w_home.shape\[1\]"),
-        (lambda a: (a[0], a[1], a[2][:, :, :56].contiguous(), a[3]), r"^w_slot must be \[B"),
-        (lambda a: (a[0], a[1], a[2], a[3].long()), r"^cu_seqlens must be int32"),
-        (lambda a: (a[0], a[1], a[2], a[3][:2]), r"^cu_seqlens must be 1-D of length epn \+ B"),
-        (lambda a: (a[0], a[1][:0], a[2], a[3][:1]), r"^w_home must hold at least one expert"),
-        (lambda a: a, r"^x must be a CUDA tensor"),
+        (lambda a: (a[0].float(), *a[1:]), r"^moonep\.group_gemm: x must be bfloat16"),
+        (lambda a: (a[0], a[1].half(), *a[2:]), r"^moonep\.group_gemm: w_home must be bfloat16"),
+        (lambda a: (a[0], a[1], a[2].float(), a[3]), r"^moonep\.group_gemm: w_slot must be bfloat16"),
+        (lambda a: (a[0].t(), *a[1:]), r"^moonep\.group_gemm: x must be contiguous"),
+        (lambda a: (a[0], a[1].transpose(1, 2), *a[2:]), r"^moonep\.group_gemm: w_home must be contiguous"),
+        (lambda a: (a[0][None], *a[1:]), r"^moonep\.group_gemm: x must have shape \[\*, \*\]"),
+        (lambda a: (a[0], a[1][0], *a[2:]), r"^moonep\.group_gemm: w_home must have shape \[\*, \*, \*\]"),
+        (lambda a: (a[0], a[1], a[2][0], a[3]), r"^moonep\.group_gemm: w_slot must have shape \[\*, 64, 64\]"),
+        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^moonep\.group_gemm: x has 56 columns but w_home rows are 64"),
+        (lambda a: (a[0], a[1], a[2][:, :, :56].contiguous(), a[3]),
+         r"^moonep\.group_gemm: w_slot must have shape \[\*, 64, 64\], got \[1, 64, 56\]"),
+        (lambda a: (a[0], a[1], a[2], a[3].long()), r"^moonep\.group_gemm: cu_seqlens must have dtype int32"),
+        (lambda a: (a[0], a[1], a[2], a[3][:2]),
+         r"^moonep\.group_gemm: cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\)"),
+        (lambda a: (a[0], a[1][:0], a[2], a[3][:1]), r"^moonep\.group_gemm: w_home must hold at least one expert"),
+        (lambda a: a, r"^moonep\.group_gemm: x must be a CUDA tensor"),
     ],
 )
 def test_bad_inputs(mutate, match):
@@ -130,9 +132,9 @@ def test_bad_inputs(mutate, match):
 
 
 def test_bad_inner_dims():
-    with pytest.raises(ValueError, match=r"^Kd"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm: Kd must be a positive multiple of 8"):
         group_gemm_fwd(*_inputs(kd=60))
-    with pytest.raises(ValueError, match=r"^Nd"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm: Nd must be a positive multiple of 8"):
         group_gemm_fwd(*_inputs(nd=60))
 
 
@@ -337,13 +339,13 @@ def test_select_wgrad_config():
 
 def test_dgrad_bad_inputs():
     x, wh, ws, cu = _inputs()  # dy [256, Nd=64]
-    with pytest.raises(ValueError, match=r"^dy must be bfloat16"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy must be bfloat16"):
         group_gemm_dgrad(x.float(), wh, ws, cu)
-    with pytest.raises(ValueError, match=r"^w_home.shape\[2\]"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy has 56 columns but the weights have 64"):
         group_gemm_dgrad(x[:, :56].contiguous(), wh, ws, cu)
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: cu_seqlens must have shape \[3\]"):
         group_gemm_dgrad(x, wh, ws, cu[:2])
-    with pytest.raises(ValueError, match=r"^dy must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy must be a CUDA tensor"):
         group_gemm_dgrad(x, wh, ws, cu)
 
 
@@ -351,19 +353,20 @@ def test_wgrad_bad_inputs():
     x, wh, ws, cu = _inputs()
     dy = x.clone()
     dwh, dws = wh.clone(), ws.float()  # home gradients bf16 (written), slot gradients fp32 (accumulated)
-    with pytest.raises(ValueError, match=r"^dw_home must be bfloat16"):
+    op = r"^moonep\.group_gemm_wgrad: "
+    with pytest.raises(ValueError, match=op + r"dw_home must be bfloat16"):
         group_gemm_wgrad(x, dy, cu, wh.float(), dws)
-    with pytest.raises(ValueError, match=r"^dw_slot must be float32"):
+    with pytest.raises(ValueError, match=op + r"dw_slot must have dtype float32"):
         group_gemm_wgrad(x, dy, cu, dwh, ws)
-    with pytest.raises(ValueError, match=r"^x must be bfloat16"):
+    with pytest.raises(ValueError, match=op + r"x must be bfloat16"):
         group_gemm_wgrad(x.float(), dy, cu, dwh, dws)
-    with pytest.raises(ValueError, match=r"^x \[N, Kd\] and dy \[N, Nd\]"):
+    with pytest.raises(ValueError, match=op + r"dy must have shape \[256, \*\]"):
         group_gemm_wgrad(x, dy[:128], cu, dwh, dws)
-    with pytest.raises(ValueError, match=r"^dw_slot must be \[B"):
+    with pytest.raises(ValueError, match=op + r"dw_slot must have shape \[\*, 64, 64\]"):
         group_gemm_wgrad(x, dy, cu, dwh, dws[:, :8].contiguous())
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D"):
+    with pytest.raises(ValueError, match=op + r"cu_seqlens must have shape \[3\]"):
         group_gemm_wgrad(x, dy, cu[:2], dwh, dws)
-    with pytest.raises(ValueError, match=r"^x must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
         group_gemm_wgrad(x, dy, cu, dwh, dws)
 
 
@@ -700,23 +703,23 @@ def _swiglu_inputs(n=256, kd=64, nd=64, epn=2, nb=1):
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda a: (a[0].float(), *a[1:]), r"^x must be bfloat16"),
-        (lambda a: (a[0], a[1].half(), *a[2:]), r"^w_gate_home must be bfloat16"),
-        (lambda a: (a[0], a[1], a[2].float(), *a[3:]), r"^w_gate_slot must be bfloat16"),
-        (lambda a: (*a[:3], a[3].half(), *a[4:]), r"^w_up_home must be bfloat16"),
-        (lambda a: (*a[:4], a[4][:, :, :56].contiguous(), a[5]), r"^w_up_slot must have the shape of w_gate_slot"),
-        (lambda a: (*a[:4], a[4].transpose(1, 2), a[5]), r"^w_up_slot must be contiguous"),
-        (lambda a: (*a[:3], a[3][:, :, :56].contiguous(), *a[4:]), r"^w_up_home must have the shape of w_gate_home"),
-        (lambda a: (*a[:4], a[4][:0], a[5]), r"^w_up_slot must have the shape of w_gate_slot"),
-        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^w_gate_home.shape\[1\]"),
-        (lambda a: (*a[:5], a[5][:2]), r"^cu_seqlens must be 1-D of length epn \+ B"),
-        (lambda a: a, r"^x must be a CUDA tensor"),
+        (lambda a: (a[0].float(), *a[1:]), r"x must be bfloat16"),
+        (lambda a: (a[0], a[1].half(), *a[2:]), r"w_gate_home must be bfloat16"),
+        (lambda a: (a[0], a[1], a[2].float(), *a[3:]), r"w_gate_slot must be bfloat16"),
+        (lambda a: (*a[:3], a[3].half(), *a[4:]), r"w_up_home must be bfloat16"),
+        (lambda a: (*a[:4], a[4][:, :, :56].contiguous(), a[5]), r"w_up_slot must have shape \[1, 64, 64\], got \[1, 64, 56"),
+        (lambda a: (*a[:4], a[4].transpose(1, 2), a[5]), r"w_up_slot must be contiguous"),
+        (lambda a: (*a[:3], a[3][:, :, :56].contiguous(), *a[4:]), r"w_up_home must have shape \[2, 64, 64\]"),
+        (lambda a: (*a[:4], a[4][:0], a[5]), r"w_up_slot must have shape \[1, 64, 64\], got \[0, 64, 64\]"),
+        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"w_gate_home must have shape \[\*, 56, \*\]"),
+        (lambda a: (*a[:5], a[5][:2]), r"cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\)"),
+        (lambda a: a, r"x must be a CUDA tensor"),
     ],
 )
 def test_swiglu_bad_inputs(mutate, match):
     from csrc_cute.group_gemm import group_gemm_swiglu
 
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_swiglu: " + match):
         group_gemm_swiglu(*mutate(_swiglu_inputs()))
 
 
@@ -725,15 +728,16 @@ def test_row_scale_bad_inputs():
 
     x, wh, ws, cu = _inputs()
     rw = torch.ones(x.shape[0])
-    with pytest.raises(ValueError, match=r"^row_w must be float32"):
+    op = r"^moonep\.group_gemm_row_scale: "
+    with pytest.raises(ValueError, match=op + r"row_w must have dtype float32"):
         group_gemm_row_scale(x, wh, ws, cu, rw.double())
-    with pytest.raises(ValueError, match=r"^row_w must be 1-D \[N=256\]"):
+    with pytest.raises(ValueError, match=op + r"row_w must have shape \[256\]"):
         group_gemm_row_scale(x, wh, ws, cu, rw[:128])
-    with pytest.raises(ValueError, match=r"^row_w must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=op + r"row_w must be a Tensor"):  # the contract's type error
         group_gemm_row_scale(x, wh, ws, cu, 1.0)
-    with pytest.raises(ValueError, match=r"^w_home must be bfloat16"):
+    with pytest.raises(ValueError, match=op + r"w_home must be bfloat16"):
         group_gemm_row_scale(x, wh.half(), ws, cu, rw)
-    with pytest.raises(ValueError, match=r"^x must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
         group_gemm_row_scale(x, wh, ws, cu, rw)
 
 
@@ -745,19 +749,20 @@ def _remote_args():
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda r: (r[0].long(), r[1]), r"^remote_experts must be int32"),
-        (lambda r: (r[0][None], r[1]), r"^remote_experts must be 1-D"),
-        (lambda r: (r[0][:0], r[1]), r"^remote_experts must hold at least one remote group \(n_remote >= 1\)"),
-        (lambda r: (r[0].tolist(), r[1]), r"^remote_experts must be a torch.Tensor"),
-        (lambda r: (r[0].to("meta"), r[1]), r"^remote_experts must be on the same device as x \(cpu\), got meta"),
-        (lambda r: (r[0], r[1].int()), r"^peers must be int64"),
-        (lambda r: (r[0], r[1][:0]), r"^peers must hold at least one rank's address \(R >= 1\)"),
-        (lambda r: (r[0], r[1].view(1, 2)), r"^peers must be 1-D"),
-        (lambda r: (r[0], torch.zeros(4, dtype=torch.int64)[::2]), r"^peers must be contiguous"),
-        (lambda r: (r[0], r[1].to("meta")), r"^peers must be on the same device as x \(cpu\), got meta"),
-        (lambda r: r[0], r"^remote must be None or a tuple \(remote_experts, peers\), got Tensor"),
-        (lambda r: (r[0],), r"^remote must be None or a tuple \(remote_experts, peers\), got tuple of length 1"),
-        (lambda r: r, r"^x must be a CUDA tensor"),  # everything else fine
+        (lambda r: (r[0].long(), r[1]), r"experts_remote must have dtype int32"),
+        (lambda r: (r[0][None], r[1]), r"experts_remote must have shape \[\*\]"),
+        # no remote groups (the op's empty experts_remote): cu_seqlens must then hold epn + B entries
+        (lambda r: (r[0][:0], r[1]), r"cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B \+ "
+                                     r"n_remote = 3 \+ 0\), got \[5\]"),
+        (lambda r: (r[0].to("meta"), r[1]), r"experts_remote must be on cpu like the other inputs, got meta"),
+        (lambda r: (r[0], r[1].int()), r"peers must be int64"),
+        (lambda r: (r[0], r[1][:0]), r"peers must be 1-D holding at least one rank's address \(R >= 1\)"),
+        (lambda r: (r[0], r[1].view(1, 2)), r"peers must be 1-D"),
+        (lambda r: (r[0], torch.zeros(4, dtype=torch.int64)[::2]), r"peers must be contiguous"),
+        (lambda r: (r[0], r[1].to("meta")), r"peers must be on cpu like the other inputs, got meta"),
+        (lambda r: r[0], r"remote must be None or a tuple \(experts_remote, peers\), got Tensor"),
+        (lambda r: (r[0],), r"remote must be None or a tuple \(experts_remote, peers\), got tuple of length 1"),
+        (lambda r: r, r"x must be a CUDA tensor"),  # everything else fine
     ],
 )
 def test_row_scale_remote_bad_inputs(mutate, match):
@@ -766,8 +771,10 @@ def test_row_scale_remote_bad_inputs(mutate, match):
     x, wh, ws, cu = _inputs(epn=2, nb=1)
     cu = torch.zeros(2 + 1 + 2, dtype=torch.int32)  # G = epn + B + n_remote
     rw = torch.ones(x.shape[0])
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_row_scale: " + match):
         group_gemm_row_scale(x, wh, ws, cu, rw, remote=mutate(_remote_args()))
+    with pytest.raises(TypeError, match=r"^moonep\.group_gemm_row_scale: experts_remote must be a Tensor"):
+        group_gemm_row_scale(x, wh, ws, cu, rw, remote=(_remote_args()[0].tolist(), _remote_args()[1]))
 
 
 def test_remote_cu_seqlens_length_and_swiglu_names():
@@ -775,27 +782,31 @@ def test_remote_cu_seqlens_length_and_swiglu_names():
 
     x, wh, ws, cu = _inputs(epn=2, nb=1)  # cu: epn + B entries, no room for the remote groups
     rw = torch.ones(x.shape[0])
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D of length epn \+ B \+ n_remote = 3 \+ 2"):
+    rs, sg = r"^moonep\.group_gemm_row_scale: ", r"^moonep\.group_gemm_swiglu: "
+    with pytest.raises(ValueError, match=rs + r"cu_seqlens must have shape \[5\] \(one entry per group: epn \+ B \+ "
+                                         r"n_remote = 3 \+ 2\)"):
         group_gemm_row_scale(x, wh, ws, cu, rw, remote=_remote_args())
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D of length epn \+ B = 3, got shape \(5,\)"):
+    with pytest.raises(ValueError, match=rs + r"cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\), "
+                                         r"got \[5\]"):
         group_gemm_row_scale(x, wh, ws, torch.zeros(5, dtype=torch.int32), rw)  # remote groups but no remote
     sw = list(_swiglu_inputs())
     sw[5] = torch.zeros(2 + 1 + 2, dtype=torch.int32)
     experts, peers = _remote_args()
     for remote, match in (
-        ((experts, peers), r"^remote must be None or a tuple \(remote_experts, gate_peers, up_peers\)"),
-        ((experts, peers.int(), peers), r"^gate_peers must be int64"),
-        ((experts, peers, peers[:0]), r"^up_peers must hold at least one rank's address"),
-        ((experts, peers, peers.to("meta")), r"^up_peers must be on the same device as x"),
-        ((experts, peers, torch.zeros(3, dtype=torch.int64)), r"^gate_peers, up_peers must have the same length"),
-        ((experts.float(), peers, peers), r"^remote_experts must be int32"),
-        ((experts, peers, peers), r"^x must be a CUDA tensor"),
+        ((experts, peers), r"remote must be None or a tuple \(experts_remote, gate_peers, up_peers\)"),
+        ((experts, peers.int(), peers), r"gate_peers must be int64"),
+        ((experts, peers, peers[:0]), r"up_peers must be 1-D holding at least one rank's address"),
+        ((experts, peers, peers.to("meta")), r"up_peers must be on cpu like the other inputs"),
+        ((experts, peers, torch.zeros(3, dtype=torch.int64)), r"gate_peers, up_peers must have the same length"),
+        ((experts.float(), peers, peers), r"experts_remote must have dtype int32"),
+        ((experts, peers, peers), r"x must be a CUDA tensor"),
     ):
         for store_preact in (False, True):
-            with pytest.raises(ValueError, match=match):
+            with pytest.raises(ValueError, match=sg + match):
                 group_gemm_swiglu(*sw, store_preact=store_preact, remote=remote)
     sw[5] = sw[5][:3]
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D of length epn \+ B \+ n_remote = 3 \+ 2"):
+    with pytest.raises(ValueError, match=sg + r"cu_seqlens must have shape \[5\] \(one entry per group: epn \+ B \+ "
+                                         r"n_remote = 3 \+ 2\)"):
         group_gemm_swiglu(*sw, remote=(experts, peers, peers))
 
 
@@ -1078,22 +1089,22 @@ def test_swiglu_bwd_bad_inputs():
     gate, up = torch.zeros(n, f, dtype=torch.bfloat16), torch.zeros(n, f, dtype=torch.bfloat16)
     ok = (g_y, wdh, wds, cu, rw, gate, up)
     for i, bad, match in (
-        (0, g_y.float(), r"^g_y must be bfloat16"),
-        (0, g_y[:, :64].contiguous(), r"^w_down_home.shape\[2\]"),
-        (1, wdh.half(), r"^w_down_home must be bfloat16"),
-        (2, wds[:, :, :64].contiguous(), r"^w_down_slot must be \[B"),
-        (3, cu[:2], r"^cu_seqlens must be 1-D"),
-        (4, rw.double(), r"^row_w must be float32"),
-        (4, rw[:8], r"^row_w must have shape \[256\]"),
-        (5, gate[:, :32].contiguous(), r"^gate must have shape \[256, 64\]"),
-        (6, up.float(), r"^up must be bfloat16"),
-        (6, up.t().contiguous().t(), r"^up must be contiguous"),
-        (None, None, r"^g_y must be a CUDA tensor"),
+        (0, g_y.float(), r"g_y must be bfloat16"),
+        (0, g_y[:, :64].contiguous(), r"w_down_home must have shape \[\*, \*, 64\]"),
+        (1, wdh.half(), r"w_down_home must be bfloat16"),
+        (2, wds[:, :, :64].contiguous(), r"w_down_slot must have shape \[\*, 64, 128\]"),
+        (3, cu[:2], r"cu_seqlens must have shape \[3\]"),
+        (4, rw.double(), r"row_w must have dtype float32"),
+        (4, rw[:8], r"row_w must have shape \[256\]"),
+        (5, gate[:, :32].contiguous(), r"gate must have shape \[256, 64\]"),
+        (6, up.float(), r"up must be bfloat16"),
+        (6, up.t().contiguous().t(), r"up must be contiguous"),
+        (None, None, r"g_y must be a CUDA tensor"),
     ):
         args = list(ok)
         if i is not None:
             args[i] = bad
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=r"^moonep\.group_gemm_swiglu_bwd: " + match):
             group_gemm_swiglu_bwd(*args)
 
 
