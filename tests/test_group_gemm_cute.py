@@ -17,6 +17,7 @@ from csrc_cute import compile_check
 from csrc_cute.group_gemm import (
     compile_group_gemm_for_sm90,
     group_gemm_dgrad,
+    group_gemm_dgrad2,
     group_gemm_fwd,
     group_gemm_wgrad,
     select_config,
@@ -296,6 +297,8 @@ def test_registered_cuda_op_and_autograd_boundary():
     [
         ("dgrad", 7168, 2048, 128),  # gate/up projection's dgrad (output Kd = 7168)
         ("dgrad", 2048, 7168, 64),  # down projection's dgrad, tile_M = 64
+        ("dgrad2", 7168, 2048, 128),  # gate + up projections' dgrad in one GEMM (Kd = H, Nd = F)
+        ("dgrad2", 520, 200, 64),  # partial output tile, partial last k tile of each pair, tile_M = 64
         ("wgrad", 7168, 2048, 128),
         ("wgrad", 520, 136, 64),  # partial tiles in M and N, tile_N = 128
     ],
@@ -306,9 +309,17 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma, "no wgmma in the PTX"
-    trans = {"dgrad": "0, 0;", "wgrad": "1, 1;"}[op]
+    trans = {"dgrad": "0, 0;", "dgrad2": "0, 0;", "wgrad": "1, 1;"}[op]
     assert all(ln.replace(" ", "").endswith(trans.replace(" ", "")) for ln in mma), mma[0][-60:]
     assert "ld.local" not in ptx and "st.local" not in ptx
+    if op.startswith("dgrad"):
+        # the producer's TMA loads: per operand pair (one for dgrad, two for dgrad2) a home and a slot load
+        # of A (2-D) and of B (3-D)
+        pairs = 2 if op == "dgrad2" else 1
+        assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * pairs
+        assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 2 * pairs
+        # every descriptor prefetched: A per pair, home and slot B per pair, the store
+        assert ptx.count("prefetch.tensormap") == 3 * pairs + 1
     if op == "wgrad":
         # home groups: bf16 through stmatrix and a TMA store over dw_home viewed (Kd, Nd, epn); slot
         # groups: the fp32 read-add-write
@@ -347,6 +358,19 @@ def test_dgrad_bad_inputs():
         group_gemm_dgrad(x, wh, ws, cu[:2])
     with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy must be a CUDA tensor"):
         group_gemm_dgrad(x, wh, ws, cu)
+
+
+def test_dgrad2_bad_inputs():
+    x, wh, ws, cu = _inputs()  # dy [256, Nd=64]
+    op = r"^moonep\.group_gemm_dgrad2: "
+    with pytest.raises(ValueError, match=op + r"dy_b must be bfloat16 for the CuTe kernel"):
+        group_gemm_dgrad2(x, wh, ws, x.float(), wh, ws, cu)
+    with pytest.raises(ValueError, match=op + r"w_b_home must have shape \[2, 64, 64\]"):
+        group_gemm_dgrad2(x, wh, ws, x, wh[:1], ws, cu)
+    with pytest.raises(ValueError, match=op + r"P must be >= 64 for the CuTe kernel"):
+        group_gemm_dgrad2(x, wh, ws, x, wh, ws, cu, pad=32)
+    with pytest.raises(ValueError, match=op + r"dy_a must be a CUDA tensor"):
+        group_gemm_dgrad2(x, wh, ws, x, wh, ws, cu)
 
 
 def test_wgrad_bad_inputs():
@@ -487,6 +511,118 @@ def test_dgrad_slot_weights_are_read_from_w_slot():
     dx = _check_dgrad(dy, wh, ws, cu)
     torch.testing.assert_close(dx[256:].float(), -(dy[256:].float() @ wh[0].float().t()).bfloat16().float(),
                                atol=2e-2, rtol=2e-2)
+
+
+def _make_dgrad2(lengths, epn, kd, nd, n_total=None, seed=0):
+    """Two random dgrad operand pairs over the same groups: ((dy_a, wa_home, wa_slot), (dy_b, wb_home,
+    wb_slot), cu_seqlens) on the GPU."""
+    _, dy_a, wa_h, wa_s, cu = _make_bwd(lengths, epn, kd, nd, n_total=n_total, seed=seed)
+    _, dy_b, wb_h, wb_s, _ = _make_bwd(lengths, epn, kd, nd, n_total=n_total, seed=seed + 7)
+    return (dy_a, wa_h, wa_s), (dy_b, wb_h, wb_s), cu
+
+
+def reference_dgrad2_fp32(pair_a, pair_b, cu):
+    """fp32 reference of dgrad2, never rounded: per group dy_a @ Wa^T + dy_b @ Wb^T in fp32 on the GPU (TF32
+    off), zeros past the last group. The kernel rounds its fp32 sum once, so it has no bitwise twin."""
+    dy_a, wa_h, wa_s = pair_a
+    dy_b, wb_h, wb_s = pair_b
+    epn = wa_h.shape[0]
+    ref = torch.zeros(dy_a.shape[0], wa_h.shape[1], dtype=torch.float32, device=dy_a.device)
+    ends = cu.tolist()
+    for g, (s0, e0) in enumerate(zip([0] + ends[:-1], ends)):
+        if e0 > s0:
+            wa, wb = (wa_h[g], wb_h[g]) if g < epn else (wa_s[g - epn], wb_s[g - epn])
+            ref[s0:e0] = dy_a[s0:e0].float() @ wa.float().t() + dy_b[s0:e0].float() @ wb.float().t()
+    return ref
+
+
+def _check_dgrad2(pair_a, pair_b, cu, pad=128):
+    """dgrad2 into a NaN-poisoned output: every row written (groups: the sum within bf16 tolerance of the
+    fp32 reference, one rounding; past the last group: zeros); returns the output."""
+    dy_a = pair_a[0]
+    out = torch.full((dy_a.shape[0], pair_a[1].shape[1]), float("nan"), dtype=torch.bfloat16, device=dy_a.device)
+    dx = group_gemm_dgrad2(*pair_a, *pair_b, cu, pad=pad, out=out)
+    torch.cuda.synchronize()
+    assert dx.data_ptr() == out.data_ptr()
+    assert not dx.isnan().any(), "every row of the output must be written"
+    end = int(cu[-1])
+    assert not dx[end:].any(), "rows past the last group must be zero"
+    ref = reference_dgrad2_fp32(pair_a, pair_b, cu)
+    torch.testing.assert_close(dx.float(), ref, atol=1e-2, rtol=1e-2)
+    # one rounding of the fp32 sum: at most half a bf16 ulp (2^-9 relative) plus fp32 summation-order noise
+    err = (dx.float() - ref).abs()
+    assert bool((err <= ref.abs() * 2.0**-8 + 1e-3).all()), float((err - ref.abs() * 2.0**-8).max())
+    return dx
+
+
+def _check_dgrad2_pairs_separately(pair_a, pair_b, cu, pad=128):
+    """With the other pair's rows zero, dgrad2 is the plain dgrad of one pair bit for bit (the same k loop
+    and wgmma order, plus exact zeros): each pair's A and B loads reach the accumulator, with the home /
+    slot weights of the right pair."""
+    zeros = torch.zeros_like(pair_a[0])
+    only_a = group_gemm_dgrad2(*pair_a, zeros, *pair_b[1:], cu, pad=pad)
+    only_b = group_gemm_dgrad2(zeros, *pair_a[1:], *pair_b, cu, pad=pad)
+    assert torch.equal(only_a, group_gemm_dgrad(*pair_a, cu, pad=pad))
+    assert torch.equal(only_b, group_gemm_dgrad(*pair_b, cu, pad=pad))
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64, 256])
+def test_dgrad2_random_groups_partial_tiles(pad):
+    # Kd = 520: partial output tile; Nd = 200: each pair's last k tile partial (TMA zero fill)
+    lengths = _random_lengths(pad, 5, 4, 6, seed=pad + 5)
+    pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    _check_dgrad2(pair_a, pair_b, cu, pad=pad)
+    _check_dgrad2_pairs_separately(pair_a, pair_b, cu, pad=pad)
+
+
+@gpu
+def test_dgrad2_one_group_b0_and_slot_weights():
+    for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([256, 0, 512], 3)):
+        pair_a, pair_b, cu = _make_dgrad2(lengths, epn, kd=384, nd=512, n_total=sum(lengths) + 128)
+        _check_dgrad2(pair_a, pair_b, cu)
+    assert pair_a[2].shape[0] == 0  # B = 0
+    # the slot group reads each pair's slot weights: slots equal to the home weights, then negated
+    # (negating every product of a group negates its fp32 sum and its rounding exactly)
+    pair_a, pair_b, cu = _make_dgrad2([256, 256], 1, kd=128, nd=128)
+    pair_a[2].copy_(pair_a[1])
+    pair_b[2].copy_(pair_b[1])
+    dx_same = _check_dgrad2(pair_a, pair_b, cu).clone()
+    pair_a[2].neg_()
+    pair_b[2].neg_()
+    dx_neg = _check_dgrad2(pair_a, pair_b, cu)
+    assert torch.equal(dx_neg[:256], dx_same[:256])
+    assert torch.equal(dx_neg[256:], -dx_same[256:])
+
+
+@gpu
+def test_dgrad2_realistic_shape_48_groups():
+    # the gate/up projections' input gradient at H = 7168, F = 2048: 48 groups (32 home experts, 16 slots),
+    # some empty, padding rows past the end; many tiles per CTA
+    pad = 128
+    lengths = _random_lengths(pad, 32, 16, 5, seed=48)
+    pair_a, pair_b, cu = _make_dgrad2(lengths, 32, kd=7168, nd=2048, n_total=sum(lengths) + 2 * pad, seed=48)
+    _check_dgrad2(pair_a, pair_b, cu, pad=pad)
+    _check_dgrad2_pairs_separately(pair_a, pair_b, cu, pad=pad)
+
+
+@gpu
+def test_registered_dgrad2_op_dispatches_to_the_kernel_and_captures():
+    pad = 128
+    pair_a, pair_b, cu = _make_dgrad2(_random_lengths(pad, 3, 2, 4, seed=9), 3, kd=256, nd=384, seed=9)
+    eager = group_gemm_dgrad2(*pair_a, *pair_b, cu, pad=pad)
+    assert torch.equal(torch.ops.moonep.group_gemm_dgrad2(*pair_a, *pair_b, cu, pad), eager)
+    # within bf16 tolerance of the CPU reference op (fp32 sum, one rounding)
+    cpu = torch.ops.moonep.group_gemm_dgrad2(*(t.cpu() for t in pair_a), *(t.cpu() for t in pair_b), cu.cpu(), pad)
+    torch.testing.assert_close(eager.cpu().float(), cpu.float(), atol=2e-2, rtol=2e-2)
+    out = torch.empty_like(eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        group_gemm_dgrad2(*pair_a, *pair_b, cu, pad=pad, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @gpu
