@@ -15,6 +15,8 @@ Sections
          48 skewed groups: a maxvio-4 routing's per-expert rows, each padded to 128):
            fwd         y = x_g @ W_g                 [M, H] x [G, H, F]
            dgrad       dx = dy_g @ W_g^T             [M, F] x [G, H, F]^T
+           dgrad2      dx = g_gate_g @ W_gate_g^T + g_up_g @ W_up_g^T  (the gate/up input gradient; ours one
+                       GEMM with one fp32 accumulator, QuACK and torch two dgrads and a bf16 add)
            wgrad       dW_g = x_g^T @ dy_g           -> [G, H, F], bf16 out, fp32 accumulation
            swiglu      h = silu(x W_gate) * (x W_up) (pre-activations stored for backward)
            swiglu_bwd  d = g_y_g @ W_down_g^T with the SwiGLU backward and the route weight in the epilogue:
@@ -69,7 +71,7 @@ from moonep_ops.routing import route  # noqa: E402
 
 SECTIONS = ("layer", "gemm")
 PEERS = ("quack", "sonicmoe")
-FAMILIES = ("fwd", "dgrad", "wgrad", "swiglu", "swiglu_bwd")
+FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
 IMPLS = ("ours", "torch", "torch_compiled", "sonicmoe", "quack")
 PICKED_TOP, PICKED_STEP, OTHER_LOGIT = 0.5, 0.0625, -8.0  # designed router logits (see the module docstring)
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, gemm_rows=512, iters=2, repeats=1, warmup=1,
@@ -380,7 +382,7 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ gemm
 def gemm_operands(ends: torch.Tensor, H: int, F: int, device, seed: int) -> dict:
-    """One layout's operands (bf16 unless noted): x [M, H], dy [M, F], g_y [M, H], w [G, H, F], w_up
+    """One layout's operands (bf16 unless noted): x [M, H], dy and dy_up [M, F], g_y [M, H], w [G, H, F], w_up
     [G, H, F], w_down [G, F, H], gate/up [M, F], row_w [M] fp32; ends [G] int32 and cu0 [G+1] (0 first)."""
     G, M = ends.numel(), int(ends[-1])
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -388,7 +390,7 @@ def gemm_operands(ends: torch.Tensor, H: int, F: int, device, seed: int) -> dict
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=device) * scale).bfloat16()
     return dict(ends=ends.to(device), cu0=torch.cat([ends.new_zeros(1), ends]).to(device), bounds=starts_ends(ends),
-                x=rnd(M, H), dy=rnd(M, F), g_y=rnd(M, H), w=rnd(G, H, F, scale=H ** -0.5),
+                x=rnd(M, H), dy=rnd(M, F), dy_up=rnd(M, F), g_y=rnd(M, H), w=rnd(G, H, F, scale=H ** -0.5),
                 w_up=rnd(G, H, F, scale=H ** -0.5), w_down=rnd(G, F, H, scale=F ** -0.5), gate=rnd(M, F),
                 up=rnd(M, F), row_w=torch.rand(M, generator=gen, device=device))
 
@@ -401,6 +403,9 @@ def gemm_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
             outs.append(d["x"][s:e].float() @ d["w"][gi].float())
         elif fam == "dgrad":
             outs.append(d["dy"][s:e].float() @ d["w"][gi].float().t())
+        elif fam == "dgrad2":
+            outs.append(d["dy"][s:e].float() @ d["w"][gi].float().t()
+                        + d["dy_up"][s:e].float() @ d["w_up"][gi].float().t())
         elif fam == "wgrad":
             outs.append((d["x"][s:e].float().t() @ d["dy"][s:e].float())[None])
         elif fam == "swiglu":
@@ -421,7 +426,7 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
     """A zero-argument call of family `fam` by `impl` (ours, torch, quack) and a function of its result that
     gives the reference's outputs (same order as gemm_reference)."""
     x, dy, g_y, w, w_up, w_down, ends, cu0 = (d[k] for k in ("x", "dy", "g_y", "w", "w_up", "w_down", "ends", "cu0"))
-    gate, up, row_w = d["gate"], d["up"], d["row_w"]
+    gate, up, row_w, dy_up = d["gate"], d["up"], d["row_w"], d["dy_up"]
     G, M, H, F = w.shape[0], x.shape[0], w.shape[1], w.shape[2]
     ops = torch.ops.moonep
     if impl == "ours":
@@ -431,6 +436,8 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
         calls = dict(
             fwd=(lambda: ops.group_gemm(x, w, none_of["w"], ends, P), lambda r: (r,)),
             dgrad=(lambda: ops.group_gemm_dgrad(dy, w, none_of["w"], ends, P), lambda r: (r,)),
+            dgrad2=(lambda: ops.group_gemm_dgrad2(dy, w, none_of["w"], dy_up, w_up, none_of["w"], ends, P),
+                    lambda r: (r,)),
             wgrad=(lambda: ops.group_gemm_wgrad(x, dy, ends, dw, no_slot, P), lambda r: (dw,)),
             swiglu=(lambda: ops.group_gemm_swiglu(x, w, none_of["w"], w_up, none_of["w"], ends, P, True),
                     lambda r: (r[0],)),
@@ -453,6 +460,8 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
                     (h * rw).to(x.dtype), (dd * h).sum(1))
         calls = dict(fwd=(lambda: torch._grouped_mm(x, w, offs=ends), lambda r: (r,)),
                      dgrad=(lambda: torch._grouped_mm(dy, w_t, offs=ends), lambda r: (r,)),
+                     dgrad2=(lambda: torch._grouped_mm(dy, w_t, offs=ends).add_(
+                         torch._grouped_mm(dy_up, w_up.transpose(-1, -2), offs=ends)), lambda r: (r,)),
                      wgrad=(lambda: torch._grouped_mm(x.t(), dy, offs=ends), lambda r: (r,)),
                      swiglu=(swiglu, lambda r: (r[0],)), swiglu_bwd=(swiglu_bwd, lambda r: tuple(r)))
     elif impl == "quack":
@@ -462,6 +471,12 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
         w_int = torch.stack([w, w_up], dim=3).reshape(G, H, 2 * F)  # gate/up columns interleaved
         preact = torch.stack([gate, up], dim=2).reshape(M, 2 * F)
         wd_t = w_down.transpose(-1, -2)  # [G, H, F] view: B (K=H, N=F) of the down dgrad
+        out_h_up = torch.empty(M, H, dtype=x.dtype, device=x.device)
+
+        def dgrad2():  # two dgrads and a bf16 add, as our layer did before group_gemm_dgrad2
+            qgi.gemm(dy, w.transpose(-1, -2), out_h, cu_seqlens_m=cu0, tuned=False)
+            qgi.gemm(dy_up, w_up.transpose(-1, -2), out_h_up, cu_seqlens_m=cu0, tuned=False)
+            return out_h.add_(out_h_up)
 
         def dgated():
             dx, h_w, g_rw = qgi.gemm_dgated(g_y, wd_t, preact, activation="swiglu", colvec_scale=row_w,
@@ -471,6 +486,7 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
             fwd=(lambda: qgi.gemm(x, w, out_f, cu_seqlens_m=cu0, tuned=False), lambda r: (out_f,)),
             dgrad=(lambda: qgi.gemm(dy, w.transpose(-1, -2), out_h, cu_seqlens_m=cu0, tuned=False),
                    lambda r: (out_h,)),
+            dgrad2=(dgrad2, lambda r: (r,)),
             wgrad=(lambda: qgi.gemm(x.t(), dy, dw, cu_seqlens_k=cu0, tuned=False), lambda r: (dw,)),
             swiglu=(lambda: qgi.gemm_gated(x, w_int, activation="swiglu", cu_seqlens_m=cu0, store_preact=True,
                                            tuned=False), lambda r: (r[1],)),
@@ -481,7 +497,7 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
 
 
 def gemm_flops(fam: str, M: int, H: int, F: int) -> float:
-    return 2.0 * M * H * F * (2 if fam == "swiglu" else 1)
+    return 2.0 * M * H * F * (2 if fam in ("swiglu", "dgrad2") else 1)
 
 
 def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:

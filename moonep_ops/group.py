@@ -234,7 +234,7 @@ def _default_device_dtype(group: dist.ProcessGroup, device: torch.device | str |
 
 
 MOONEP_OPS = ("plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad",
-              "group_gemm_wgrad", "group_gemm_swiglu", "group_gemm_row_scale", "group_gemm_swiglu_bwd",
+              "group_gemm_dgrad2", "group_gemm_wgrad", "group_gemm_swiglu", "group_gemm_row_scale", "group_gemm_swiglu_bwd",
               "prefetch_weights", "reduce_grad")
 
 

@@ -302,7 +302,7 @@ group_gemm.register_fake(fake.group_gemm.group_gemm)
 
 @group_gemm.register_kernel("cuda")
 def _group_gemm_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
-    fake.group_gemm.check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P)
+    # the CUDA wrappers run the op's contract (moonep_ops/fake/group_gemm.py) once, then the kernels' own checks
     from csrc_cute.group_gemm import group_gemm_fwd  # CuTe DSL loads on first CUDA use only
 
     return group_gemm_fwd(x, w_home, w_slot, cu_seqlens, pad=P)
@@ -323,10 +323,34 @@ group_gemm_dgrad.register_fake(fake.group_gemm.group_gemm_dgrad)
 
 @group_gemm_dgrad.register_kernel("cuda")
 def _group_gemm_dgrad_cuda(dy: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
-    fake.group_gemm.check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P)
     from csrc_cute.group_gemm import group_gemm_dgrad as dgrad_kernel  # CuTe DSL loads on first CUDA use only
 
     return dgrad_kernel(dy, w_home, w_slot, cu_seqlens, pad=P)
+
+
+@custom_op("moonep::group_gemm_dgrad2", mutates_args=(), device_types="cpu")
+def group_gemm_dgrad2(dy_a: Tensor, w_a_home: Tensor, w_a_slot: Tensor, dy_b: Tensor, w_b_home: Tensor,
+                      w_b_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
+    """dx[rows of g] = dy_a[rows of g] @ Wa_g^T + dy_b[rows of g] @ Wb_g^T: both products summed in fp32 and
+    rounded once to the rows' dtype (the input gradient of the gate and up projections in one GEMM); the
+    weight pairs are addressed like group_gemm_dgrad's; rows past the last group are zero."""
+    fake.group_gemm.check_dgrad2_args(dy_a, w_a_home, w_a_slot, dy_b, w_b_home, w_b_slot, cu_seqlens, P)
+    dx = dy_a.new_zeros((dy_a.shape[0], w_a_home.shape[1]))
+    for g, s, e in _group_bounds("group_gemm_dgrad2", cu_seqlens, dy_a.shape[0], P):
+        dx[s:e] = (dy_a[s:e].float() @ _weight(w_a_home, w_a_slot, g).float().t()
+                   + dy_b[s:e].float() @ _weight(w_b_home, w_b_slot, g).float().t()).to(dy_a.dtype)
+    return dx
+
+
+group_gemm_dgrad2.register_fake(fake.group_gemm.group_gemm_dgrad2)
+
+
+@group_gemm_dgrad2.register_kernel("cuda")
+def _group_gemm_dgrad2_cuda(dy_a: Tensor, w_a_home: Tensor, w_a_slot: Tensor, dy_b: Tensor, w_b_home: Tensor,
+                            w_b_slot: Tensor, cu_seqlens: Tensor, P: int) -> Tensor:
+    from csrc_cute.group_gemm import group_gemm_dgrad2 as dgrad2_kernel  # CuTe DSL loads on first CUDA use only
+
+    return dgrad2_kernel(dy_a, w_a_home, w_a_slot, dy_b, w_b_home, w_b_slot, cu_seqlens, pad=P)
 
 
 @custom_op("moonep::group_gemm_wgrad", mutates_args=("dw_home", "dw_slot"), device_types="cpu")
@@ -352,7 +376,6 @@ group_gemm_wgrad.register_fake(fake.group_gemm.group_gemm_wgrad)
 
 @group_gemm_wgrad.register_kernel("cuda")
 def _group_gemm_wgrad_cuda(x: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor, dw_slot: Tensor, P: int) -> None:
-    fake.group_gemm.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
     from csrc_cute.group_gemm import group_gemm_wgrad as wgrad_kernel  # CuTe DSL loads on first CUDA use only
 
     wgrad_kernel(x, dy, cu_seqlens, dw_home, dw_slot, pad=P)
@@ -378,8 +401,9 @@ def _remote_home_weights(op: str, w_home: Tensor, experts_remote: Tensor | None,
 
 
 def _weights_cuda(op: str, name: str, w_home: Tensor, experts_remote: Tensor | None) -> Tensor | None:
-    """The remote-group operands of a CUDA GEMM: None (no remote groups) or the home weights' peer
-    addresses (int64 [R]); the home weights must then be an EPGroup's symmetric weights."""
+    """The remote-group operands of a CUDA GEMM: None (no remote groups: the kernels do not read it) or
+    the home weights' peer addresses (int64 [R]); the home weights must then be an EPGroup's symmetric
+    weights."""
     if experts_remote is None or experts_remote.numel() == 0:
         return None
     return peers(op, name, w_home)
@@ -420,18 +444,16 @@ group_gemm_swiglu.register_fake(fake.group_gemm.group_gemm_swiglu)
 def _group_gemm_swiglu_cuda(x: Tensor, w_gate_home: Tensor, w_gate_slot: Tensor, w_up_home: Tensor,
                             w_up_slot: Tensor, cu_seqlens: Tensor, P: int, save_preact: bool,
                             experts_remote: Tensor | None = None, group_name: str = ""):
-    F = fake.group_gemm.check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
-                                          experts_remote)
     from csrc_cute.group_gemm import group_gemm_swiglu as swiglu_kernel  # CuTe DSL loads on first CUDA use only
 
     op = "group_gemm_swiglu"
-    gate_peers = _weights_cuda(op, "w_gate_home", w_gate_home, experts_remote)
-    remote = None if gate_peers is None else (
-        experts_remote, gate_peers, _weights_cuda(op, "w_up_home", w_up_home, experts_remote))
+    remote = None if experts_remote is None else (  # the kernel checks experts_remote with the op's contract
+        experts_remote, _weights_cuda(op, "w_gate_home", w_gate_home, experts_remote),
+        _weights_cuda(op, "w_up_home", w_up_home, experts_remote))
     h, gate, up = swiglu_kernel(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, pad=P,
                                 store_preact=save_preact, remote=remote)
     if not save_preact:
-        gate, up = x.new_empty((0, F)), x.new_empty((0, F))
+        gate, up = x.new_empty((0, h.shape[1])), x.new_empty((0, h.shape[1]))
     return h, gate, up
 
 
@@ -455,11 +477,10 @@ group_gemm_row_scale.register_fake(fake.group_gemm.group_gemm_row_scale)
 @group_gemm_row_scale.register_kernel("cuda")
 def _group_gemm_row_scale_cuda(x: Tensor, w_home: Tensor, w_slot: Tensor, cu_seqlens: Tensor, row_w: Tensor,
                                P: int, experts_remote: Tensor | None = None, group_name: str = "") -> Tensor:
-    fake.group_gemm.check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote)
     from csrc_cute.group_gemm import group_gemm_row_scale as row_scale_kernel  # CuTe DSL loads on first CUDA use
 
-    home_peers = _weights_cuda("group_gemm_row_scale", "w_home", w_home, experts_remote)
-    remote = None if home_peers is None else (experts_remote, home_peers)
+    remote = None if experts_remote is None else (  # the kernel checks experts_remote with the op's contract
+        experts_remote, _weights_cuda("group_gemm_row_scale", "w_home", w_home, experts_remote))
     return row_scale_kernel(x, w_home, w_slot, cu_seqlens, row_w, pad=P, remote=remote)
 
 
@@ -490,7 +511,6 @@ group_gemm_swiglu_bwd.register_fake(fake.group_gemm.group_gemm_swiglu_bwd)
 @group_gemm_swiglu_bwd.register_kernel("cuda")
 def _group_gemm_swiglu_bwd_cuda(g_y: Tensor, w_down_home: Tensor, w_down_slot: Tensor, cu_seqlens: Tensor,
                                 row_w: Tensor, gate: Tensor, up: Tensor, P: int):
-    fake.group_gemm.check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
     from csrc_cute.group_gemm import group_gemm_swiglu_bwd as bwd_kernel  # CuTe DSL loads on first CUDA use only
 
     return bwd_kernel(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, pad=P)
@@ -660,10 +680,8 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     # without rows), reduce_grad adds the copies' fp32 gradients to those with copies (docs/design-notes.md)
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
     group_gemm_wgrad(h_w, g_y, cu_seqlens, dw_down, reduce_down, P)
-    # the two halves of the input gradient are added in the rows' dtype (one rounding of each GEMM's
-    # fp32 result, then of the sum): an fp32 sum would move 4 [NvS, H] fp32 tensors more per layer
-    g_rows = group_gemm_dgrad(g_gate, w_gate, pool_gate, cu_seqlens, P).add_(
-        group_gemm_dgrad(g_up, w_up, pool_up, cu_seqlens, P))
+    # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H] output
+    g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu_seqlens, P)
     group_gemm_wgrad(rows, g_gate, cu_seqlens, dw_gate, reduce_gate, P)
     group_gemm_wgrad(rows, g_up, cu_seqlens, dw_up, reduce_up, P)
     reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl, ep.group_name)

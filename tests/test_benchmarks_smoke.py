@@ -210,7 +210,7 @@ def test_bench_peers_smoke_without_peers(peers_smoke):
             assert r[f"{mode}_ms"] > 0 and r[f"{mode}_tflops"] > 0, (name, mode)
         assert r["peak_gb"] is None  # CPU: no peak memory
     assert d["layer"]["torch"]["ours_over_fwd"] > 0
-    assert len(d["gemm"]) == 5 * 3
+    assert len(d["gemm"]) == 6 * 3  # fwd, dgrad, dgrad2, wgrad, swiglu, swiglu_bwd x 3 layouts
     for name, r in d["gemm"].items():
         assert r["ours_ok"] and r["torch_ok"], (name, r)
         assert r["ours_tflops"] > 0 and r["ours_over_torch"] > 0 and r["ours_over_quack"] is None

@@ -17,6 +17,7 @@ from csrc_cute import compile_check
 from csrc_cute.group_gemm import (
     compile_group_gemm_for_sm90,
     group_gemm_dgrad,
+    group_gemm_dgrad2,
     group_gemm_fwd,
     group_gemm_wgrad,
     select_config,
@@ -108,20 +109,22 @@ def _inputs(n=256, kd=64, nd=64, epn=2, nb=1, dtype=torch.bfloat16, device="cpu"
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda a: (a[0].float(), *a[1:]), r"^x must be bfloat16"),
-        (lambda a: (a[0], a[1].half(), *a[2:]), r"^w_home must be bfloat16"),
-        (lambda a: (a[0], a[1], a[2].float(), a[3]), r"^w_slot must be bfloat16"),
-        (lambda a: (a[0].t(), *a[1:]), r"^x must be contiguous"),
-        (lambda a: (a[0], a[1].transpose(1, 2), *a[2:]), r"^w_home must be contiguous"),
-        (lambda a: (a[0][None], *a[1:]), r"^x must be 2-D"),
-        (lambda a: (a[0], a[1][0], *a[2:]), r"^w_home must be 3-D"),
-        (lambda a: (a[0], a[1], a[2][0], a[3]), r"^w_slot must be 3-D"),
-        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^w_home.shape\[1\]"),
-        (lambda a: (a[0], a[1], a[2][:, :, :56].contiguous(), a[3]), r"^w_slot must be \[B"),
-        (lambda a: (a[0], a[1], a[2], a[3].long()), r"^cu_seqlens must be int32"),
-        (lambda a: (a[0], a[1], a[2], a[3][:2]), r"^cu_seqlens must be 1-D of length epn \+ B"),
-        (lambda a: (a[0], a[1][:0], a[2], a[3][:1]), r"^w_home must hold at least one expert"),
-        (lambda a: a, r"^x must be a CUDA tensor"),
+        (lambda a: (a[0].float(), *a[1:]), r"^moonep\.group_gemm: x must be bfloat16"),
+        (lambda a: (a[0], a[1].half(), *a[2:]), r"^moonep\.group_gemm: w_home must be bfloat16"),
+        (lambda a: (a[0], a[1], a[2].float(), a[3]), r"^moonep\.group_gemm: w_slot must be bfloat16"),
+        (lambda a: (a[0].t(), *a[1:]), r"^moonep\.group_gemm: x must be contiguous"),
+        (lambda a: (a[0], a[1].transpose(1, 2), *a[2:]), r"^moonep\.group_gemm: w_home must be contiguous"),
+        (lambda a: (a[0][None], *a[1:]), r"^moonep\.group_gemm: x must have shape \[\*, \*\]"),
+        (lambda a: (a[0], a[1][0], *a[2:]), r"^moonep\.group_gemm: w_home must have shape \[\*, \*, \*\]"),
+        (lambda a: (a[0], a[1], a[2][0], a[3]), r"^moonep\.group_gemm: w_slot must have shape \[\*, 64, 64\]"),
+        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^moonep\.group_gemm: x has 56 columns but w_home rows are 64"),
+        (lambda a: (a[0], a[1], a[2][:, :, :56].contiguous(), a[3]),
+         r"^moonep\.group_gemm: w_slot must have shape \[\*, 64, 64\], got \[1, 64, 56\]"),
+        (lambda a: (a[0], a[1], a[2], a[3].long()), r"^moonep\.group_gemm: cu_seqlens must have dtype int32"),
+        (lambda a: (a[0], a[1], a[2], a[3][:2]),
+         r"^moonep\.group_gemm: cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\)"),
+        (lambda a: (a[0], a[1][:0], a[2], a[3][:1]), r"^moonep\.group_gemm: w_home must hold at least one expert"),
+        (lambda a: a, r"^moonep\.group_gemm: x must be a CUDA tensor"),
     ],
 )
 def test_bad_inputs(mutate, match):
@@ -130,9 +133,9 @@ def test_bad_inputs(mutate, match):
 
 
 def test_bad_inner_dims():
-    with pytest.raises(ValueError, match=r"^Kd"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm: Kd must be a positive multiple of 8"):
         group_gemm_fwd(*_inputs(kd=60))
-    with pytest.raises(ValueError, match=r"^Nd"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm: Nd must be a positive multiple of 8"):
         group_gemm_fwd(*_inputs(nd=60))
 
 
@@ -294,6 +297,8 @@ def test_registered_cuda_op_and_autograd_boundary():
     [
         ("dgrad", 7168, 2048, 128),  # gate/up projection's dgrad (output Kd = 7168)
         ("dgrad", 2048, 7168, 64),  # down projection's dgrad, tile_M = 64
+        ("dgrad2", 7168, 2048, 128),  # gate + up projections' dgrad in one GEMM (Kd = H, Nd = F)
+        ("dgrad2", 520, 200, 64),  # partial output tile, partial last k tile of each pair, tile_M = 64
         ("wgrad", 7168, 2048, 128),
         ("wgrad", 520, 136, 64),  # partial tiles in M and N, tile_N = 128
     ],
@@ -304,9 +309,17 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma, "no wgmma in the PTX"
-    trans = {"dgrad": "0, 0;", "wgrad": "1, 1;"}[op]
+    trans = {"dgrad": "0, 0;", "dgrad2": "0, 0;", "wgrad": "1, 1;"}[op]
     assert all(ln.replace(" ", "").endswith(trans.replace(" ", "")) for ln in mma), mma[0][-60:]
     assert "ld.local" not in ptx and "st.local" not in ptx
+    if op.startswith("dgrad"):
+        # the producer's TMA loads: per operand pair (one for dgrad, two for dgrad2) a home and a slot load
+        # of A (2-D) and of B (3-D)
+        pairs = 2 if op == "dgrad2" else 1
+        assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * pairs
+        assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 2 * pairs
+        # every descriptor prefetched: A per pair, home and slot B per pair, the store
+        assert ptx.count("prefetch.tensormap") == 3 * pairs + 1
     if op == "wgrad":
         # home groups: bf16 through stmatrix and a TMA store over dw_home viewed (Kd, Nd, epn); slot
         # groups: the fp32 read-add-write
@@ -337,33 +350,47 @@ def test_select_wgrad_config():
 
 def test_dgrad_bad_inputs():
     x, wh, ws, cu = _inputs()  # dy [256, Nd=64]
-    with pytest.raises(ValueError, match=r"^dy must be bfloat16"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy must be bfloat16"):
         group_gemm_dgrad(x.float(), wh, ws, cu)
-    with pytest.raises(ValueError, match=r"^w_home.shape\[2\]"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy has 56 columns but the weights have 64"):
         group_gemm_dgrad(x[:, :56].contiguous(), wh, ws, cu)
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: cu_seqlens must have shape \[3\]"):
         group_gemm_dgrad(x, wh, ws, cu[:2])
-    with pytest.raises(ValueError, match=r"^dy must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy must be a CUDA tensor"):
         group_gemm_dgrad(x, wh, ws, cu)
+
+
+def test_dgrad2_bad_inputs():
+    x, wh, ws, cu = _inputs()  # dy [256, Nd=64]
+    op = r"^moonep\.group_gemm_dgrad2: "
+    with pytest.raises(ValueError, match=op + r"dy_b must be bfloat16 for the CuTe kernel"):
+        group_gemm_dgrad2(x, wh, ws, x.float(), wh, ws, cu)
+    with pytest.raises(ValueError, match=op + r"w_b_home must have shape \[2, 64, 64\]"):
+        group_gemm_dgrad2(x, wh, ws, x, wh[:1], ws, cu)
+    with pytest.raises(ValueError, match=op + r"P must be >= 64 for the CuTe kernel"):
+        group_gemm_dgrad2(x, wh, ws, x, wh, ws, cu, pad=32)
+    with pytest.raises(ValueError, match=op + r"dy_a must be a CUDA tensor"):
+        group_gemm_dgrad2(x, wh, ws, x, wh, ws, cu)
 
 
 def test_wgrad_bad_inputs():
     x, wh, ws, cu = _inputs()
     dy = x.clone()
     dwh, dws = wh.clone(), ws.float()  # home gradients bf16 (written), slot gradients fp32 (accumulated)
-    with pytest.raises(ValueError, match=r"^dw_home must be bfloat16"):
+    op = r"^moonep\.group_gemm_wgrad: "
+    with pytest.raises(ValueError, match=op + r"dw_home must be bfloat16"):
         group_gemm_wgrad(x, dy, cu, wh.float(), dws)
-    with pytest.raises(ValueError, match=r"^dw_slot must be float32"):
+    with pytest.raises(ValueError, match=op + r"dw_slot must have dtype float32"):
         group_gemm_wgrad(x, dy, cu, dwh, ws)
-    with pytest.raises(ValueError, match=r"^x must be bfloat16"):
+    with pytest.raises(ValueError, match=op + r"x must be bfloat16"):
         group_gemm_wgrad(x.float(), dy, cu, dwh, dws)
-    with pytest.raises(ValueError, match=r"^x \[N, Kd\] and dy \[N, Nd\]"):
+    with pytest.raises(ValueError, match=op + r"dy must have shape \[256, \*\]"):
         group_gemm_wgrad(x, dy[:128], cu, dwh, dws)
-    with pytest.raises(ValueError, match=r"^dw_slot must be \[B"):
+    with pytest.raises(ValueError, match=op + r"dw_slot must have shape \[\*, 64, 64\]"):
         group_gemm_wgrad(x, dy, cu, dwh, dws[:, :8].contiguous())
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D"):
+    with pytest.raises(ValueError, match=op + r"cu_seqlens must have shape \[3\]"):
         group_gemm_wgrad(x, dy, cu[:2], dwh, dws)
-    with pytest.raises(ValueError, match=r"^x must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
         group_gemm_wgrad(x, dy, cu, dwh, dws)
 
 
@@ -484,6 +511,118 @@ def test_dgrad_slot_weights_are_read_from_w_slot():
     dx = _check_dgrad(dy, wh, ws, cu)
     torch.testing.assert_close(dx[256:].float(), -(dy[256:].float() @ wh[0].float().t()).bfloat16().float(),
                                atol=2e-2, rtol=2e-2)
+
+
+def _make_dgrad2(lengths, epn, kd, nd, n_total=None, seed=0):
+    """Two random dgrad operand pairs over the same groups: ((dy_a, wa_home, wa_slot), (dy_b, wb_home,
+    wb_slot), cu_seqlens) on the GPU."""
+    _, dy_a, wa_h, wa_s, cu = _make_bwd(lengths, epn, kd, nd, n_total=n_total, seed=seed)
+    _, dy_b, wb_h, wb_s, _ = _make_bwd(lengths, epn, kd, nd, n_total=n_total, seed=seed + 7)
+    return (dy_a, wa_h, wa_s), (dy_b, wb_h, wb_s), cu
+
+
+def reference_dgrad2_fp32(pair_a, pair_b, cu):
+    """fp32 reference of dgrad2, never rounded: per group dy_a @ Wa^T + dy_b @ Wb^T in fp32 on the GPU (TF32
+    off), zeros past the last group. The kernel rounds its fp32 sum once, so it has no bitwise twin."""
+    dy_a, wa_h, wa_s = pair_a
+    dy_b, wb_h, wb_s = pair_b
+    epn = wa_h.shape[0]
+    ref = torch.zeros(dy_a.shape[0], wa_h.shape[1], dtype=torch.float32, device=dy_a.device)
+    ends = cu.tolist()
+    for g, (s0, e0) in enumerate(zip([0] + ends[:-1], ends)):
+        if e0 > s0:
+            wa, wb = (wa_h[g], wb_h[g]) if g < epn else (wa_s[g - epn], wb_s[g - epn])
+            ref[s0:e0] = dy_a[s0:e0].float() @ wa.float().t() + dy_b[s0:e0].float() @ wb.float().t()
+    return ref
+
+
+def _check_dgrad2(pair_a, pair_b, cu, pad=128):
+    """dgrad2 into a NaN-poisoned output: every row written (groups: the sum within bf16 tolerance of the
+    fp32 reference, one rounding; past the last group: zeros); returns the output."""
+    dy_a = pair_a[0]
+    out = torch.full((dy_a.shape[0], pair_a[1].shape[1]), float("nan"), dtype=torch.bfloat16, device=dy_a.device)
+    dx = group_gemm_dgrad2(*pair_a, *pair_b, cu, pad=pad, out=out)
+    torch.cuda.synchronize()
+    assert dx.data_ptr() == out.data_ptr()
+    assert not dx.isnan().any(), "every row of the output must be written"
+    end = int(cu[-1])
+    assert not dx[end:].any(), "rows past the last group must be zero"
+    ref = reference_dgrad2_fp32(pair_a, pair_b, cu)
+    torch.testing.assert_close(dx.float(), ref, atol=1e-2, rtol=1e-2)
+    # one rounding of the fp32 sum: at most half a bf16 ulp (2^-9 relative) plus fp32 summation-order noise
+    err = (dx.float() - ref).abs()
+    assert bool((err <= ref.abs() * 2.0**-8 + 1e-3).all()), float((err - ref.abs() * 2.0**-8).max())
+    return dx
+
+
+def _check_dgrad2_pairs_separately(pair_a, pair_b, cu, pad=128):
+    """With the other pair's rows zero, dgrad2 is the plain dgrad of one pair bit for bit (the same k loop
+    and wgmma order, plus exact zeros): each pair's A and B loads reach the accumulator, with the home /
+    slot weights of the right pair."""
+    zeros = torch.zeros_like(pair_a[0])
+    only_a = group_gemm_dgrad2(*pair_a, zeros, *pair_b[1:], cu, pad=pad)
+    only_b = group_gemm_dgrad2(zeros, *pair_a[1:], *pair_b, cu, pad=pad)
+    assert torch.equal(only_a, group_gemm_dgrad(*pair_a, cu, pad=pad))
+    assert torch.equal(only_b, group_gemm_dgrad(*pair_b, cu, pad=pad))
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64, 256])
+def test_dgrad2_random_groups_partial_tiles(pad):
+    # Kd = 520: partial output tile; Nd = 200: each pair's last k tile partial (TMA zero fill)
+    lengths = _random_lengths(pad, 5, 4, 6, seed=pad + 5)
+    pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    _check_dgrad2(pair_a, pair_b, cu, pad=pad)
+    _check_dgrad2_pairs_separately(pair_a, pair_b, cu, pad=pad)
+
+
+@gpu
+def test_dgrad2_one_group_b0_and_slot_weights():
+    for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([256, 0, 512], 3)):
+        pair_a, pair_b, cu = _make_dgrad2(lengths, epn, kd=384, nd=512, n_total=sum(lengths) + 128)
+        _check_dgrad2(pair_a, pair_b, cu)
+    assert pair_a[2].shape[0] == 0  # B = 0
+    # the slot group reads each pair's slot weights: slots equal to the home weights, then negated
+    # (negating every product of a group negates its fp32 sum and its rounding exactly)
+    pair_a, pair_b, cu = _make_dgrad2([256, 256], 1, kd=128, nd=128)
+    pair_a[2].copy_(pair_a[1])
+    pair_b[2].copy_(pair_b[1])
+    dx_same = _check_dgrad2(pair_a, pair_b, cu).clone()
+    pair_a[2].neg_()
+    pair_b[2].neg_()
+    dx_neg = _check_dgrad2(pair_a, pair_b, cu)
+    assert torch.equal(dx_neg[:256], dx_same[:256])
+    assert torch.equal(dx_neg[256:], -dx_same[256:])
+
+
+@gpu
+def test_dgrad2_realistic_shape_48_groups():
+    # the gate/up projections' input gradient at H = 7168, F = 2048: 48 groups (32 home experts, 16 slots),
+    # some empty, padding rows past the end; many tiles per CTA
+    pad = 128
+    lengths = _random_lengths(pad, 32, 16, 5, seed=48)
+    pair_a, pair_b, cu = _make_dgrad2(lengths, 32, kd=7168, nd=2048, n_total=sum(lengths) + 2 * pad, seed=48)
+    _check_dgrad2(pair_a, pair_b, cu, pad=pad)
+    _check_dgrad2_pairs_separately(pair_a, pair_b, cu, pad=pad)
+
+
+@gpu
+def test_registered_dgrad2_op_dispatches_to_the_kernel_and_captures():
+    pad = 128
+    pair_a, pair_b, cu = _make_dgrad2(_random_lengths(pad, 3, 2, 4, seed=9), 3, kd=256, nd=384, seed=9)
+    eager = group_gemm_dgrad2(*pair_a, *pair_b, cu, pad=pad)
+    assert torch.equal(torch.ops.moonep.group_gemm_dgrad2(*pair_a, *pair_b, cu, pad), eager)
+    # within bf16 tolerance of the CPU reference op (fp32 sum, one rounding)
+    cpu = torch.ops.moonep.group_gemm_dgrad2(*(t.cpu() for t in pair_a), *(t.cpu() for t in pair_b), cu.cpu(), pad)
+    torch.testing.assert_close(eager.cpu().float(), cpu.float(), atol=2e-2, rtol=2e-2)
+    out = torch.empty_like(eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        group_gemm_dgrad2(*pair_a, *pair_b, cu, pad=pad, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @gpu
@@ -700,23 +839,23 @@ def _swiglu_inputs(n=256, kd=64, nd=64, epn=2, nb=1):
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda a: (a[0].float(), *a[1:]), r"^x must be bfloat16"),
-        (lambda a: (a[0], a[1].half(), *a[2:]), r"^w_gate_home must be bfloat16"),
-        (lambda a: (a[0], a[1], a[2].float(), *a[3:]), r"^w_gate_slot must be bfloat16"),
-        (lambda a: (*a[:3], a[3].half(), *a[4:]), r"^w_up_home must be bfloat16"),
-        (lambda a: (*a[:4], a[4][:, :, :56].contiguous(), a[5]), r"^w_up_slot must have the shape of w_gate_slot"),
-        (lambda a: (*a[:4], a[4].transpose(1, 2), a[5]), r"^w_up_slot must be contiguous"),
-        (lambda a: (*a[:3], a[3][:, :, :56].contiguous(), *a[4:]), r"^w_up_home must have the shape of w_gate_home"),
-        (lambda a: (*a[:4], a[4][:0], a[5]), r"^w_up_slot must have the shape of w_gate_slot"),
-        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^w_gate_home.shape\[1\]"),
-        (lambda a: (*a[:5], a[5][:2]), r"^cu_seqlens must be 1-D of length epn \+ B"),
-        (lambda a: a, r"^x must be a CUDA tensor"),
+        (lambda a: (a[0].float(), *a[1:]), r"x must be bfloat16"),
+        (lambda a: (a[0], a[1].half(), *a[2:]), r"w_gate_home must be bfloat16"),
+        (lambda a: (a[0], a[1], a[2].float(), *a[3:]), r"w_gate_slot must be bfloat16"),
+        (lambda a: (*a[:3], a[3].half(), *a[4:]), r"w_up_home must be bfloat16"),
+        (lambda a: (*a[:4], a[4][:, :, :56].contiguous(), a[5]), r"w_up_slot must have shape \[1, 64, 64\], got \[1, 64, 56"),
+        (lambda a: (*a[:4], a[4].transpose(1, 2), a[5]), r"w_up_slot must be contiguous"),
+        (lambda a: (*a[:3], a[3][:, :, :56].contiguous(), *a[4:]), r"w_up_home must have shape \[2, 64, 64\]"),
+        (lambda a: (*a[:4], a[4][:0], a[5]), r"w_up_slot must have shape \[1, 64, 64\], got \[0, 64, 64\]"),
+        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"w_gate_home must have shape \[\*, 56, \*\]"),
+        (lambda a: (*a[:5], a[5][:2]), r"cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\)"),
+        (lambda a: a, r"x must be a CUDA tensor"),
     ],
 )
 def test_swiglu_bad_inputs(mutate, match):
     from csrc_cute.group_gemm import group_gemm_swiglu
 
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_swiglu: " + match):
         group_gemm_swiglu(*mutate(_swiglu_inputs()))
 
 
@@ -725,15 +864,16 @@ def test_row_scale_bad_inputs():
 
     x, wh, ws, cu = _inputs()
     rw = torch.ones(x.shape[0])
-    with pytest.raises(ValueError, match=r"^row_w must be float32"):
+    op = r"^moonep\.group_gemm_row_scale: "
+    with pytest.raises(ValueError, match=op + r"row_w must have dtype float32"):
         group_gemm_row_scale(x, wh, ws, cu, rw.double())
-    with pytest.raises(ValueError, match=r"^row_w must be 1-D \[N=256\]"):
+    with pytest.raises(ValueError, match=op + r"row_w must have shape \[256\]"):
         group_gemm_row_scale(x, wh, ws, cu, rw[:128])
-    with pytest.raises(ValueError, match=r"^row_w must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=op + r"row_w must be a Tensor"):  # the contract's type error
         group_gemm_row_scale(x, wh, ws, cu, 1.0)
-    with pytest.raises(ValueError, match=r"^w_home must be bfloat16"):
+    with pytest.raises(ValueError, match=op + r"w_home must be bfloat16"):
         group_gemm_row_scale(x, wh.half(), ws, cu, rw)
-    with pytest.raises(ValueError, match=r"^x must be a CUDA tensor"):
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
         group_gemm_row_scale(x, wh, ws, cu, rw)
 
 
@@ -745,19 +885,20 @@ def _remote_args():
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda r: (r[0].long(), r[1]), r"^remote_experts must be int32"),
-        (lambda r: (r[0][None], r[1]), r"^remote_experts must be 1-D"),
-        (lambda r: (r[0][:0], r[1]), r"^remote_experts must hold at least one remote group \(n_remote >= 1\)"),
-        (lambda r: (r[0].tolist(), r[1]), r"^remote_experts must be a torch.Tensor"),
-        (lambda r: (r[0].to("meta"), r[1]), r"^remote_experts must be on the same device as x \(cpu\), got meta"),
-        (lambda r: (r[0], r[1].int()), r"^peers must be int64"),
-        (lambda r: (r[0], r[1][:0]), r"^peers must hold at least one rank's address \(R >= 1\)"),
-        (lambda r: (r[0], r[1].view(1, 2)), r"^peers must be 1-D"),
-        (lambda r: (r[0], torch.zeros(4, dtype=torch.int64)[::2]), r"^peers must be contiguous"),
-        (lambda r: (r[0], r[1].to("meta")), r"^peers must be on the same device as x \(cpu\), got meta"),
-        (lambda r: r[0], r"^remote must be None or a tuple \(remote_experts, peers\), got Tensor"),
-        (lambda r: (r[0],), r"^remote must be None or a tuple \(remote_experts, peers\), got tuple of length 1"),
-        (lambda r: r, r"^x must be a CUDA tensor"),  # everything else fine
+        (lambda r: (r[0].long(), r[1]), r"experts_remote must have dtype int32"),
+        (lambda r: (r[0][None], r[1]), r"experts_remote must have shape \[\*\]"),
+        # no remote groups (the op's empty experts_remote): cu_seqlens must then hold epn + B entries
+        (lambda r: (r[0][:0], r[1]), r"cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B \+ "
+                                     r"n_remote = 3 \+ 0\), got \[5\]"),
+        (lambda r: (r[0].to("meta"), r[1]), r"experts_remote must be on cpu like the other inputs, got meta"),
+        (lambda r: (r[0], r[1].int()), r"peers must be int64"),
+        (lambda r: (r[0], r[1][:0]), r"peers must be 1-D holding at least one rank's address \(R >= 1\)"),
+        (lambda r: (r[0], r[1].view(1, 2)), r"peers must be 1-D"),
+        (lambda r: (r[0], torch.zeros(4, dtype=torch.int64)[::2]), r"peers must be contiguous"),
+        (lambda r: (r[0], r[1].to("meta")), r"peers must be on cpu like the other inputs, got meta"),
+        (lambda r: r[0], r"remote must be None or a tuple \(experts_remote, peers\), got Tensor"),
+        (lambda r: (r[0],), r"remote must be None or a tuple \(experts_remote, peers\), got tuple of length 1"),
+        (lambda r: r, r"x must be a CUDA tensor"),  # everything else fine
     ],
 )
 def test_row_scale_remote_bad_inputs(mutate, match):
@@ -766,8 +907,10 @@ def test_row_scale_remote_bad_inputs(mutate, match):
     x, wh, ws, cu = _inputs(epn=2, nb=1)
     cu = torch.zeros(2 + 1 + 2, dtype=torch.int32)  # G = epn + B + n_remote
     rw = torch.ones(x.shape[0])
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_row_scale: " + match):
         group_gemm_row_scale(x, wh, ws, cu, rw, remote=mutate(_remote_args()))
+    with pytest.raises(TypeError, match=r"^moonep\.group_gemm_row_scale: experts_remote must be a Tensor"):
+        group_gemm_row_scale(x, wh, ws, cu, rw, remote=(_remote_args()[0].tolist(), _remote_args()[1]))
 
 
 def test_remote_cu_seqlens_length_and_swiglu_names():
@@ -775,27 +918,31 @@ def test_remote_cu_seqlens_length_and_swiglu_names():
 
     x, wh, ws, cu = _inputs(epn=2, nb=1)  # cu: epn + B entries, no room for the remote groups
     rw = torch.ones(x.shape[0])
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D of length epn \+ B \+ n_remote = 3 \+ 2"):
+    rs, sg = r"^moonep\.group_gemm_row_scale: ", r"^moonep\.group_gemm_swiglu: "
+    with pytest.raises(ValueError, match=rs + r"cu_seqlens must have shape \[5\] \(one entry per group: epn \+ B \+ "
+                                         r"n_remote = 3 \+ 2\)"):
         group_gemm_row_scale(x, wh, ws, cu, rw, remote=_remote_args())
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D of length epn \+ B = 3, got shape \(5,\)"):
+    with pytest.raises(ValueError, match=rs + r"cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\), "
+                                         r"got \[5\]"):
         group_gemm_row_scale(x, wh, ws, torch.zeros(5, dtype=torch.int32), rw)  # remote groups but no remote
     sw = list(_swiglu_inputs())
     sw[5] = torch.zeros(2 + 1 + 2, dtype=torch.int32)
     experts, peers = _remote_args()
     for remote, match in (
-        ((experts, peers), r"^remote must be None or a tuple \(remote_experts, gate_peers, up_peers\)"),
-        ((experts, peers.int(), peers), r"^gate_peers must be int64"),
-        ((experts, peers, peers[:0]), r"^up_peers must hold at least one rank's address"),
-        ((experts, peers, peers.to("meta")), r"^up_peers must be on the same device as x"),
-        ((experts, peers, torch.zeros(3, dtype=torch.int64)), r"^gate_peers, up_peers must have the same length"),
-        ((experts.float(), peers, peers), r"^remote_experts must be int32"),
-        ((experts, peers, peers), r"^x must be a CUDA tensor"),
+        ((experts, peers), r"remote must be None or a tuple \(experts_remote, gate_peers, up_peers\)"),
+        ((experts, peers.int(), peers), r"gate_peers must be int64"),
+        ((experts, peers, peers[:0]), r"up_peers must be 1-D holding at least one rank's address"),
+        ((experts, peers, peers.to("meta")), r"up_peers must be on cpu like the other inputs"),
+        ((experts, peers, torch.zeros(3, dtype=torch.int64)), r"gate_peers, up_peers must have the same length"),
+        ((experts.float(), peers, peers), r"experts_remote must have dtype int32"),
+        ((experts, peers, peers), r"x must be a CUDA tensor"),
     ):
         for store_preact in (False, True):
-            with pytest.raises(ValueError, match=match):
+            with pytest.raises(ValueError, match=sg + match):
                 group_gemm_swiglu(*sw, store_preact=store_preact, remote=remote)
     sw[5] = sw[5][:3]
-    with pytest.raises(ValueError, match=r"^cu_seqlens must be 1-D of length epn \+ B \+ n_remote = 3 \+ 2"):
+    with pytest.raises(ValueError, match=sg + r"cu_seqlens must have shape \[5\] \(one entry per group: epn \+ B \+ "
+                                         r"n_remote = 3 \+ 2\)"):
         group_gemm_swiglu(*sw, remote=(experts, peers, peers))
 
 
@@ -1078,22 +1225,22 @@ def test_swiglu_bwd_bad_inputs():
     gate, up = torch.zeros(n, f, dtype=torch.bfloat16), torch.zeros(n, f, dtype=torch.bfloat16)
     ok = (g_y, wdh, wds, cu, rw, gate, up)
     for i, bad, match in (
-        (0, g_y.float(), r"^g_y must be bfloat16"),
-        (0, g_y[:, :64].contiguous(), r"^w_down_home.shape\[2\]"),
-        (1, wdh.half(), r"^w_down_home must be bfloat16"),
-        (2, wds[:, :, :64].contiguous(), r"^w_down_slot must be \[B"),
-        (3, cu[:2], r"^cu_seqlens must be 1-D"),
-        (4, rw.double(), r"^row_w must be float32"),
-        (4, rw[:8], r"^row_w must have shape \[256\]"),
-        (5, gate[:, :32].contiguous(), r"^gate must have shape \[256, 64\]"),
-        (6, up.float(), r"^up must be bfloat16"),
-        (6, up.t().contiguous().t(), r"^up must be contiguous"),
-        (None, None, r"^g_y must be a CUDA tensor"),
+        (0, g_y.float(), r"g_y must be bfloat16"),
+        (0, g_y[:, :64].contiguous(), r"w_down_home must have shape \[\*, \*, 64\]"),
+        (1, wdh.half(), r"w_down_home must be bfloat16"),
+        (2, wds[:, :, :64].contiguous(), r"w_down_slot must have shape \[\*, 64, 128\]"),
+        (3, cu[:2], r"cu_seqlens must have shape \[3\]"),
+        (4, rw.double(), r"row_w must have dtype float32"),
+        (4, rw[:8], r"row_w must have shape \[256\]"),
+        (5, gate[:, :32].contiguous(), r"gate must have shape \[256, 64\]"),
+        (6, up.float(), r"up must be bfloat16"),
+        (6, up.t().contiguous().t(), r"up must be contiguous"),
+        (None, None, r"g_y must be a CUDA tensor"),
     ):
         args = list(ok)
         if i is not None:
             args[i] = bad
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=r"^moonep\.group_gemm_swiglu_bwd: " + match):
             group_gemm_swiglu_bwd(*args)
 
 

@@ -50,6 +50,8 @@ def op_cases(group, ids=None):
                                                                 group)),
         "group_gemm": (ops.group_gemm.default, (rows, w_home, w_slot, cu, c.P)),
         "group_gemm_dgrad": (ops.group_gemm_dgrad.default, (hidden, w_home, w_slot, cu, c.P)),
+        "group_gemm_dgrad2": (ops.group_gemm_dgrad2.default, (hidden, w_home, w_slot, hidden * 0.5, w_home * 2,
+                                                              w_slot * 0.5, cu, c.P)),
         "group_gemm_wgrad": (ops.group_gemm_wgrad.default, (rows, hidden, cu, torch.zeros(c.epn, c.H, c.F),
                                                             torch.zeros(c.B, c.H, c.F), c.P)),
         "group_gemm_swiglu": (ops.group_gemm_swiglu.default, (rows, w_home, w_slot, w_home * 0.5, w_slot * 2, cu,
@@ -133,6 +135,22 @@ def test_group_gemm_values():
     dx = ops.group_gemm_dgrad(dy, w_home, w_slot, cu, P)
     torch.testing.assert_close(dx[16:48], dy[16:48] @ w_slot[0].t())
     assert not dx[64:].any()
+    # dgrad2: both products summed in fp32, rounded once to the rows' dtype
+    bf = torch.bfloat16
+    dy_a, dy_b = (torch.randn(80, Nd).to(bf) for _ in range(2))
+    wa_home, wa_slot, wb_home, wb_slot = (w.to(bf) for w in (w_home, w_slot, torch.randn(epn, Kd, Nd),
+                                                              torch.randn(B, Kd, Nd)))
+    dx2 = ops.group_gemm_dgrad2(dy_a, wa_home, wa_slot, dy_b, wb_home, wb_slot, cu, P)
+    assert dx2.dtype == bf and dx2.shape == (80, Kd)
+    for (s0, e0), wa, wb in (((0, 16), wa_home[0], wb_home[0]), ((16, 48), wa_slot[0], wb_slot[0]),
+                             ((48, 64), wa_slot[1], wb_slot[1])):
+        want = (dy_a[s0:e0].float() @ wa.float().t() + dy_b[s0:e0].float() @ wb.float().t()).to(bf)
+        assert torch.equal(dx2[s0:e0], want)
+    assert not dx2[64:].any()
+    with pytest.raises(ValueError, match=r"moonep.group_gemm_dgrad2: dy_b must have shape \[80, 8\]"):
+        ops.group_gemm_dgrad2(dy_a, wa_home, wa_slot, dy_b[:, :4].contiguous(), wb_home, wb_slot, cu, P)
+    with pytest.raises(ValueError, match=r"moonep.group_gemm_dgrad2: w_b_slot must have shape \[2, 16, 8\]"):
+        ops.group_gemm_dgrad2(dy_a, wa_home, wa_slot, dy_b, wb_home, wb_slot[:1], cu, P)
     # home groups are written (an empty one gets zeros), slot groups accumulate onto their fp32 content
     dw_home, dw_slot = torch.full((epn, Kd, Nd), float("nan")), torch.ones(B, Kd, Nd)
     ops.group_gemm_wgrad(x, dy, cu, dw_home, dw_slot, P)

@@ -1,11 +1,13 @@
-"""Grouped GEMM for Hopper (sm_90a) in the CuTe DSL: forward, dgrad, varlen-K wgrad, the fused SwiGLU
+"""Grouped GEMM for Hopper (sm_90a) in the CuTe DSL: forward, dgrad, dgrad of two operand pairs into one
+output (dgrad2), varlen-K wgrad, the fused SwiGLU
 gate/up kernel, the row-scaled forward and the SwiGLU-backward dgrad (remote-group variants of the
 inference kernels included).
 
 Modules: ``config`` (tile configurations), ``host`` (validation, compile cache, launch; imports no
 DSL until a kernel is compiled), ``base`` (the shared mainloop, epilogue helpers and the one
 warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), ``remote`` (remote-weight
-descriptors), and one module per kernel family: ``rows`` (forward, dgrad, row scale), ``swiglu``,
+descriptors), ``pairs`` (dgrad2's two operand pairs), and one module per kernel family: ``rows`` (forward,
+dgrad, dgrad2, row scale), ``swiglu``,
 ``swiglu_bwd``, ``wgrad``. This package exports the host API.
 """
 
@@ -20,6 +22,7 @@ from .config import (
 from .host import (
     compile_group_gemm,
     compile_group_gemm_dgrad,
+    compile_group_gemm_dgrad2,
     compile_group_gemm_for_sm90,
     compile_group_gemm_row_scale,
     compile_group_gemm_swiglu,
@@ -27,6 +30,7 @@ from .host import (
     compile_group_gemm_wgrad,
     compile_op,
     group_gemm_dgrad,
+    group_gemm_dgrad2,
     group_gemm_fwd,
     group_gemm_row_scale,
     group_gemm_swiglu,
@@ -43,6 +47,7 @@ __all__ = [
     "select_wgrad_config",
     "compile_group_gemm",
     "compile_group_gemm_dgrad",
+    "compile_group_gemm_dgrad2",
     "compile_group_gemm_for_sm90",
     "compile_group_gemm_row_scale",
     "compile_group_gemm_swiglu",
@@ -50,6 +55,7 @@ __all__ = [
     "compile_group_gemm_wgrad",
     "compile_op",
     "group_gemm_dgrad",
+    "group_gemm_dgrad2",
     "group_gemm_fwd",
     "group_gemm_row_scale",
     "group_gemm_swiglu",

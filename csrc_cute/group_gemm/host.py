@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from moonep_ops.fake import group_gemm as contracts  # the ops' contracts: the checks their fake kernels run
+
 from ..jit import KernelFamily
 from .config import (
     H100_H200_NUM_SMS,
@@ -96,6 +98,25 @@ def compile_group_gemm_dgrad(kd: int, nd: int, config: GroupGemmConfig):
     """The dgrad kernel (same class, B K-major): takes (dy [N, Nd], w_home, w_slot, cu_seqlens,
     dx [N, Kd]). ``config.tile_n`` tiles the output columns, Kd."""
     return _compile_rows_kernel("group_gemm_dgrad", nd, kd, kd, nd, True, config)
+
+
+def compile_group_gemm_dgrad2(kd: int, nd: int, config: GroupGemmConfig):
+    """The dgrad of two operand pairs into one output: takes (dy_a [N, Nd], wa_home, wa_slot, dy_b [N, Nd],
+    wb_home, wb_slot [*, Kd, Nd], cu_seqlens, dx [N, Kd]) and writes ``dy_a @ Wa_g^T + dy_b @ Wb_g^T`` per
+    group (one fp32 accumulator). ``config.tile_n`` tiles the output columns, Kd."""
+    import cutlass
+
+    def build():
+        from .rows import GroupGemmDgrad2Sm90
+
+        n, epn, nb, ng = _fake_sizes()
+        bf = cutlass.BFloat16
+        pair = lambda: (_fake(bf, (n, nd)), _fake(bf, (epn, kd, nd)), _fake(bf, (nb, kd, nd)))  # noqa: E731
+        return _compile_for_torch(
+            GroupGemmDgrad2Sm90(config), *pair(), *pair(), _fake(cutlass.Int32, (ng,), 4), _fake(bf, (n, kd)),
+        )
+
+    return _compile_cached(("group_gemm_dgrad2", int(kd), int(nd), tuple(config)), build)
 
 
 def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
@@ -205,109 +226,86 @@ def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name="x", red_dim=1, w_names=("w_home", "w_slot"),
-                  check_device=True, remote=None, peer_names=("peers",)):
-    """Checks of the row-grouped kernels; ``red_dim`` is the weight dim that x's columns match
-    (1 = Kd: forward, 2 = Nd: dgrad, with x = dy); ``w_names`` name the weights in the errors;
-    ``check_device=False`` leaves out the device and alignment checks. ``remote``: None, or the tuple
-    (remote_experts, *peers) of the kernels with remote groups (``peer_names`` name the peers); then
-    cu_seqlens has epn + B + n_remote entries (see ``_check_remote``)."""
-    if w_names != ("w_home", "w_slot"):
-        try:
-            return _check_inputs(x, w_home, w_slot, cu_seqlens, pad, x_name, red_dim, check_device=check_device,
-                                 remote=remote, peer_names=peer_names)
-        except ValueError as exc:  # name the caller's weights
-            msg = str(exc)
-            msg = msg.replace("w_home", "\0").replace("w_slot", w_names[1]).replace("\0", w_names[0])
-            raise ValueError(msg) from None
-    for name, t in ((x_name, x), ("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in ((x_name, x), ("w_home", w_home), ("w_slot", w_slot)):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    red_name = "Kd" if red_dim == 1 else "Nd"
-    if x.dim() != 2:
-        raise ValueError(f"{x_name} must be 2-D [N, {red_name}], got shape {tuple(x.shape)}")
-    if w_home.dim() != 3:
-        raise ValueError(f"w_home must be 3-D [epn, Kd, Nd], got shape {tuple(w_home.shape)}")
-    if w_slot.dim() != 3:
-        raise ValueError(f"w_slot must be 3-D [B, Kd, Nd], got shape {tuple(w_slot.shape)}")
-    n, red = x.shape
-    epn, kd, nd = w_home.shape
-    nb, kd_s, nd_s = w_slot.shape
+def _check_kernel_args(op: str, contract, pad: int, bf16, home: str, aligned=(), remote=None,
+                       peer_names=("peers",)) -> dict[str, int]:
+    """The CUDA-only validation of a kernel launch, wrapped around the op's contract; errors name the op
+    (``moonep.<op>``), the argument and the rule.
+
+    ``bf16``: (name, tensor) of the row and weight operands, which the kernels read as bfloat16 (checked
+    first, so that a float32 input is named itself rather than as a dtype mismatch of the others; the first
+    names the device). ``contract(experts_remote)``: the op's contract (moonep_ops/fake/group_gemm.py, the check its
+    fake kernel runs: dtypes, shapes, devices, contiguity, P a power of two), returning (the kernel's static
+    sizes by name, epn). Then what only the kernels need: P >= 64 (the smallest M tile lies inside one
+    group), sizes that are positive multiples of 8 (16-byte TMA strides), at least one home expert
+    (``home`` names its weights: the home map stands in for an empty slot map), a CUDA device, 16-byte
+    aligned TMA operands (``bf16`` and ``aligned``) and, with ``remote`` = (experts_remote, *peers) naming
+    at least one remote group, the remote groups' peer tables (``peer_names``; with an empty experts_remote
+    there are no remote groups and the peers are not read). Returns the sizes."""
+    for name, t in bf16:
+        if isinstance(t, torch.Tensor) and t.dtype != torch.bfloat16:
+            raise ValueError(f"moonep.{op}: {name} must be bfloat16 for the CuTe kernel, got {t.dtype}")
+    names = ("experts_remote",) + tuple(peer_names)
+    if remote is not None and (not isinstance(remote, tuple) or len(remote) != len(names)):
+        raise ValueError(f"moonep.{op}: remote must be None or a tuple ({', '.join(names)}), got "
+                         f"{type(remote).__name__}" + (f" of length {len(remote)}" if isinstance(remote, tuple) else ""))
+    sizes, epn = contract(None if remote is None else remote[0])
+    if pad < 64:
+        raise ValueError(f"moonep.{op}: P must be >= 64 for the CuTe kernel (its smallest M tile, 64 rows, must "
+                         f"lie inside one group), got P={pad}")
+    for name, v in sizes.items():
+        if v < 8 or v % 8:
+            raise ValueError(f"moonep.{op}: {name} must be a positive multiple of 8 for the CuTe kernel (16-byte "
+                             f"TMA strides), got {name}={v}")
     if epn < 1:
-        raise ValueError(f"w_home must hold at least one expert (epn >= 1), got epn={epn}")
-    if w_home.shape[red_dim] != red:
-        raise ValueError(
-            f"w_home.shape[{red_dim}] ({red_name}={w_home.shape[red_dim]}) must equal "
-            f"{x_name}.shape[1] ({red_name}={red})"
-        )
-    if (kd_s, nd_s) != (kd, nd):
-        raise ValueError(
-            f"w_slot must be [B, Kd={kd}, Nd={nd}] like w_home, got shape {tuple(w_slot.shape)}"
-        )
-    if kd < 8 or kd % 8:
-        raise ValueError(f"Kd (w_home.shape[1]) must be a positive multiple of 8, got {kd}")
-    if nd < 8 or nd % 8:
-        raise ValueError(f"Nd (w_home.shape[2]) must be a positive multiple of 8, got {nd}")
-    remote_tensors = ()
-    if remote is not None:
-        remote_tensors = _check_remote(remote, peer_names)
-    _check_cu(cu_seqlens, epn + nb, remote_tensors[0][1].shape[0] if remote_tensors else 0)
-    if not check_device:
-        return n, kd, nd, epn, nb
-    dev = x.device
-    for name, t in (("w_home", w_home), ("w_slot", w_slot), ("cu_seqlens", cu_seqlens)) + remote_tensors:
-        if t.device != dev:
-            raise ValueError(f"{name} must be on the same device as {x_name} ({dev}), got {t.device}")
-    if dev.type != "cuda":
-        raise ValueError(f"{x_name} must be a CUDA tensor for the CuTe kernel, got device {dev}")
-    for name, t in ((x_name, x), ("w_home", w_home), ("w_slot", w_slot)):
+        raise ValueError(f"moonep.{op}: {home} must hold at least one expert (epn >= 1) for the CuTe kernel, "
+                         f"got epn={epn}")
+    x_name, x = bf16[0]
+    if _has_remote(remote):
+        _check_peers(op, remote, peer_names, x.device)
+    if x.device.type != "cuda":
+        raise ValueError(f"moonep.{op}: {x_name} must be a CUDA tensor for the CuTe kernel, got device {x.device}")
+    for name, t in tuple(bf16) + tuple(aligned):
         if t.numel() and t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
-    return n, kd, nd, epn, nb
+            raise ValueError(f"moonep.{op}: {name} must be 16-byte aligned for the CuTe kernel (TMA)")
+    return sizes
 
 
-def _check_cu(cu_seqlens, num_groups, n_remote=0):
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != num_groups + n_remote:
-        what = f"epn + B + n_remote = {num_groups} + {n_remote}" if n_remote else f"epn + B = {num_groups}"
-        raise ValueError(f"cu_seqlens must be 1-D of length {what}, got shape {tuple(cu_seqlens.shape)}")
-    if not cu_seqlens.is_contiguous():
-        raise ValueError("cu_seqlens must be contiguous")
+def _has_remote(remote) -> bool:
+    """Whether a (checked) ``remote`` names remote groups: not None, with a non-empty experts_remote."""
+    return remote is not None and remote[0].shape[0] > 0
 
 
-def _check_remote(remote, peer_names):
-    """Checks of ``remote`` = (remote_experts, *peers) (dtype, 1-D, non-empty, contiguous; the caller
-    checks the devices); returns ((name, tensor), ...) of its tensors. The values live on the device and
-    are not checked (no host sync): see the preconditions in ``group_gemm_row_scale``."""
-    names = ("remote_experts",) + tuple(peer_names)
-    if not isinstance(remote, tuple) or len(remote) != len(names):
-        raise ValueError(f"remote must be None or a tuple ({', '.join(names)}), got {type(remote).__name__}"
-                         + (f" of length {len(remote)}" if isinstance(remote, tuple) else ""))
-    for (name, what, dtype), t in zip(
-        [("remote_experts", "at least one remote group (n_remote >= 1)", torch.int32)]
-        + [(pn, "at least one rank's address (R >= 1)", torch.int64) for pn in peer_names],
-        remote,
-    ):
+def _check_peers(op: str, remote, peer_names, device: torch.device) -> None:
+    """The kernels' remote operands beyond the contract's experts_remote: per B ring an int64 [R >= 1]
+    table of the home weights' device addresses (one length for all), on ``device``. The values live on
+    the device and are not checked (no host sync): see the preconditions in ``group_gemm_row_scale``."""
+    for name, t in zip(peer_names, remote[1:]):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise ValueError(f"{name} must be {str(dtype).replace('torch.', '')}, got {t.dtype}")
-        if t.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-        if t.shape[0] < 1:
-            raise ValueError(f"{name} must hold {what}, got shape {tuple(t.shape)}")
+            raise TypeError(f"moonep.{op}: {name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64:
+            raise ValueError(f"moonep.{op}: {name} must be int64 (device addresses), got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] < 1:
+            raise ValueError(f"moonep.{op}: {name} must be 1-D holding at least one rank's address (R >= 1), "
+                             f"got shape {tuple(t.shape)}")
         if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if len(peer_names) > 1 and any(t.shape != remote[1].shape for t in remote[2:]):
-        raise ValueError(f"{', '.join(peer_names)} must have the same length (one address per rank), got "
-                         f"{', '.join(str(tuple(t.shape)) for t in remote[1:])}")
-    return tuple(zip(names, remote))
+            raise ValueError(f"moonep.{op}: {name} must be contiguous")
+        if t.device != device:
+            raise ValueError(f"moonep.{op}: {name} must be on {device} like the other inputs, got {t.device}")
+    if any(t.shape != remote[1].shape for t in remote[2:]):
+        raise ValueError(f"moonep.{op}: {', '.join(peer_names)} must have the same length (one address per rank), "
+                         f"got {', '.join(str(tuple(t.shape)) for t in remote[1:])}")
+
+
+def _weights_contract(check, op_args, w_home, names=("Kd", "Nd")):
+    """A row kernel's contract: ``check(*op_args[, experts_remote])`` (moonep_ops/fake/group_gemm.py), then the two inner
+    sizes of the (checked) weights [epn, *, *] under ``names``, and epn."""
+
+    def contract(experts_remote):
+        check(*op_args, *(() if experts_remote is None else (experts_remote,)))
+        epn, rows, cols = w_home.shape
+        return dict(zip(names, (rows, cols))), epn
+
+    return contract
 
 
 def _desc_workspace(device: torch.device, num_rings: int) -> torch.Tensor:
@@ -333,13 +331,15 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
 
 
 def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
-    """The kernel of ``op`` ("fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
+    """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd"; "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote": with remote groups) for
     static (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
         return compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
+    if op == "dgrad2":
+        return compile_group_gemm_dgrad2(kd, nd, select_config(pad, kd, num_sms))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op in ("row_scale", "row_scale_remote"):
@@ -365,11 +365,14 @@ def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
     return fn
 
 
-def _out_tensor(out, n, cols, device):
+def _out_tensor(op: str, name: str, out, n, cols, device):
+    """A fresh bf16 [n, cols] output, or the caller's ``out`` after checking it can take the TMA stores."""
     if out is None:
         return torch.empty(n, cols, dtype=torch.bfloat16, device=device)
-    if out.shape != (n, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != device:
-        raise ValueError(f"out must be a contiguous bf16 [{n}, {cols}] tensor on {device}")
+    if (not isinstance(out, torch.Tensor) or out.shape != (n, cols) or out.dtype != torch.bfloat16
+            or not out.is_contiguous() or out.device != device or (out.numel() and out.data_ptr() % 16)):
+        raise ValueError(f"moonep.{op}: {name} must be a contiguous, 16-byte aligned bf16 [{n}, {cols}] tensor "
+                         f"on {device}")
     return out
 
 
@@ -379,12 +382,16 @@ def _slot_map(w_slot: torch.Tensor, w_home: torch.Tensor) -> torch.Tensor:
     return w_home if w_slot.shape[0] == 0 else w_slot
 
 
-def _rows_gemm(op: str, a, w_home, w_slot, cu_seqlens, pad: int, out, a_name: str, red_dim: int):
-    """Forward (``red_dim`` 1) or dgrad (``red_dim`` 2): ``a [N, red] @ op(W_g)`` per group."""
-    n, kd, nd, epn, nb = _check_inputs(a, w_home, w_slot, cu_seqlens, pad, x_name=a_name, red_dim=red_dim)
-    fn = _launcher(op, kd, nd, pad, a.device)
-    c = _out_tensor(out, n, nd if red_dim == 1 else kd, a.device)
-    if n:
+def _rows_gemm(kernel: str, a, w_home, w_slot, cu_seqlens, pad: int, out):
+    """Forward (``kernel`` "fwd": ``y = x @ W_g``) or dgrad ("dgrad": ``dx = dy @ W_g^T``) per group."""
+    op, a_name, check = (("group_gemm", "x", contracts.check_group_gemm_args) if kernel == "fwd"
+                         else ("group_gemm_dgrad", "dy", contracts.check_dgrad_args))
+    sizes = _check_kernel_args(op, _weights_contract(check, (a, w_home, w_slot, cu_seqlens, pad), w_home), pad,
+                               ((a_name, a), ("w_home", w_home), ("w_slot", w_slot)), "w_home")
+    kd, nd = sizes["Kd"], sizes["Nd"]
+    fn = _launcher(kernel, kd, nd, pad, a.device)
+    c = _out_tensor(op, "out", out, a.shape[0], nd if kernel == "fwd" else kd, a.device)
+    if a.shape[0]:
         fn(a, w_home, _slot_map(w_slot, w_home), cu_seqlens, c)
     return c
 
@@ -401,7 +408,7 @@ def group_gemm_fwd(
 
     ``pad`` is P, the multiple every group length has (a power of two >= 64 for this kernel).
     """
-    return _rows_gemm("fwd", x, w_home, w_slot, cu_seqlens, pad, out, "x", 1)
+    return _rows_gemm("fwd", x, w_home, w_slot, cu_seqlens, pad, out)
 
 
 def group_gemm_dgrad(
@@ -414,7 +421,38 @@ def group_gemm_dgrad(
 ) -> torch.Tensor:
     """``dx[N, Kd]``: ``dx[rows of g] = dy[rows of g] @ W_g^T``, rows past the last group zero (no host
     sync). ``pad`` is P (a power of two >= 64)."""
-    return _rows_gemm("dgrad", dy, w_home, w_slot, cu_seqlens, pad, out, "dy", 2)
+    return _rows_gemm("dgrad", dy, w_home, w_slot, cu_seqlens, pad, out)
+
+
+def group_gemm_dgrad2(
+    dy_a: torch.Tensor,
+    w_a_home: torch.Tensor,
+    w_a_slot: torch.Tensor,
+    dy_b: torch.Tensor,
+    w_b_home: torch.Tensor,
+    w_b_slot: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    pad: int = 128,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``dx[N, Kd]``: ``dx[rows of g] = dy_a[rows of g] @ Wa_g^T + dy_b[rows of g] @ Wb_g^T`` in one kernel
+    (one fp32 accumulator over both products, one bf16 rounding, one store), rows past the last group
+    zero; both weight pairs ``[epn, Kd, Nd]`` / ``[B, Kd, Nd]``, e.g. the input gradient of the gate and up
+    projections. No host sync. ``pad`` is P (a power of two >= 64)."""
+    op = "group_gemm_dgrad2"
+    args = (dy_a, w_a_home, w_a_slot, dy_b, w_b_home, w_b_slot, cu_seqlens, pad)
+    sizes = _check_kernel_args(
+        op, _weights_contract(contracts.check_dgrad2_args, args, w_a_home), pad,
+        (("dy_a", dy_a), ("w_a_home", w_a_home), ("w_a_slot", w_a_slot), ("dy_b", dy_b), ("w_b_home", w_b_home),
+         ("w_b_slot", w_b_slot)), "w_a_home",
+    )
+    kd, nd = sizes["Kd"], sizes["Nd"]
+    fn = _launcher("dgrad2", kd, nd, pad, dy_a.device)
+    dx = _out_tensor(op, "out", out, dy_a.shape[0], kd, dy_a.device)
+    if dy_a.shape[0]:
+        fn(dy_a, w_a_home, _slot_map(w_a_slot, w_a_home), dy_b, w_b_home, _slot_map(w_b_slot, w_b_home), cu_seqlens,
+           dx)
+    return dx
 
 
 def group_gemm_row_scale(
@@ -431,34 +469,30 @@ def group_gemm_row_scale(
     accumulators before the bf16 convert (the route weights of the down projection). Rows past the last
     group are zero. ``row_w`` is fp32 ``[N]``. No host sync.
 
-    ``remote`` (inference): None, or ``(remote_experts, peers)``: then the last ``n_remote`` groups are
+    ``remote`` (inference): None, or ``(experts_remote, peers)``: then the last ``n_remote`` groups are
     remote groups, whose weights are read straight from their home rank (peer-mapped), and
-    ``cu_seqlens`` has ``G = epn + B + n_remote`` entries. ``remote_experts`` int32 ``[n_remote >= 1]``
+    ``cu_seqlens`` has ``G = epn + B + n_remote`` entries (``n_remote = 0``: no remote groups, ``peers``
+    not read: the op's empty experts_remote). ``experts_remote`` int32 ``[n_remote]``
     (CUDA) holds the remote groups' global expert ids (ascending, -1 = an unused group); ``peers`` int64
     ``[R]`` (CUDA) holds ``peers[r]`` = the device address (valid on this GPU, e.g. torch symmetric memory)
     of rank r's home weights, a contiguous bf16 ``[epn, Kd, Nd]`` tensor like ``w_home``. Remote group j
-    multiplies by ``W = (rank e // epn's home weights)[e % epn]``, ``e = remote_experts[j]``.
+    multiplies by ``W = (rank e // epn's home weights)[e % epn]``, ``e = experts_remote[j]``.
     Preconditions (on the device values, not checked: no host sync): every remote expert of a launch
     comes from one donor rank (each CTA builds its remote descriptor once, at its first remote tile: a
     different donor would need a new descriptor while loads that use the old one are in flight, i.e. the
     ring drained first; the kernel would read the first donor's weights instead), ``0 <= e < R * epn``
     for every used group, an unused group (-1) is empty, and every peer
     address is 16-byte aligned."""
-    n, kd, nd, epn, nb = _check_inputs(x, w_home, w_slot, cu_seqlens, pad, check_device=False, remote=remote)
-    if not isinstance(row_w, torch.Tensor):
-        raise ValueError(f"row_w must be a torch.Tensor, got {type(row_w).__name__}")
-    if row_w.dtype != torch.float32:
-        raise ValueError(f"row_w must be float32, got {row_w.dtype}")
-    if row_w.dim() != 1 or row_w.shape[0] != n:
-        raise ValueError(f"row_w must be 1-D [N={n}] (one scale per row of x), got shape {tuple(row_w.shape)}")
-    if not row_w.is_contiguous():
-        raise ValueError("row_w must be contiguous")
-    _check_inputs(x, w_home, w_slot, cu_seqlens, pad, remote=remote)
-    if row_w.device != x.device:
-        raise ValueError(f"row_w must be on the same device as x ({x.device}), got {row_w.device}")
+    op = "group_gemm_row_scale"
+    sizes = _check_kernel_args(
+        op, _weights_contract(contracts.check_row_scale_args, (x, w_home, w_slot, cu_seqlens, row_w, pad), w_home),
+        pad, (("x", x), ("w_home", w_home), ("w_slot", w_slot)), "w_home", remote=remote,
+    )
+    kd, nd = sizes["Kd"], sizes["Nd"]
+    remote = remote if _has_remote(remote) else None
     fn = _launcher("row_scale" if remote is None else "row_scale_remote", kd, nd, pad, x.device)
-    y = _out_tensor(out, n, nd, x.device)
-    if n:
+    y = _out_tensor(op, "out", out, x.shape[0], nd, x.device)
+    if x.shape[0]:
         if remote is None:
             fn(x, w_home, _slot_map(w_slot, w_home), cu_seqlens, row_w, y)
         else:
@@ -486,29 +520,26 @@ def group_gemm_swiglu(
     are the bf16 pre-activations (what backward needs) when ``store_preact``, else None (inference).
     Weights ``[epn, H, F]`` home and ``[B, H, F]`` slot, as in ``group_gemm_fwd``. No host sync.
 
-    ``remote`` (inference): None, or ``(remote_experts, gate_peers, up_peers)``: the last ``n_remote``
+    ``remote`` (inference): None, or ``(experts_remote, gate_peers, up_peers)``: the last ``n_remote``
     groups are remote groups, read from their home rank's gate and up weights (``gate_peers[r]``,
     ``up_peers[r]``: addresses of rank r's ``[epn, H, F]`` home weights, like ``w_gate_home`` /
     ``w_up_home``), with ``G = epn + B + n_remote``; as in ``group_gemm_row_scale``, preconditions
     included (one donor rank per launch)."""
-    gate_names, up_names = ("w_gate_home", "w_gate_slot"), ("w_up_home", "w_up_slot")
-    peer_names = ("gate_peers", "up_peers")
-    n, hd, f, epn, nb = _check_inputs(x, w_gate_home, w_gate_slot, cu_seqlens, pad, w_names=gate_names,
-                                      check_device=False, remote=remote, peer_names=peer_names)
-    for name, t, like, ref in (("w_up_home", w_up_home, "w_gate_home", w_gate_home),
-                               ("w_up_slot", w_up_slot, "w_gate_slot", w_gate_slot)):
-        if isinstance(t, torch.Tensor) and t.shape != ref.shape:
-            raise ValueError(f"{name} must have the shape of {like} {tuple(ref.shape)}, got {tuple(t.shape)}")
-    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names, check_device=False, remote=remote,
-                  peer_names=peer_names)
-    _check_inputs(x, w_gate_home, w_gate_slot, cu_seqlens, pad, w_names=gate_names, remote=remote,
-                  peer_names=peer_names)
-    _check_inputs(x, w_up_home, w_up_slot, cu_seqlens, pad, w_names=up_names, remote=remote, peer_names=peer_names)
-    op = "swiglu" if store_preact else "swiglu_h_only"
-    fn = _launcher(op if remote is None else op + "_remote", hd, f, pad, x.device)
-    h = _out_tensor(out, n, f, x.device)
-    gate = _out_tensor(gate_out, n, f, x.device) if store_preact else None
-    up = _out_tensor(up_out, n, f, x.device) if store_preact else None
+    op = "group_gemm_swiglu"
+    weights = (w_gate_home, w_gate_slot, w_up_home, w_up_slot)
+    sizes = _check_kernel_args(
+        op, _weights_contract(contracts.check_swiglu_args, (x, *weights, cu_seqlens, pad), w_gate_home, ("H", "F")),
+        pad,
+        (("x", x), ("w_gate_home", w_gate_home), ("w_gate_slot", w_gate_slot), ("w_up_home", w_up_home),
+         ("w_up_slot", w_up_slot)), "w_gate_home", remote=remote, peer_names=("gate_peers", "up_peers"),
+    )
+    hd, f, n = sizes["H"], sizes["F"], x.shape[0]
+    remote = remote if _has_remote(remote) else None
+    kernel = "swiglu" if store_preact else "swiglu_h_only"
+    fn = _launcher(kernel if remote is None else kernel + "_remote", hd, f, pad, x.device)
+    h = _out_tensor(op, "out", out, n, f, x.device)
+    gate = _out_tensor(op, "gate_out", gate_out, n, f, x.device) if store_preact else None
+    up = _out_tensor(op, "up_out", up_out, n, f, x.device) if store_preact else None
     if n:
         args = (x, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home, _slot_map(w_up_slot, w_up_home),
                 cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
@@ -536,26 +567,15 @@ def group_gemm_swiglu_bwd(
     g_y_g``) and ``g_row_w[r] = sum_f d[r, f] * h[r, f]`` (fp32 [N], the route weights' gradient; per
     128-column tile partial sums, added here in a fixed order). Weights ``[epn, F, H]`` / ``[B, F, H]``.
     No host sync."""
-    n, f, hd, epn, nb = _check_inputs(g_y, w_down_home, w_down_slot, cu_seqlens, pad, x_name="g_y", red_dim=2,
-                                      w_names=("w_down_home", "w_down_slot"), check_device=False)
-    for name, t, dt, shape in (("row_w", row_w, torch.float32, (n,)), ("gate", gate, torch.bfloat16, (n, f)),
-                               ("up", up, torch.bfloat16, (n, f))):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != dt:
-            raise ValueError(f"{name} must be {str(dt).replace('torch.', '')}, got {t.dtype}")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)} (N rows of g_y, F = w_down_home.shape[1]), "
-                             f"got {list(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    _check_inputs(g_y, w_down_home, w_down_slot, cu_seqlens, pad, x_name="g_y", red_dim=2,
-                  w_names=("w_down_home", "w_down_slot"))
-    for name, t in (("row_w", row_w), ("gate", gate), ("up", up)):
-        if t.device != g_y.device:
-            raise ValueError(f"{name} must be on the same device as g_y ({g_y.device}), got {t.device}")
-        if t.numel() and t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
+    op = "group_gemm_swiglu_bwd"
+    sizes = _check_kernel_args(
+        op, _weights_contract(contracts.check_swiglu_bwd_args,
+                              (g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, pad), w_down_home,
+                              ("F", "H")), pad,
+        (("g_y", g_y), ("w_down_home", w_down_home), ("w_down_slot", w_down_slot), ("gate", gate), ("up", up)),
+        "w_down_home", aligned=(("row_w", row_w),),
+    )
+    f, hd, n = sizes["F"], sizes["H"], g_y.shape[0]
     fn = _launcher("swiglu_bwd", hd, f, pad, g_y.device)
     tile_n = 128  # select_swiglu_bwd_config
     dev = g_y.device
@@ -580,35 +600,13 @@ def group_gemm_wgrad(
     ``[epn, Kd, Nd]`` is written). Slot groups: ``dw_slot[j] += x[rows of g]^T @ dy[rows of g]`` in fp32,
     in place (``dw_slot`` ``[B, Kd, Nd]``, the copies' reduce buffers); empty slot groups are not
     touched. No host sync. ``pad`` is P (a power of two >= 64)."""
-    for name, t in (("x", x), ("dy", dy), ("cu_seqlens", cu_seqlens), ("dw_home", dw_home), ("dw_slot", dw_slot)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    for name, t, dt in (("x", x, torch.bfloat16), ("dy", dy, torch.bfloat16),
-                        ("dw_home", dw_home, torch.bfloat16), ("dw_slot", dw_slot, torch.float32)):
-        if t.dtype != dt:
-            raise ValueError(f"{name} must be {str(dt).replace('torch.', '')}, got {t.dtype}")
-    if x.dim() != 2 or dy.dim() != 2 or dy.shape[0] != x.shape[0]:
-        raise ValueError(f"x [N, Kd] and dy [N, Nd] must be 2-D with equal N, got {tuple(x.shape)}, {tuple(dy.shape)}")
-    n, kd = x.shape
-    nd = dy.shape[1]
-    if dw_home.dim() != 3 or tuple(dw_home.shape[1:]) != (kd, nd) or dw_home.shape[0] < 1:
-        raise ValueError(f"dw_home must be [epn >= 1, Kd={kd}, Nd={nd}], got shape {tuple(dw_home.shape)}")
-    if dw_slot.dim() != 3 or tuple(dw_slot.shape[1:]) != (kd, nd):
-        raise ValueError(f"dw_slot must be [B, Kd={kd}, Nd={nd}], got shape {tuple(dw_slot.shape)}")
-    if kd < 8 or kd % 8 or nd < 8 or nd % 8:
-        raise ValueError(f"Kd and Nd must be positive multiples of 8, got Kd={kd}, Nd={nd}")
-    _check_cu(cu_seqlens, dw_home.shape[0] + dw_slot.shape[0])
-    dev = x.device
-    for name, t in (("dy", dy), ("cu_seqlens", cu_seqlens), ("dw_home", dw_home), ("dw_slot", dw_slot)):
-        if t.device != dev:
-            raise ValueError(f"{name} must be on the same device as x ({dev}), got {t.device}")
-    if dev.type != "cuda":
-        raise ValueError(f"x must be a CUDA tensor for the CuTe kernel, got device {dev}")
-    for name, t in (("x", x), ("dy", dy), ("dw_home", dw_home), ("dw_slot", dw_slot)):
-        if t.numel() and t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
+    def contract(_):
+        contracts.check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, pad)
+        return {"Kd": x.shape[1], "Nd": dy.shape[1]}, dw_home.shape[0]
+
+    sizes = _check_kernel_args("group_gemm_wgrad", contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)),
+                               "dw_home", aligned=(("dw_slot", dw_slot),))
+    kd, nd, n, dev = sizes["Kd"], sizes["Nd"], x.shape[0], x.device
     fn = _launcher("wgrad", kd, nd, pad, dev)
     if n == 0:  # no rows: every group is empty, the home gradients are zero
         dw_home.zero_()
@@ -641,7 +639,7 @@ def compile_group_gemm_for_sm90(
     dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
     op: str = "fwd",
 ):
-    """Compile one kernel (``op`` = "fwd", "dgrad", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
+    """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", or with remote groups "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,

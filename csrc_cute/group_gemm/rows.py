@@ -9,13 +9,14 @@ Semantics (the CPU references are ``moonep::group_gemm``, ``group_gemm_dgrad`` a
     forward    y[s:e]  = (x[s:e] @ W_g)    bf16, fp32 accumulation; rows at or past cu[G-1] are zero
     dgrad      dx[s:e] = (dy[s:e] @ W_g^T) bf16, likewise
     row scale  y[r]    = (x[r] @ W_g) * row_w[r]  (fp32 scale before the bf16 convert)
+    dgrad2     dx[s:e] = (dy_a[s:e] @ Wa_g^T + dy_b[s:e] @ Wb_g^T)  one fp32 accumulator, one rounding
 
 One kernel class (``GroupGemmSm90``) with a static flag for the majorness of B: a dense persistent GEMM
 over ``[N, red] x [red, out]`` in which each M tile picks its B operand on the device
 (``RowTileScheduler``). The forward reads B = ``W_g`` viewed ``(Nd, Kd)``, N-major; dgrad reads B =
 ``W_g`` viewed ``(Kd, Nd)``, K-major (reduction over ``Nd``). The epilogue stores bf16 through
 stmatrix -> shared -> TMA store in sub-tiles; the row-scaled variant scales the fp32 accumulators
-first. Remote groups: ``remote.RemoteWeightsMixin``.
+first. Remote groups: ``remote.RemoteWeightsMixin``; dgrad2's two operand pairs: ``pairs.OperandPairsMixin``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cutlass.utils import LayoutEnum
 
 from .base import GroupGemmSm90Base, KernelParams
 from .config import GroupGemmConfig
+from .pairs import OperandPairsMixin
 from .remote import RemoteWeightsMixin
 from .scheduler import RowTileScheduler
 
@@ -214,3 +216,74 @@ class GroupGemmRowScaleRemoteSm90(RemoteWeightsMixin, GroupGemmRowScaleSm90):
         stream: cuda.CUstream,
     ):
         self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts, peers, desc_ws)
+
+
+class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
+    """The dgrad of two operand pairs into one output: ``dx[rows of g] = dy_a[rows of g] @ Wa_g^T +
+    dy_b[rows of g] @ Wb_g^T`` (one fp32 accumulator over both pairs' k tiles, one bf16 rounding, one
+    store), e.g. the input gradient of the gate and up projections. The dgrad kernel's mainloop and
+    epilogue; the producer and the k-tile count are ``OperandPairsMixin``'s."""
+
+    def __init__(self, config: GroupGemmConfig):
+        super().__init__(config, b_k_major=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        dy_a: cute.Tensor,  # (N, Nd)
+        wa_home: cute.Tensor,  # (epn, Kd, Nd)
+        wa_slot: cute.Tensor,  # (B, Kd, Nd)
+        dy_b: cute.Tensor,  # (N, Nd)
+        wb_home: cute.Tensor,  # (epn, Kd, Nd)
+        wb_slot: cute.Tensor,  # (B, Kd, Nd)
+        cu_seqlens: cute.Tensor,  # (G,) int32
+        dx: cute.Tensor,  # (N, Kd)
+        stream: cuda.CUstream,
+    ):
+        self._setup_mainloop()
+        self._setup_tma_store_epilogue()
+        tma_a0, mA0 = self._tma_load_a(dy_a)
+        tma_a1, mA1 = self._tma_load_a(dy_b)
+        tma_ah, mBah = self._tma_load_b(self._weights_as_b(wa_home))
+        tma_as, mBas = self._tma_load_b(self._weights_as_b(wa_slot))
+        tma_bh, mBbh = self._tma_load_b(self._weights_as_b(wb_home))
+        tma_bs, mBbs = self._tma_load_b(self._weights_as_b(wb_slot))
+        tma_c, mC = self._tma_store_c(dx)
+        num_n_tiles, num_tiles = self._row_tiles(dy_a, dx)
+        self._make_shared_storage(with_c=True)
+        self._launch_persistent(
+            self.kernel(
+                tma_a0, mA0, tma_a1, mA1, tma_ah, mBah, tma_as, mBas, tma_bh, mBbh, tma_bs, mBbs, tma_c, mC,
+                cu_seqlens, self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
+                num_n_tiles, num_tiles,
+            ),
+            num_tiles,
+            stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a0: cute.CopyAtom, mA0: cute.Tensor,
+        tma_a1: cute.CopyAtom, mA1: cute.Tensor,
+        tma_ah: cute.CopyAtom, mBah: cute.Tensor,
+        tma_as: cute.CopyAtom, mBas: cute.Tensor,
+        tma_bh: cute.CopyAtom, mBbh: cute.Tensor,
+        tma_bs: cute.CopyAtom, mBbs: cute.Tensor,
+        tma_c: cute.CopyAtom, mC: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+        num_n_tiles: cutlass.Int32,
+        num_tiles: cutlass.Int32,
+    ):
+        self.warp_specialized(KernelParams(
+            atoms=(tma_a0, tma_a1, tma_ah, tma_as, tma_bh, tma_bs, tma_c), tma_a=(tma_a0, tma_a1), mA=(mA0, mA1),
+            b_operands=[(tma_ah, mBah, 0), (tma_as, mBas, 0), (tma_bh, mBbh, 0), (tma_bs, mBbs, 0)],
+            b_buffers=("sB",), home_rings=(0, 2), slot_rings=(1, 3),
+            a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
+            tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
+            num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_c=tma_c, mC=mC, row_w=None,
+        ))

@@ -1,5 +1,6 @@
-"""Fake kernels of moonep::group_gemm, group_gemm_dgrad, group_gemm_wgrad, group_gemm_swiglu,
-group_gemm_row_scale and group_gemm_swiglu_bwd."""
+"""Fake kernels of moonep::group_gemm, group_gemm_dgrad, group_gemm_dgrad2, group_gemm_wgrad, group_gemm_swiglu,
+group_gemm_row_scale and group_gemm_swiglu_bwd, and their contracts (``check_*_args``: the checks the fake,
+the CPU reference and the CUDA path each run once)."""
 
 import torch
 
@@ -17,11 +18,16 @@ def check_weights(op: str, w_home, w_slot, cu_seqlens, dtype, device, experts_re
 def check_groups(op: str, cu_seqlens, local_groups: int, experts_remote, device) -> None:
     """cu_seqlens holds the home and slot groups, then one group per entry of experts_remote (int32
     [n_remote], inference) when it is given."""
+    groups = f"epn + B = {local_groups}"
     n_remote = 0
     if experts_remote is not None:
         check_tensor(op, "experts_remote", experts_remote, (torch.int32,), (None,), device)
         n_remote = experts_remote.shape[0]
-    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (local_groups + n_remote,), device)
+        groups = f"epn + B + n_remote = {local_groups} + {n_remote}"
+    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (None,), device)
+    if cu_seqlens.shape[0] != local_groups + n_remote:
+        raise ValueError(f"moonep.{op}: cu_seqlens must have shape [{local_groups + n_remote}] (one entry per group: "
+                         f"{groups}), got {list(cu_seqlens.shape)}")
 
 
 def check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P) -> int:
@@ -52,6 +58,27 @@ def group_gemm_dgrad(dy, w_home, w_slot, cu_seqlens, P: int):
     return dy.new_empty((dy.shape[0], Kd))
 
 
+def check_dgrad2_args(dy_a, w_a_home, w_a_slot, dy_b, w_b_home, w_b_slot, cu_seqlens, P) -> int:
+    """Two dgrad operand pairs of one shape ([N, Nd] rows, [epn, Kd, Nd] / [B, Kd, Nd] weights) -> Kd."""
+    op = "group_gemm_dgrad2"
+    check_tensor(op, "dy_a", dy_a, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    N, Nd = dy_a.shape
+    check_tensor(op, "w_a_home", w_a_home, (dy_a.dtype,), (None, None, Nd), dy_a.device)
+    epn, Kd, _ = w_a_home.shape
+    check_tensor(op, "w_a_slot", w_a_slot, (dy_a.dtype,), (None, Kd, Nd), dy_a.device)
+    check_tensor(op, "dy_b", dy_b, (dy_a.dtype,), (N, Nd), dy_a.device)
+    check_tensor(op, "w_b_home", w_b_home, (dy_a.dtype,), (epn, Kd, Nd), dy_a.device)
+    check_tensor(op, "w_b_slot", w_b_slot, (dy_a.dtype,), (w_a_slot.shape[0], Kd, Nd), dy_a.device)
+    check_groups(op, cu_seqlens, epn + w_a_slot.shape[0], None, dy_a.device)
+    return Kd
+
+
+def group_gemm_dgrad2(dy_a, w_a_home, w_a_slot, dy_b, w_b_home, w_b_slot, cu_seqlens, P: int):
+    Kd = check_dgrad2_args(dy_a, w_a_home, w_a_slot, dy_b, w_b_home, w_b_slot, cu_seqlens, P)
+    return dy_a.new_empty((dy_a.shape[0], Kd))
+
+
 def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P) -> None:
     check_tensor("group_gemm_wgrad", "x", x, ROW_DTYPES, (None, None))
     check_pad("group_gemm_wgrad", P)
@@ -61,8 +88,7 @@ def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P) -> None:
     # home gradients are written in the rows' dtype; slot gradients (the reduce buffers) accumulate in fp32
     check_tensor("group_gemm_wgrad", "dw_home", dw_home, (x.dtype,), (None, Kd, Nd), x.device)
     check_tensor("group_gemm_wgrad", "dw_slot", dw_slot, (torch.float32,), (None, Kd, Nd), x.device)
-    G = dw_home.shape[0] + dw_slot.shape[0]
-    check_tensor("group_gemm_wgrad", "cu_seqlens", cu_seqlens, (torch.int32,), (G,), x.device)
+    check_groups("group_gemm_wgrad", cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
 
 
 def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, P: int) -> None:
@@ -113,7 +139,7 @@ def check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate
     check_tensor(op, "w_down_home", w_down_home, (g_y.dtype,), (None, None, H), g_y.device)
     epn, F, _ = w_down_home.shape
     check_tensor(op, "w_down_slot", w_down_slot, (g_y.dtype,), (None, F, H), g_y.device)
-    check_tensor(op, "cu_seqlens", cu_seqlens, (torch.int32,), (epn + w_down_slot.shape[0],), g_y.device)
+    check_groups(op, cu_seqlens, epn + w_down_slot.shape[0], None, g_y.device)
     check_tensor(op, "row_w", row_w, (torch.float32,), (N,), g_y.device)
     check_tensor(op, "gate", gate, (g_y.dtype,), (N, F), g_y.device)
     check_tensor(op, "up", up, (g_y.dtype,), (N, F), g_y.device)
