@@ -33,7 +33,9 @@ class EPGroup:
     timeout_s: how long a cross-rank wait lasts before it fails: on CUDA a barrier sets STATUS_TIMEOUT;
       on the CPU an op raises MoEStatusError (the ops' agreement exchange and their collectives).
     Building it is collective: the ranks' EPConfig, dtype and device type must agree (moonep_ops/agreement.py).
-    comm_sms: CTAs (one per SM) the dispatch/combine kernels use, leaving the rest for compute (CUDA).
+    comm_sms: CTAs (one per SM) the dispatch/combine/weight kernels use (CUDA). Default: 32 with R > 1,
+      leaving the other SMs to compute a framework may overlap with the link traffic; every SM with
+      R = 1, where those kernels are local HBM passes with nothing beside them (bench_peers.py).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
@@ -47,7 +49,7 @@ class EPGroup:
 
     def __init__(self, cfg: EPConfig, group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, comm_sms: int = DEFAULT_COMM_SMS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, comm_sms: int | None = None,
                  debug: bool | None = None):
         self.owns_process_group = _init_single_rank_world(cfg, group, device)
         self.group = group if group is not None else dist.group.WORLD
@@ -57,7 +59,11 @@ class EPGroup:
         device, dtype = _default_device_dtype(self.group, device, dtype)
         if not timeout_s > 0:
             raise ValueError(f"EPGroup: timeout_s must be > 0, got {timeout_s}")
-        if not isinstance(comm_sms, int) or comm_sms < 1:
+        if comm_sms is None:
+            one_rank_gpu = device.type == "cuda" and cfg.R == 1
+            comm_sms = torch.cuda.get_device_properties(device).multi_processor_count if one_rank_gpu \
+                else DEFAULT_COMM_SMS
+        if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 1:
             raise ValueError(f"EPGroup: comm_sms must be an int >= 1, got {comm_sms!r}")
         agreement.check_fingerprint(cfg, dtype, device, self.group, float(timeout_s))
         self.cfg = cfg
