@@ -1,4 +1,4 @@
-"""Demo: train a small EP MoE with a deliberately skewed router; every rank computes exactly S*K rows.
+"""Demo: train a small EP MoE with a deliberately skewed router; every rank computes exactly S*K rows (all S tokens present).
 
     python -m moonep_ops.demo [--ranks 2] [--steps 40] [--device auto|cpu|cuda]
 
