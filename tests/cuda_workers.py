@@ -302,16 +302,13 @@ def _next_rows(dst_rank: torch.Tensor, dst_row: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ MoELayer
-def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled: bool):
-    """The whole MoELayer on the GPU (plan, dispatch, prefetch, grouped GEMMs, combine, reduce_grad):
-    forward and every gradient, with the dense fp32 reference of this rank's tokens (routing fixed to
-    the ids the layer chose, route weights recomputed in fp32 so the router gradient is checked);
-    two runs bitwise equal; optionally torch.compile(fullgraph=True) equal to eager."""
+def _layer_with_global_weights(rank: int, cfg: EPConfig, skew: str):
+    """A MoELayer on a new EPGroup holding this rank's share of ``ep_workers.global_weights`` (bf16):
+    (group, layer, this rank's input tokens and output gradient on the GPU, the bf16 global (router,
+    w_gate, w_up, w_down) for the dense reference)."""
     import ep_workers
     from moonep_ops import MoELayer
-    from moonep_ops.routing import route
 
-    cfg = EPConfig(R=R, **cfg_kwargs)
     x_all, router, w_gate, w_up, w_down, grad_out = ep_workers.global_weights(cfg, skew)
     bf = torch.bfloat16
     router, w_gate, w_up, w_down = (t.to(bf) for t in (router, w_gate, w_up, w_down))
@@ -323,8 +320,20 @@ def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled:
         layer.experts.w_gate.copy_(w_gate[mine])
         layer.experts.w_up.copy_(w_up[mine])
         layer.experts.w_down.copy_(w_down[mine])
-    x0 = x_all[tokens].to(bf).cuda()
+    x = x_all[tokens].to(bf).cuda()
     g = grad_out[tokens].to(bf).cuda()
+    return ep, layer, x, g, (router, w_gate, w_up, w_down)
+
+
+def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled: bool):
+    """The whole MoELayer on the GPU (plan, dispatch, prefetch, grouped GEMMs, combine, reduce_grad):
+    forward and every gradient, with the dense fp32 reference of this rank's tokens (routing fixed to
+    the ids the layer chose, route weights recomputed in fp32 so the router gradient is checked);
+    two runs bitwise equal; optionally torch.compile(fullgraph=True) equal to eager."""
+    from moonep_ops.routing import route
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    ep, layer, x0, g, (router, w_gate, w_up, w_down) = _layer_with_global_weights(rank, cfg, skew)
 
     def run(fn):
         layer.zero_grad()
@@ -362,23 +371,10 @@ def moe_layer_tokens_vs_dense(rank: int, R: int, cfg_kwargs: dict, steps: int):
     import ep_workers
     from torch._dynamo.utils import counters
 
-    from moonep_ops import MoELayer
     from moonep_ops.routing import route
 
     cfg = EPConfig(R=R, **cfg_kwargs)
-    x_all, router, w_gate, w_up, w_down, grad_out = ep_workers.global_weights(cfg, "extreme")
-    bf = torch.bfloat16
-    router, w_gate, w_up, w_down = (t.to(bf) for t in (router, w_gate, w_up, w_down))
-    ep = EPGroup(cfg, device="cuda")
-    layer = MoELayer(ep)
-    mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
-    with torch.no_grad():
-        layer.router.weight.copy_(router)
-        layer.experts.w_gate.copy_(w_gate[mine])
-        layer.experts.w_up.copy_(w_up[mine])
-        layer.experts.w_down.copy_(w_down[mine])
-    x_full = x_all[tokens].to(bf).cuda()
-    g_full = grad_out[tokens].to(bf).cuda()
+    ep, layer, x_full, g_full, (router, w_gate, w_up, w_down) = _layer_with_global_weights(rank, cfg, "extreme")
     errs, eager = [], []
     for step in range(steps):
         s = ep_workers.token_counts(cfg, step, rank)

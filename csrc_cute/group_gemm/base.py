@@ -103,6 +103,12 @@ class GroupGemmSm90Base:
             (self.tile_n, self.tile_k),
         )
 
+    def _tma_load_weights(self, w_home, w_slot):
+        """The TMA loads of one home/slot weight pair as B: (the home weights viewed as B, which a
+        remote group's descriptor is rebuilt from; home atom, home tensor; slot atom, slot tensor)."""
+        home_view = self._weights_as_b(w_home)
+        return (home_view, *self._tma_load_b(home_view), *self._tma_load_b(self._weights_as_b(w_slot)))
+
     def _tma_store_c(self, c):
         """TMA atom (and its tensor) storing epilogue sub-tiles from one shared slot into ``c``."""
         return cpasync.make_tiled_tma_atom(

@@ -70,8 +70,7 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         self._setup_mainloop()
         self._row_slots()
         tma_a, mA = self._tma_load_a(g_y)
-        tma_bh, mBh = self._tma_load_b(self._weights_as_b(w_home))
-        tma_bs, mBs = self._tma_load_b(self._weights_as_b(w_slot))
+        _, tma_bh, mBh, tma_bs, mBs = self._tma_load_weights(w_home, w_slot)
         num_n_tiles, num_tiles = self._row_tiles(g_y, gate)
         self._make_shared_storage()
         self._launch_persistent(

@@ -30,10 +30,16 @@ def check_groups(op: str, cu_seqlens, local_groups: int, experts_remote, device)
                          f"{groups}), got {list(cu_seqlens.shape)}")
 
 
+def check_rows_and_weights(op: str, name: str, a, w_home, w_slot, cu_seqlens, P, experts_remote=None):
+    """The checks every row-grouped GEMM starts with: its row operand ``a`` (argument ``name``, [N, *]),
+    P, and the weight pair with its groups (in ``a``'s dtype, on its device) -> (Kd, Nd)."""
+    check_tensor(op, name, a, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    return check_weights(op, w_home, w_slot, cu_seqlens, a.dtype, a.device, experts_remote)
+
+
 def check_group_gemm_args(x, w_home, w_slot, cu_seqlens, P) -> int:
-    check_tensor("group_gemm", "x", x, ROW_DTYPES, (None, None))
-    check_pad("group_gemm", P)
-    Kd, Nd = check_weights("group_gemm", w_home, w_slot, cu_seqlens, x.dtype, x.device)
+    Kd, Nd = check_rows_and_weights("group_gemm", "x", x, w_home, w_slot, cu_seqlens, P)
     if x.shape[1] != Kd:
         raise ValueError(f"moonep.group_gemm: x has {x.shape[1]} columns but w_home rows are {Kd} long")
     return Nd
@@ -45,9 +51,7 @@ def group_gemm(x, w_home, w_slot, cu_seqlens, P: int):
 
 
 def check_dgrad_args(dy, w_home, w_slot, cu_seqlens, P) -> int:
-    check_tensor("group_gemm_dgrad", "dy", dy, ROW_DTYPES, (None, None))
-    check_pad("group_gemm_dgrad", P)
-    Kd, Nd = check_weights("group_gemm_dgrad", w_home, w_slot, cu_seqlens, dy.dtype, dy.device)
+    Kd, Nd = check_rows_and_weights("group_gemm_dgrad", "dy", dy, w_home, w_slot, cu_seqlens, P)
     if dy.shape[1] != Nd:
         raise ValueError(f"moonep.group_gemm_dgrad: dy has {dy.shape[1]} columns but the weights have {Nd}")
     return Kd
@@ -117,9 +121,7 @@ def group_gemm_swiglu(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seql
 
 def check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote=None) -> int:
     op = "group_gemm_row_scale"
-    check_tensor(op, "x", x, ROW_DTYPES, (None, None))
-    check_pad(op, P)
-    Kd, Nd = check_weights(op, w_home, w_slot, cu_seqlens, x.dtype, x.device, experts_remote)
+    Kd, Nd = check_rows_and_weights(op, "x", x, w_home, w_slot, cu_seqlens, P, experts_remote)
     if x.shape[1] != Kd:
         raise ValueError(f"moonep.{op}: x has {x.shape[1]} columns but w_home rows are {Kd} long")
     check_tensor(op, "row_w", row_w, (torch.float32,), (x.shape[0],), x.device)
