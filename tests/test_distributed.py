@@ -185,5 +185,5 @@ def test_too_many_tokens_and_bad_n_tokens():
     msgs = run_ranks(ep_workers.too_many_tokens, 2, dict(SHAPE, E=8))[0]
     assert "MoELayer: x holds 13 tokens of size H=16, more than the capacity EPConfig.S=12" in msgs[0]
     assert "MoELayer: with n_tokens, x must hold the capacity EPConfig.S=12 tokens" in msgs[1]
-    assert "MoELayer: n_tokens must be in [0, EPConfig.S=12], got 13" in msgs[2]
-    assert "MoELayer: n_tokens must be an int32/int64 tensor [1]" in msgs[3]
+    assert "moe_experts: n_tokens must be in [0, EPConfig.S=12], got 13" in msgs[2]  # MoELayer runs moe_experts
+    assert "moe_experts: n_tokens must be an int32/int64 tensor [1]" in msgs[3]
