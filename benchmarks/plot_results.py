@@ -160,16 +160,25 @@ def plot_inference(path: str) -> None:
 
 def plot_peers(path: str) -> None:
     """bench_peers: the MoE layer's times per mode and the GEMM families' TFLOP/s per layout, per implementation
-    (missing or failed cells left out)."""
+    (missing or failed cells left out; a section the run did not have gets no panel)."""
     d = json.load(open(path))
     layer, gemm = d.get("layer") or {}, d.get("gemm") or {}
-    fig, axes = plt.subplots(1, 2, figsize=(16, 4.5), gridspec_kw=dict(width_ratios=[1, 3]))
-    modes = ("fwd", "infer", "fwd_bwd")
-    bars(axes[0], list(modes), {i: [r.get(f"{m}_ms") or 0.0 for m in modes] for i, r in layer.items()}, "ms")
-    axes[0].set_title(f"MoE layer S={d['S']} H={d['H']} F={d['F']} E={d['E']} K={d['K']}", fontsize=9)
-    impls = [i for i in ("ours", "quack", "torch") if any(f"{i}_tflops" in r for r in gemm.values())]
-    bars(axes[1], list(gemm), {i: [r.get(f"{i}_tflops") or 0.0 for r in gemm.values()] for i in impls}, "TFLOP/s")
-    axes[1].set_title("GEMM families x group layouts\n" + caption(d), fontsize=9)
+    panels = [p for p, rows in (("layer", layer), ("gemm", gemm)) if rows]
+    if not panels:
+        raise ValueError(f"{path}: no layer or GEMM results to plot")
+    widths = [1 if p == "layer" else 3 for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 4 * sum(widths), 4.5), squeeze=False,
+                             gridspec_kw=dict(width_ratios=widths))
+    for ax, panel in zip(axes[0], panels):
+        if panel == "layer":
+            modes = ("fwd", "infer", "fwd_bwd")
+            bars(ax, list(modes), {i: [r.get(f"{m}_ms") or 0.0 for m in modes] for i, r in layer.items()}, "ms")
+            ax.set_title(f"MoE layer S={d['S']} H={d['H']} F={d['F']} E={d['E']} K={d['K']}\n" + caption(d),
+                         fontsize=9)
+        else:
+            impls = [i for i in ("ours", "quack", "torch") if any(f"{i}_tflops" in r for r in gemm.values())]
+            bars(ax, list(gemm), {i: [r.get(f"{i}_tflops") or 0.0 for r in gemm.values()] for i in impls}, "TFLOP/s")
+            ax.set_title("GEMM families x group layouts\n" + caption(d), fontsize=9)
     fig.tight_layout()
     fig.savefig(path.replace(".json", ".png"), dpi=120)
     plt.close(fig)
