@@ -237,3 +237,15 @@ def test_peers_gpu_time_split_names_gemm_kernels():
     assert (got["gpu_ms"], got["gemm_gpu_ms"], got["non_gemm_gpu_ms"]) == (6.75, 6.0, 0.75)
     assert [n for n, _ in got["non_gemm_kernels"]] == ["kernel_cutlass__pull_kernel_t",
                                                         "void at::native::vectorized_elementwise_kernel<add>"]
+
+
+def test_copies_greedy_oracle_on_a_hand_made_plan():
+    """bench_copies' oracle on a plan worked by hand: donor rank 0 (experts 45, 43, 37, 30 rows) gives 53 rows
+    to rank 1, then 43 to rank 2. Our consecutive cut: rank 1 takes e0 + 8 of e1, rank 2 the rest of e1 + 8
+    of e2 (4 copies); the greedy gives e1 whole to rank 2's equal quota (3 copies)."""
+    from benchmarks.bench_copies import greedy_copies
+    from moonep_ops.planning import plan_global
+
+    counts = torch.tensor([[45, 43, 37, 30, 6, 0, 0, 0, 16, 0, 0, 0], [0] * 12, [0] * 12], dtype=torch.int32)
+    assert greedy_copies(counts, 177, 1) == 3
+    assert plan_global(counts, 177, 1, 4, 16).n_copies == 4
