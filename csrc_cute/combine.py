@@ -62,7 +62,7 @@ from .dispatch import (
     vec_tensor,
     warp_coords,
 )
-from .plan import _ctz
+from .warp import ctz
 
 _NT_PRESUM = 512   # 16 warps, each with a ring of D slots of U 16-byte chunks per lane in shared memory
 _NT_PULL = 512
@@ -98,7 +98,7 @@ def next_lanes(src, mm, nb: int):
     """The next nb lanes of mask mm (lowest first): (their src values, the mask without them)."""
     out = []
     for _ in range(nb):
-        out.append(cute.arch.shuffle_sync(src, _ctz(mm)))
+        out.append(cute.arch.shuffle_sync(src, ctz(mm)))
         mm = mm & (mm - 1)
     return out, mm
 
@@ -161,7 +161,7 @@ def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
         cc = Int32(0)
         np_ = Int32(0)
         nc = Int32(0)
-        wcur = cutlass.select_(hm != 0, i0 + _ctz(cutlass.select_(hm != 0, hm, Int32(1))), Int32(-1))
+        wcur = cutlass.select_(hm != 0, i0 + ctz(cutlass.select_(hm != 0, hm, Int32(1))), Int32(-1))
         wc = Int32(0)     # walker: wcur the row to record next (-1: done), wc rows recorded
         wnode = Int32(0)  # lane c: row c of the walker's chain
         acc.fill(0.0)
@@ -172,10 +172,10 @@ def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
             if (pready == 0) & (pm != 0) & (wcur < 0):
                 pnode = wnode
                 pl = wc
-                lenreg = cutlass.select_(lane == _ctz(pm), wc, lenreg)
+                lenreg = cutlass.select_(lane == ctz(pm), wc, lenreg)
                 pready = Int32(1)
                 rest = pm & (pm - 1)
-                wcur = cutlass.select_(rest != 0, i0 + _ctz(cutlass.select_(rest != 0, rest, Int32(1))),
+                wcur = cutlass.select_(rest != 0, i0 + ctz(cutlass.select_(rest != 0, rest, Int32(1))),
                                        Int32(-1))
                 wc = Int32(0)
             # produce
@@ -210,7 +210,7 @@ def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
                     a = acc[None, u]
                     a.store(a.load() + smem_vec(dtype, sl + u * 512, VEC).load().to(Float32))
                 nc = nc + 1
-                cj = _ctz(cm)
+                cj = ctz(cm)
                 cc = cc + 1
                 if cc == cute.arch.shuffle_sync(lenreg, cj):
                     dst = pa + Int64(i0 + cj) * ROWB

@@ -57,7 +57,7 @@ from moonep_ops.checks import need_int, need_peers, need_placement, need_rank, n
 
 from .jit import KernelFamily
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
-from .plan import _ctz, _lanemask_lt, _match_any
+from .warp import ctz, lanemask_lt, match_any
 
 _NT = 512          # threads per CTA (16 warps), both kernels
 _U_META = 8        # 16-byte chunks per thread in flight in meta's x copy
@@ -85,7 +85,7 @@ def row_geometry(rowb: int, U: int = _U):
 
 def lanemask_gt(lane):
     """Mask of the lanes above `lane`."""
-    return Int32(-1) ^ (_lanemask_lt() | (Int32(1) << lane))
+    return Int32(-1) ^ (lanemask_lt() | (Int32(1) << lane))
 
 
 def chunk_offsets(c0, lane, U: int, NC: int, clamp: bool):
@@ -181,9 +181,9 @@ def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
         pr = primary_row[idx]
         w = route_w[idx]
         ok = (lane < K) & (d >= 0) & (d < R) & (r >= 0) & (r < NVS)
-        m = _match_any(cutlass.select_(ok, d, Int32(-1) - lane))
+        m = match_any(cutlass.select_(ok, d, Int32(-1) - lane))
         later = m & gt
-        nr = cute.arch.shuffle_sync(r, _ctz(cutlass.select_(later != 0, later, Int32(1))))
+        nr = cute.arch.shuffle_sync(r, ctz(cutlass.select_(later != 0, later, Int32(1))))
         nxt = cutlass.select_(later != 0, nr, Int32(-1))
         if ok:
             here = d == rank
@@ -209,7 +209,7 @@ def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
         b = cutlass.min(b, Int32(NVS))
         pm = cute.arch.vote_ballot_sync((g <= G) & (b > a))
         for _j in cutlass.range(cute.arch.popc(pm)):
-            lj = _ctz(pm)
+            lj = ctz(pm)
             pm = pm & (pm - 1)
             al = cute.arch.shuffle_sync(a, lj)
             bl = cute.arch.shuffle_sync(b, lj)
@@ -266,7 +266,7 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
         # padding rows: zeros (stores only)
         pm = cute.arch.vote_ballot_sync(pad)
         for _j in cutlass.range(cute.arch.popc(pm)):
-            lj = _ctz(pm)
+            lj = ctz(pm)
             pm = pm & (pm - 1)
             dst = oa + Int64(i0 + lj) * ROWB
             for seg in cutlass.range(nfull):
@@ -292,7 +292,7 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
             act = cute.arch.vote_ballot_sync(cur >= 0)
         cute.arch.sync_warp()
         for _j in cutlass.range(cute.arch.popc(hm)):
-            lj = _ctz(hm)
+            lj = ctz(hm)
             hm = hm & (hm - 1)
             lenj = cute.arch.shuffle_sync(ln, lj)
             sa = cute.arch.shuffle_sync(srca, lj)

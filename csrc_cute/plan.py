@@ -38,6 +38,8 @@ Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once pe
                shuffle). The searches are branch-free and interleaved over a warp's rounds so that
                their loads overlap.
 
+The token kernels (tok_*) live in csrc_cute/plan_tokens.py, the warp helpers in csrc_cute/warp.py.
+
 Host wrappers: `count_experts`, `plan_global_cuda`, `plan_tokens_cuda`, `plan_simulated`. Expert
 lists of width 0 (B = 0, or no remote groups when B = epn) are [R, 0] tensors; the kernels never
 touch them (compile-time branches), a 1-element stand-in is passed in their place.
@@ -52,163 +54,25 @@ import torch
 import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from moonep_ops.checks import need_int, need_rank, need_tensor
 
 from .jit import KernelFamily
-from .status import (  # the status bits the kernels set
+from .plan_tokens import SMEM_LIMIT, checked_key, flag_bad_expert_ids, foreign_lists, tok_geometry, tok_launch
+from .status import (  # the status bits the kernels set (part of this module's API)
     STATUS_BAD_COUNTS,
     STATUS_BAD_EXPERT_ID,
     STATUS_BAD_PLAN,
     STATUS_COUNTS_MISMATCH,
 )
+from .warp import ctz, lanemask_lt, match_any, overlap, ptr, warp_incl_scan, warp_sum
 
 _NT_GLOBAL = 1024   # threads of the single plan_global CTA
 _NT_EXPAND = 256    # threads per plan_expand CTA (one CTA per rank)
 _NT_COUNT = 256     # threads per count CTA
 _ITEMS_COUNT = 16   # ids per thread per count CTA
-_NW_SCAN = 8        # warps per tok_scan CTA (32 experts per CTA)
-_SMEM_LIMIT = 48 * 1024
 _I32_MIN = -(2 ** 31)
 _I32_MAX = 2 ** 31 - 1
-
-
-# ------------------------------------------------------------------------------------------------
-# device helpers (plain Python on DSL values; no dynamic `if`, so they need no AST rewriting)
-# ------------------------------------------------------------------------------------------------
-@dsl_user_op
-def _match_any(val, *, loc=None, ip=None) -> Int32:
-    """match.any.sync.b32 over the full warp: mask of lanes holding the same value."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(val).ir_value(loc=loc, ip=ip)],
-        "match.any.sync.b32 $0, $1, -1;", "=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _lanemask_lt(*, loc=None, ip=None) -> Int32:
-    return Int32(cute.arch.nvvm.read_ptx_sreg_lanemask_lt(T.i32(), loc=loc, ip=ip))
-
-
-def _ctz(m):
-    """Index of the lowest set bit of a non-zero 32-bit mask."""
-    return cute.arch.popc((m & (Int32(0) - m)) - Int32(1))
-
-
-def _warp_incl_scan(x, lane):
-    for i in range(5):
-        y = cute.arch.shuffle_sync_up(x, 1 << i, mask_and_clamp=0)
-        x = cutlass.select_(lane >= (1 << i), x + y, x)
-    return x
-
-
-def _warp_sum(x):
-    return cute.arch.warp_redux_sync(Int32(x), "add")
-
-
-def _warp_argbest(v, i, want_max: bool):
-    """Butterfly arg-max/arg-min; ties go to the lowest index. Every lane gets the result."""
-    for k in range(5):
-        ov = cute.arch.shuffle_sync_bfly(v, 1 << k)
-        oi = cute.arch.shuffle_sync_bfly(i, 1 << k)
-        if want_max:
-            better = (ov > v) | ((ov == v) & (oi < i))
-        else:
-            better = (ov < v) | ((ov == v) & (oi < i))
-        v = cutlass.select_(better, ov, v)
-        i = cutlass.select_(better, oi, i)
-    return v, i
-
-
-def _overlap(a0, a1, b0, b1):
-    """Length of [a0, a1) ∩ [b0, b1) (0 if empty)."""
-    lo = cutlass.max(a0, b0)
-    hi = cutlass.min(a1, b1)
-    return cutlass.max(hi - lo, Int32(0))
-
-
-def _ptr(t, i):
-    return (t.iterator + i).llvm_ptr
-
-
-def _searches(n, rounds, load, before):
-    """Per round r: the first index i in [0, n) with before(r, load(r, i)) false (n if none), that
-    being true on a prefix. Branch-free binary searches (i clamped to n - 1), interleaved over the
-    rounds so that their loads overlap."""
-    los = [Int32(0) for _ in range(rounds)]
-    his = [Int32(n) for _ in range(rounds)]
-    for _it in range(n.bit_length()):
-        for r in range(rounds):
-            mid = (los[r] + his[r]) // 2
-            x = load(r, cutlass.min(mid, Int32(n - 1)))
-            act = los[r] < his[r]
-            right = before(r, x)
-            los[r] = cutlass.select_(act & right, mid + 1, los[r])
-            his[r] = cutlass.select_(act & (right == False), mid, his[r])  # noqa: E712
-    return los
-
-
-def _lower_bounds(lst, W, rows, keys):
-    """Per round r: the first index of row rows[r] of the [*, W] list lst (ascending, -1 = end) whose
-    entry is not below keys[r] (W if none)."""
-    return _searches(W, len(keys), lambda r, i: lst[rows[r] * W + i],
-                     lambda r, x: (x >= 0) & (x < keys[r]))
-
-
-def _checked_key(ok, v, E, bad):
-    """Expert id ``v`` read where ``ok``: (v if it is a valid expert id else -1, ``bad`` or-ed with
-    whether it is out of [0, E) and not the absent-token marker -1)."""
-    good = ok & (v >= 0) & (v < E)
-    bad = bad | cutlass.select_(ok & (good == False) & (v != -1), Int32(1), Int32(0))  # noqa: E712
-    return cutlass.select_(good, Int32(v), Int32(-1)), bad
-
-
-@cute.jit
-def _flag_bad_expert_ids(status: cute.Tensor, bad):
-    if bad != 0:
-        cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_EXPERT_ID))
-
-
-def _warp_chunk(WPC, E):
-    """Token kernels: WPC warps per CTA, warp w owning chunk bx * WPC + w and an E-entry int32 table
-    in shared memory. Returns (lane, lanemask_lt, the tables, this warp's table offset, chunk)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    lt = _lanemask_lt()
-    smem = cutlass.utils.SmemAllocator()
-    tables = smem.allocate_tensor(Int32, cute.make_layout(WPC * E), byte_alignment=16)
-    return lane, lt, tables, warp * E, bx * WPC + warp
-
-
-@cute.jit
-def _chunk_keys(ids: cute.Tensor, c, lane, S: Constexpr[int], K: Constexpr[int], E: Constexpr[int],
-                TR: Constexpr[int], RPW: Constexpr[int]):
-    """The ids of warp chunk ``c``: in round r, lane tk * K + kk (< TR * K) reads (s, k) = (c * TPC +
-    r * TR + tk, kk). Per round: the checked key (-1 where invalid or no (s, k)), whether the lane has
-    an (s, k), its flat index s * K + k (0 where not); then the lane's tk and whether any id was out
-    of range (-1, an absent token, is not)."""
-    TPC = RPW * TR
-    tk = lane // K
-    kk = lane - tk * K
-    lane_ok = lane < TR * K
-    keys = []
-    oks = []
-    flats = []
-    bad = Int32(0)
-    for r in cutlass.range_constexpr(RPW):
-        t = c * TPC + r * TR + tk
-        ok = lane_ok & (t < S)
-        flat = cutlass.select_(ok, t * K + kk, Int32(0))
-        key, bad = _checked_key(ok, ids[flat], E, bad)
-        keys.append(key)
-        oks.append(ok)
-        flats.append(flat)
-    return keys, oks, flats, tk, bad
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,7 +88,7 @@ def _count_kernel(ids: cute.Tensor, counts: cute.Tensor, status: cute.Tensor,
     for e in cutlass.range(tidx, E, NT):
         h[e] = 0
     cute.arch.sync_threads()
-    lt = _lanemask_lt()
+    lt = lanemask_lt()
     start = bx * (NT * IPT)
     base = by * N
     keys = []
@@ -232,20 +96,20 @@ def _count_kernel(ids: cute.Tensor, counts: cute.Tensor, status: cute.Tensor,
     for j in cutlass.range_constexpr(IPT):
         i = start + j * NT + tidx
         ok = i < N
-        key, bad = _checked_key(ok, ids[base + cutlass.select_(ok, i, Int32(0))], E, bad)
+        key, bad = checked_key(ok, ids[base + cutlass.select_(ok, i, Int32(0))], E, bad)
         keys.append(key)
     for j in cutlass.range_constexpr(IPT):
         key = keys[j]
-        m = _match_any(key)
+        m = match_any(key)
         if key >= 0:
             if cute.arch.popc(m & lt) == 0:
-                cute.arch.atomic_add(_ptr(h, key), cute.arch.popc(m))
-    _flag_bad_expert_ids(status, bad)
+                cute.arch.atomic_add(ptr(h, key), cute.arch.popc(m))
+    flag_bad_expert_ids(status, bad)
     cute.arch.sync_threads()
     for e in cutlass.range(tidx, E, NT):
         x = h[e]
         if x != 0:
-            cute.arch.atomic_add(_ptr(counts, by * E + e), x)
+            cute.arch.atomic_add(ptr(counts, by * E + e), x)
 
 
 @cute.jit
@@ -303,26 +167,26 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
                 c = cutlass.select_(ok & (r0 + u < R), vals[u], Int32(0))
                 s = s + c
                 neg = neg | cutlass.select_(c < 0, Int32(1), Int32(0))
-                rsum = _warp_sum(c)
+                rsum = warp_sum(c)
                 if lane == 0:
                     if r0 + u < R:
-                        cute.arch.atomic_add(_ptr(rows, r0 + u), rsum)
+                        cute.arch.atomic_add(ptr(rows, r0 + u), rsum)
         if ok:
             tot[e] = s
             ws[e] = s
         if neg != 0:
-            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_COUNTS))
+            cute.arch.atomic_or(ptr(status, 0), Int32(STATUS_BAD_COUNTS))
     cute.arch.sync_threads()
     # every rank routes at most S*K rows
     for r in cutlass.range(tidx, R, NT):
         if rows[r] > TT:
-            cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_BAD_COUNTS))
+            cute.arch.atomic_or(ptr(status, 0), Int32(STATUS_BAD_COUNTS))
     # home-group loads
     for g in cutlass.range(warp, R, NW):
         s = Int32(0)
         for i in cutlass.range(lane, epn, 32):
             s = s + tot[g * epn + i]
-        s = _warp_sum(s)
+        s = warp_sum(s)
         if lane == 0:
             cur[g] = s
     cute.arch.sync_threads()
@@ -337,7 +201,7 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
         for j in cutlass.range_constexpr(NV):
             n_all = n_all + cutlass.select_(j * 32 + lane < R, rows[cutlass.min(j * 32 + lane, Int32(R - 1))],
                                             Int32(0))
-        n_all = _warp_sum(n_all)
+        n_all = warp_sum(n_all)
         t_base = n_all // R
         t_extra = n_all - t_base * R
         curs = []
@@ -362,9 +226,9 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
             d = Int32(R)
             for j in reversed(range(NV)):
                 bm = cute.arch.vote_ballot_sync(valids[j] & (curs[j] == mx))
-                g = cutlass.select_(bm != 0, j * 32 + _ctz(bm), g)
+                g = cutlass.select_(bm != 0, j * 32 + ctz(bm), g)
                 bn = cute.arch.vote_ballot_sync(valids[j] & (curs[j] == mn))
-                d = cutlass.select_(bn != 0, j * 32 + _ctz(bn), d)
+                d = cutlass.select_(bn != 0, j * 32 + ctz(bn), d)
             active = (done == 0) & (mx > 0) & (g < R) & (d < R) & (g != d)
             done = cutlass.select_(active, done, Int32(1))
             amt = cutlass.select_(active, Int32(0) - mn, Int32(0))
@@ -403,12 +267,6 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
         ws[2 * E + 3 * R + r] = otot[r]
 
 
-def _foreign_lists(e2c, erem, B, epn):
-    """Rank d's foreign groups as (per-rank expert list, its width, its first group, is-slot), lists
-    of width 0 left out: the B slots (groups epn..), then the epn - B remote groups (epn + B..)."""
-    return [x for x in ((e2c, B, epn, 1), (erem, epn - B, epn + B, 0)) if x[1] > 0]
-
-
 @cute.kernel
 def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, erem: cute.Tensor,
                         cu: cute.Tensor, grows: cute.Tensor, R: Constexpr[int], E: Constexpr[int],
@@ -423,7 +281,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
     d, _, _ = cute.arch.block_idx()
     warp = tidx // 32
     lane = cute.arch.lane_idx()
-    lt = _lanemask_lt()
+    lt = lanemask_lt()
     smem = cutlass.utils.SmemAllocator()
     rinfo = smem.allocate_tensor(Int32, cute.make_layout(4 * R), byte_alignment=16)
     gt = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
@@ -442,14 +300,14 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
         a0 = gp[ie]
         v = Int32(0)
         if dd == d:
-            v = te - _overlap(a0, a0 + te, Int32(0), od)
+            v = te - overlap(a0, a0 + te, Int32(0), od)
         else:
             if rinfo[dd] == d:
                 s0 = rinfo[R + dd]
-                v = _overlap(a0, a0 + te, s0, s0 + rinfo[2 * R + dd])
+                v = overlap(a0, a0 + te, s0, s0 + rinfo[2 * R + dd])
         alloc[d * epn * R + i] = v
 
-    lists = _foreign_lists(e2c, erem, B, epn)  # at trace time, before the dynamic regions
+    lists = foreign_lists(e2c, erem, B, epn)  # at trace time, before the dynamic regions
     # rank d receives the cut [s0, s1) of donor g's sequence (g = -1: it receives nothing)
     g = rinfo[d]
     s0 = rinfo[R + d]
@@ -465,7 +323,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
             if g >= 0:
                 te = ws[g * epn + i]
                 a0 = ws[E + g * epn + i]
-                v = _overlap(a0, a0 + te, s0, s1)
+                v = overlap(a0, a0 + te, s0, s1)
             frows[i] = v
         cute.arch.sync_threads()
         for i in cutlass.range(tidx, epn, NT):
@@ -485,9 +343,9 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
             ic = cutlass.min(i, Int32(epn - 1))
             te = gt[ic]
             a0 = gp[ic]
-            ln = cutlass.select_(i < epn, te - _overlap(a0, a0 + te, Int32(0), od), Int32(0))
+            ln = cutlass.select_(i < epn, te - overlap(a0, a0 + te, Int32(0), od), Int32(0))
             pd = (ln + (P - 1)) // P * P
-            inc = _warp_incl_scan(pd, lane)
+            inc = warp_incl_scan(pd, lane)
             if i < epn:
                 cu[d * G + i] = carry + inc
                 grows[d * G + i] = ln
@@ -505,14 +363,14 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
                         # every foreign expert has a slot; its rows come straight from the workspace
                         te = ws[g * epn + ic]
                         a0 = ws[E + g * epn + ic]
-                        rows = _overlap(a0, a0 + te, s0, s1)
+                        rows = overlap(a0, a0 + te, s0, s1)
                         keep = (i < epn) & (rows > 0)
                     else:
                         rows = frows[ic]
                         keep = (i < epn) & (rows > 0) & (fslot[ic] == want)
                     bal = cute.arch.vote_ballot_sync(keep)
                     idx = n + cute.arch.popc(bal & lt)
-                    inc = _warp_incl_scan(cutlass.select_(keep, (rows + (P - 1)) // P * P, Int32(0)), lane)
+                    inc = warp_incl_scan(cutlass.select_(keep, (rows + (P - 1)) // P * P, Int32(0)), lane)
                     if keep:
                         lst[d * W + idx] = g * epn + i
                         cu[d * G + g0 + idx] = carry + inc
@@ -534,222 +392,6 @@ def _plan_global_launch(counts: cute.Tensor, ws: cute.Tensor, alloc: cute.Tensor
         grid=(1, 1, 1), block=(_NT_GLOBAL, 1, 1), stream=stream)
     _plan_expand_kernel(ws, alloc, e2c, erem, cu, grows, R, E, B, P, _NT_EXPAND).launch(
         grid=(R, 1, 1), block=(_NT_EXPAND, 1, 1), stream=stream)
-
-
-# ------------------------------------------------------------------------------------------------
-# 3. plan_tokens: chunk histograms, scan over chunks, assignment
-# ------------------------------------------------------------------------------------------------
-def _tok_geometry(S: int, K: int, E: int):
-    """Warp chunks of whole tokens: rounds of TR = 32//K tokens (TR*K lanes busy), RPW rounds."""
-    TR = 32 // K
-    RPW = 8 if E < 1024 else 16
-    TPC = RPW * TR
-    NCH = (S + TPC - 1) // TPC
-    WPC = max(1, min(2, _SMEM_LIMIT // (4 * E)))
-    return TR, RPW, TPC, NCH, WPC
-
-
-@cute.kernel
-def _tok_hist_kernel(ids: cute.Tensor, hist: cute.Tensor, status: cute.Tensor,
-                     S: Constexpr[int], K: Constexpr[int], E: Constexpr[int],
-                     TR: Constexpr[int], RPW: Constexpr[int], NCH: Constexpr[int],
-                     WPC: Constexpr[int]):
-    lane, lt, hs, hb, c = _warp_chunk(WPC, E)
-    if c < NCH:
-        for e in cutlass.range(lane, E, 32):
-            hs[hb + e] = 0
-        cute.arch.sync_warp()
-        keys, oks, _, tk, bad = _chunk_keys(ids, c, lane, S, K, E, TR, RPW)
-        for r in cutlass.range_constexpr(RPW):
-            key = keys[r]
-            m = _match_any(key)
-            if key >= 0:
-                if cute.arch.popc(m & lt) == 0:
-                    hs[hb + key] = hs[hb + key] + cute.arch.popc(m)
-            cute.arch.sync_warp()
-            # a token's K lanes are all routed or all absent (-1); fewer than K alike: mixed
-            alike = _match_any(cutlass.select_(oks[r], tk * 2 + cutlass.select_(key >= 0, Int32(1), Int32(0)),
-                                               Int32(-1) - lane))
-            bad = bad | cutlass.select_(oks[r] & (cute.arch.popc(alike) != K), Int32(1), Int32(0))
-        _flag_bad_expert_ids(status, bad)
-        for e in cutlass.range(lane, E, 32):
-            hist[c * E + e] = hs[hb + e]
-
-
-@cute.kernel
-def _tok_scan_kernel(hist: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor, cend: cute.Tensor,
-                     status: cute.Tensor, rank: Int32, R: Constexpr[int], E: Constexpr[int],
-                     NCH: Constexpr[int], NW: Constexpr[int]):
-    CPW = (NCH + NW - 1) // NW
-    tidx, _, _ = cute.arch.thread_idx()
-    bx, _, _ = cute.arch.block_idx()
-    warp = tidx // 32
-    lane = cute.arch.lane_idx()
-    smem = cutlass.utils.SmemAllocator()
-    part = smem.allocate_tensor(Int32, cute.make_layout(NW * 32), byte_alignment=16)
-    e0 = bx * 32
-    e = e0 + lane
-    c0 = warp * CPW
-    c1 = cutlass.min(c0 + CPW, Int32(NCH))
-    ec = cutlass.min(e, Int32(E - 1))
-    s = Int32(0)
-    for cb in cutlass.range(c0, c1, 8):
-        xs = []
-        for u in cutlass.range_constexpr(8):
-            xs.append(hist[cutlass.min(cb + u, c1 - 1) * E + ec])
-        for u in cutlass.range_constexpr(8):
-            s = s + cutlass.select_(cb + u < c1, xs[u], Int32(0))
-    s = cutlass.select_(e < E, s, Int32(0))
-    part[warp * 32 + lane] = s
-    cute.arch.sync_threads()
-    if warp == 0:
-        if e < E:
-            before = Int32(0)
-            for rb in cutlass.range(0, rank, 8):
-                xs = []
-                for u in cutlass.range_constexpr(8):
-                    xs.append(counts[cutlass.min(rb + u, Int32(R - 1)) * E + e])
-                for u in cutlass.range_constexpr(8):
-                    before = before + cutlass.select_(rb + u < rank, xs[u], Int32(0))
-            run = before
-            for w in cutlass.range_constexpr(NW):
-                x = part[w * 32 + lane]
-                part[w * 32 + lane] = run
-                run = run + x
-            if run - before != counts[rank * E + e]:
-                cute.arch.atomic_or(_ptr(status, 0), Int32(STATUS_COUNTS_MISMATCH))
-    cute.arch.sync_threads()
-    if e < E:
-        run = part[warp * 32 + lane]
-        for cb in cutlass.range(c0, c1, 8):
-            xs = []
-            for u in cutlass.range_constexpr(8):
-                xs.append(hist[cutlass.min(cb + u, c1 - 1) * E + e])
-            for u in cutlass.range_constexpr(8):
-                if cb + u < c1:
-                    hist[(cb + u) * E + e] = run
-                run = run + cutlass.select_(cb + u < c1, xs[u], Int32(0))
-    # cend[e, :] = cumsum(alloc[e, :]) for this CTA's 32 experts, one warp per expert
-    for j in cutlass.range(warp, 32, NW):
-        ee = e0 + j
-        if ee < E:
-            carry = Int32(0)
-            for d0 in cutlass.range(0, R, 32):
-                d = d0 + lane
-                a = Int32(0)
-                if d < R:
-                    a = alloc[ee * R + d]
-                inc = _warp_incl_scan(a, lane)
-                if d < R:
-                    cend[ee * R + d] = carry + inc
-                carry = carry + cute.arch.shuffle_sync(inc, 31)
-
-
-@cute.kernel
-def _tok_assign_kernel(ids: cute.Tensor, base: cute.Tensor, cend: cute.Tensor, alloc: cute.Tensor,
-                       e2c: cute.Tensor, erem: cute.Tensor, cu: cute.Tensor, dst_rank: cute.Tensor,
-                       dst_row: cute.Tensor, primary: cute.Tensor, status: cute.Tensor,
-                       S: Constexpr[int], K: Constexpr[int], E: Constexpr[int], R: Constexpr[int],
-                       B: Constexpr[int], TR: Constexpr[int], RPW: Constexpr[int],
-                       NCH: Constexpr[int], WPC: Constexpr[int]):
-    epn = E // R
-    G = 2 * epn
-    lists = _foreign_lists(e2c, erem, B, epn)  # at trace time, before the dynamic regions
-    lane, lt, cnt, hb, c = _warp_chunk(WPC, E)
-    if c < NCH:
-        UB = min(16, (E + 31) // 32)
-        for e0 in cutlass.range(lane, E, 32 * UB):
-            vals = []
-            for u in cutlass.range_constexpr(UB):
-                vals.append(base[c * E + cutlass.min(e0 + 32 * u, Int32(E - 1))])
-            for u in cutlass.range_constexpr(UB):
-                if e0 + 32 * u < E:
-                    cnt[hb + e0 + 32 * u] = vals[u]
-        cute.arch.sync_warp()
-        keys, oks, flats, tk, bad = _chunk_keys(ids, c, lane, S, K, E, TR, RPW)
-        _flag_bad_expert_ids(status, bad)
-        # stable position of each (s, k) in its expert's global sequence, rounds in s*K+k order
-        idxs = []
-        for r in cutlass.range_constexpr(RPW):
-            key = keys[r]
-            m = _match_any(key)
-            below = cute.arch.popc(m & lt)
-            pos = Int32(0)
-            if key >= 0:
-                pos = cnt[hb + key] + below
-            cute.arch.sync_warp()
-            if key >= 0:
-                if below == 0:
-                    cnt[hb + key] = cnt[hb + key] + cute.arch.popc(m)
-            cute.arch.sync_warp()
-            idxs.append(pos)
-        # destination rank d = smallest d with cend[e, d] > idx (searchsorted, right)
-        kcs = [cutlass.max(keys[r], Int32(0)) for r in range(RPW)]
-        los = _searches(R, RPW, lambda r, d: cend[kcs[r] * R + d], lambda r, v: v <= idxs[r])
-        # group of expert e on rank d: its home index, or its index in d's slot list, else in d's
-        # remote list (ascending, -1 = end). Found nowhere: inconsistent plan inputs.
-        dcs = []
-        for r in cutlass.range_constexpr(RPW):
-            dcs.append(cutlass.min(los[r], Int32(R - 1)))
-        bounds = [_lower_bounds(lst, W, dcs, kcs) for lst, W, _, _ in lists]
-        dsts = los
-        grps = []
-        css = []
-        flags = Int32(0)
-        for r in cutlass.range_constexpr(RPW):
-            kc = kcs[r]
-            dc = dcs[r]
-            grp = Int32(-1)
-            for (lst, W, g0, _), lo in zip(lists, bounds):  # disjoint lists: at most one hit
-                i = cutlass.min(lo[r], Int32(W - 1))
-                hit = (lo[r] < W) & (lst[dc * W + i] == kc)
-                grp = cutlass.select_(hit, g0 + i, grp)
-            cs = cend[kc * R + dc] - alloc[kc * R + dc]
-            hh = kc // epn
-            grp = cutlass.select_(dsts[r] == hh, kc - hh * epn, grp)
-            grp = cutlass.select_((keys[r] >= 0) & (dsts[r] < R), grp, Int32(-1))
-            flags = flags | cutlass.select_((keys[r] >= 0) & (grp < 0), Int32(STATUS_BAD_PLAN), Int32(0))
-            grps.append(grp)
-            css.append(cs)
-        if flags != 0:
-            cute.arch.atomic_or(_ptr(status, 0), flags)
-        # group starts for all rounds (independent loads), rows
-        rows = []
-        for r in cutlass.range_constexpr(RPW):
-            grp = grps[r]
-            gv = cu[cutlass.select_(grp > 0, dsts[r] * G + grp - 1, Int32(0))]
-            gstart = cutlass.select_(grp > 0, gv, Int32(0))
-            rows.append(cutlass.select_(grp >= 0, gstart + idxs[r] - css[r], Int32(-1)))
-            dsts[r] = cutlass.select_(grp >= 0, dsts[r], Int32(-1))
-        # primary row: the first k of the token on the same destination rank
-        for r in cutlass.range_constexpr(RPW):
-            d = dsts[r]
-            row = rows[r]
-            key2 = cutlass.select_(d >= 0, tk * R + d, Int32(-1) - lane)
-            m2 = _match_any(key2)
-            prow = cute.arch.shuffle_sync(row, _ctz(m2))
-            if oks[r]:
-                f = flats[r]
-                dst_rank[f] = d
-                dst_row[f] = row
-                primary[f] = cutlass.select_(d >= 0, prow, Int32(-1))
-
-
-@cute.jit
-def _tok_launch(ids: cute.Tensor, counts: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor,
-                erem: cute.Tensor, cu: cute.Tensor, hist: cute.Tensor, cend: cute.Tensor, dst_rank: cute.Tensor,
-                dst_row: cute.Tensor, primary: cute.Tensor, status: cute.Tensor, rank: Int32, stream,
-                S: Constexpr[int], K: Constexpr[int], E: Constexpr[int], R: Constexpr[int],
-                B: Constexpr[int]):
-    TR, RPW, TPC, NCH, WPC = _tok_geometry(S, K, E)
-    nblk = (NCH + WPC - 1) // WPC
-    _tok_hist_kernel(ids, hist, status, S, K, E, TR, RPW, NCH, WPC).launch(
-        grid=(nblk, 1, 1), block=(32 * WPC, 1, 1), stream=stream)
-    _tok_scan_kernel(hist, counts, alloc, cend, status, rank, R, E, NCH, _NW_SCAN).launch(
-        grid=((E + 31) // 32, 1, 1), block=(32 * _NW_SCAN, 1, 1), stream=stream)
-    _tok_assign_kernel(ids, hist, cend, alloc, e2c, erem, cu, dst_rank, dst_row, primary, status,
-                       S, K, E, R, B, TR, RPW, NCH, WPC).launch(
-        grid=(nblk, 1, 1), block=(32 * WPC, 1, 1), stream=stream)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -801,9 +443,9 @@ def _compile_global(R: int, E: int, B: int, P: int, TT: int):
 def _compile_tokens(S: int, K: int, E: int, R: int, B: int, id_dtype: torch.dtype):
     def build():
         epn = E // R
-        NCH = _tok_geometry(S, K, E)[3]
+        NCH = tok_geometry(S, K, E)[3]
         N = S * K
-        return cute.compile(_tok_launch, _fake(_cute_dtype(id_dtype), N), _fake(Int32, R * E),
+        return cute.compile(tok_launch, _fake(_cute_dtype(id_dtype), N), _fake(Int32, R * E),
                             _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
                             _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
                             _fake(Int32, NCH * E), _fake(Int32, E * R), _fake(Int32, N),
@@ -833,7 +475,7 @@ def _check_plan_shapes(R, E, B, S, K, P=1):
         raise ValueError(f"K must be <= 32 (one token's ids fit a warp), got K={K}")
     if R * S * K >= 2 ** 31 - 1 or S * K + P * 2 * (E // R) >= 2 ** 31 - 1:
         raise ValueError(f"R*S*K={R * S * K} must fit int32")
-    if E * 4 + 6 * R * 4 > _SMEM_LIMIT:
+    if E * 4 + 6 * R * 4 > SMEM_LIMIT:
         raise ValueError(f"E={E}, R={R}: plan_global keeps E+6*R int32 in 48 KiB of shared memory")
 
 
@@ -869,7 +511,7 @@ def count_experts(topk_ids: torch.Tensor, E: int, status: torch.Tensor | None = 
     batched = topk_ids.dim() == 3
     RB = topk_ids.shape[0] if batched else 1
     N = topk_ids.shape[-1] * topk_ids.shape[-2]
-    if E * 4 > _SMEM_LIMIT:
+    if E * 4 > SMEM_LIMIT:
         raise ValueError(f"E={E}: the count kernel keeps E int32 in 48 KiB of shared memory")
     shape = (RB, E) if batched else (E,)
     if out is None:
@@ -935,10 +577,10 @@ def plan_tokens_cuda(topk_ids: torch.Tensor, counts: torch.Tensor, plan, rank: i
     need_tensor("plan.cu_seqlens", plan.cu_seqlens, (torch.int32,), shape=(R, 2 * epn), device=dev)
     rank = need_rank(rank, R)
     _check_plan_shapes(R, E, B, S, K)
-    if 4 * E > _SMEM_LIMIT:
+    if 4 * E > SMEM_LIMIT:
         raise ValueError(f"E={E}: plan_tokens keeps E int32 per warp in 48 KiB of shared memory")
     status = _status_tensor(status, dev)
-    NCH = _tok_geometry(S, K, E)[3]
+    NCH = tok_geometry(S, K, E)[3]
     hist = torch.empty(NCH * E, dtype=torch.int32, device=dev)
     cend = torch.empty(E * R, dtype=torch.int32, device=dev)
     dst_rank = torch.empty(S, K, dtype=torch.int32, device=dev)

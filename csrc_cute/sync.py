@@ -32,6 +32,7 @@ from moonep_ops.checks import need_peers, need_rank, need_tensor
 from .jit import KernelFamily
 from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, MISMATCH_WORD, OP_IDS, SIGNAL_BASE, STATUS_OP_MISMATCH,
                      STATUS_TIMEOUT, STATUS_WORD, control_words, counts_base)
+from .warp import ptr
 
 _NT = 256  # threads of the one-CTA sync kernels
 
@@ -42,10 +43,6 @@ def _globaltimer(*, loc=None, ip=None) -> Int64:
     return Int64(llvm.inline_asm(
         T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-def _word(t: cute.Tensor, i):
-    return (t.iterator + i).llvm_ptr
 
 
 def _peer_word(peer_ctrl: cute.Tensor, r, i):
@@ -70,18 +67,18 @@ def signal_and_wait(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, time
         cute.arch.store(_peer_word(peer_ctrl, t, SIGNAL_BASE + rank), mark | op_id, sem="release", scope="sys")
     for t in cutlass.range(tidx, R, NT):
         start = _globaltimer()
-        seen = cute.arch.load(_word(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
+        seen = cute.arch.load(ptr(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
         pending = (seen & Int32(-256)) - mark < 0  # epochs compared by difference: wrap-around safe
         while pending:
-            seen = cute.arch.load(_word(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
+            seen = cute.arch.load(ptr(ctrl, SIGNAL_BASE + t), Int32, sem="acquire", scope="sys")
             elapsed = _globaltimer() - start
             behind = (seen & Int32(-256)) - mark < 0
             if behind & (elapsed > timeout_ns):
-                cute.arch.atomic_or(_word(ctrl, STATUS_WORD), Int32(STATUS_TIMEOUT))
+                cute.arch.atomic_or(ptr(ctrl, STATUS_WORD), Int32(STATUS_TIMEOUT))
             pending = behind & (elapsed <= timeout_ns)
         # a peer one barrier ahead has overwritten this barrier's id: it checked ours when it passed
         if ((seen & Int32(-256)) == mark) & ((seen & Int32(255)) != op_id):
-            cute.arch.atomic_or(_word(ctrl, STATUS_WORD), Int32(STATUS_OP_MISMATCH))
+            cute.arch.atomic_or(ptr(ctrl, STATUS_WORD), Int32(STATUS_OP_MISMATCH))
             ctrl[MISMATCH_WORD] = (op_id << 16) | (seen & Int32(255))
     cute.arch.sync_threads()
     if tidx == 0:

@@ -35,7 +35,7 @@ from moonep_ops.checks import need_int, need_peers, need_rank, need_tensor
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, copy_segment, fake, fake_stream, row_geometry,
                        vec_tensor, zero_segment)
 from .jit import KernelFamily
-from .plan import _lanemask_lt
+from .warp import lanemask_lt
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 
 _NT = 256  # threads per CTA
@@ -101,7 +101,7 @@ def _list_work(work: cute.Tensor, count: cute.Tensor, is_work, n: Constexpr[int]
             hit = (i < n) & is_work(cutlass.min(i, Int32(n - 1)))
             m = cute.arch.vote_ballot_sync(hit)
             if hit:
-                work[base + cute.arch.popc(m & _lanemask_lt())] = i
+                work[base + cute.arch.popc(m & lanemask_lt())] = i
             base = base + cute.arch.popc(m)
         if lane == 0:
             count[0] = base

@@ -193,7 +193,7 @@ def test_entry_changes_with_sources_and_versions(monkeypatch, tmp_path):
 
 def test_kernel_modules_hash_what_they_import():
     names = {p.name for p in jit.source_files(["csrc_cute.combine"])}
-    assert {"combine.py", "dispatch.py", "plan.py", "status.py", "jit.py"} <= names
+    assert {"combine.py", "dispatch.py", "warp.py", "status.py", "jit.py"} <= names
     assert "weights.py" not in names and "group_gemm.py" not in names
 
 
