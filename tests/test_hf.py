@@ -26,8 +26,8 @@ TOL = 1e-5
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_swapped_lm_matches_hf(R):
-    # torch.export is checked at R = 1 only (the slowest step; the exported graph is the same at any R)
-    results = run_ranks(hf_workers.lm_against_hf, R, hf_workers.MODELS, R == 1)
+    # torch.export is checked at R = 1 and 2 (the slowest step; R = 4 runs the same exported ops)
+    results = run_ranks(hf_workers.lm_against_hf, R, hf_workers.MODELS, R <= 2)
     for rank, per_model in enumerate(results):
         for name, res in per_model.items():
             where = f"{name} R={R} rank={rank}"
@@ -38,7 +38,7 @@ def test_swapped_lm_matches_hf(R):
             if name != "deepseek_v3":  # DeepSeek-V3's LM computes no aux loss
                 assert res["aux_loss"] < TOL, f"{where}: aux loss rel err {res['aux_loss']}"
             assert res["save_keys_match"] and res["save_exact"] and res["reload_exact"], where
-            if R == 1:
+            if R <= 2:
                 assert res["export"] < TOL, f"{where}: export rel err {res['export']}"
 
 
