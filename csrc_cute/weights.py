@@ -81,7 +81,7 @@ def _pick(t, a0, a1, a2):
     return cutlass.select_(t == 0, a0, cutlass.select_(t == 1, a1, a2))
 
 
-def _work_list(smem, n: int):
+def _alloc_work_list(smem, n: int):
     """Shared memory for `_list_work`: (list of n indices, count)."""
     return (smem.allocate_tensor(Int32, cute.make_layout(n), byte_alignment=16),
             smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4))
@@ -90,8 +90,9 @@ def _work_list(smem, n: int):
 @cute.jit
 def _list_work(work: cute.Tensor, count: cute.Tensor, is_work, n: Constexpr[int]):
     """The indices i in [0, n) with ``is_work(i)``, in ascending order, compacted by warp 0 into the
-    shared `work` list (`_work_list`); returns their count, after a CTA barrier. Ascending order makes
-    every CTA's list the same, so the grid-stride split of the listed items covers each exactly once."""
+    shared `work` list (`_alloc_work_list`); returns their count, after a CTA barrier. Ascending order
+    makes every CTA's list the same, so the grid-stride split of the listed items covers each exactly
+    once."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = cute.arch.lane_idx()
     if tidx < 32:
@@ -118,7 +119,7 @@ def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w
     lane, gw, nwarps = _warp_grid(NT, NCTA)
     bases = (addr_of(w_gate), addr_of(w_up), addr_of(w_down))
     # the slots (d, j) of every rank that hold a copy of one of this rank's home experts
-    mine, count = _work_list(cutlass.utils.SmemAllocator(), R * B)
+    mine, count = _alloc_work_list(cutlass.utils.SmemAllocator(), R * B)
     n = _list_work(mine, count, lambda p: (etc[p] >= 0) & (etc[p] // EPN == rank), R * B)
     for item in cutlass.range(gw, n * 3 * NSEG, nwarps):
         w, t, seg = _split(item, NSEG)
@@ -197,7 +198,7 @@ def _reduce_zero_kernel(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Te
     NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
     lane, gw, nwarps = _warp_grid(NT, NCTA)
     bufs = (addr_of(red_gate), addr_of(red_up), addr_of(red_down))
-    used, count = _work_list(cutlass.utils.SmemAllocator(), B)
+    used, count = _alloc_work_list(cutlass.utils.SmemAllocator(), B)
     n = _list_work(used, count, lambda j: etc[rank * B + j] >= 0, B)  # this rank's used reduce slots
     for item in cutlass.range(gw, n * 3 * NSEG, nwarps):
         w, t, seg = _split(item, NSEG)

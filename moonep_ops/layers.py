@@ -17,9 +17,10 @@ from .routing import route
 
 
 def tokens_of(cfg, x: torch.Tensor, at_capacity: bool = False) -> torch.Tensor:
-    """MoELayer's input x [..., H] -> its tokens [s, H], after the checks (the one place these rules
-    live): a floating-point tensor whose last dimension is H, holding s <= EPConfig.S tokens (S is the
-    capacity of the EP group's buffers), or exactly S with `at_capacity` (the n_tokens form)."""
+    """MoELayer's input x [..., H] -> its tokens [s, H], after the checks of that form: a floating-point
+    tensor whose last dimension is H, holding s <= EPConfig.S tokens (S is the capacity of the EP
+    group's buffers), or exactly S with `at_capacity` (the n_tokens form). `moe_experts` checks its own
+    [s, H] input the same way, for callers that route themselves (moonep_ops/functional.py)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"MoELayer: x must be a Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
