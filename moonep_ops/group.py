@@ -27,6 +27,14 @@ from .status import MoEStatusError, check_status
 _SERIAL = itertools.count()
 
 
+def _static_shape(t: torch.Tensor) -> torch.Tensor:
+    """The group's buffers have the static capacity's shape: under torch.compile(dynamic=True) their
+    sizes stay constants instead of becoming symbols (a symbolic buffer size saved for a backward is
+    what torch 2.11's autograd.Function tracing cannot wire: "overwrite_tensor_vt_proxy" assertion)."""
+    torch._dynamo.mark_static(t)
+    return t
+
+
 class EPGroup:
     """Process group + EPConfig + persistent buffers.
 
@@ -104,7 +112,7 @@ class EPGroup:
     def _buffer(self, *shape, dtype=None, fill=0):
         dtype = dtype or self.dtype
         if not self._symmetric:
-            return torch.full(shape, fill, dtype=dtype, device=self.device)
+            return _static_shape(torch.full(shape, fill, dtype=dtype, device=self.device))
         import torch.distributed._symmetric_memory as symm_mem
 
         t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
@@ -117,7 +125,7 @@ class EPGroup:
         self._handles.append(handle)
         # a fixed address for the compiler: CUDA graphs (mode="reduce-overhead") then use the buffer
         # itself instead of copying it into a graph-owned input (a copy would not be symmetric memory)
-        torch._dynamo.mark_static_address(t)
+        torch._dynamo.mark_static_address(_static_shape(t))
         addrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         registry.add_peers(self, t, addrs)
         return t

@@ -116,9 +116,12 @@ def lm_against_hf(rank: int, R: int, names: tuple[str, ...], export: bool) -> di
         with torch.no_grad():
             ref_aux = ref(ids, labels=ids, output_router_logits=True)
             our_aux = model(ids, labels=ids, output_router_logits=True)
-        res["n_router_logits"] = (len(our_aux.router_logits), len(ref_aux.router_logits))
-        res["router_logits"] = max(_rel(a, b) for a, b in zip(our_aux.router_logits, ref_aux.router_logits))
-        res["aux_loss"] = None if ref_aux.aux_loss is None else _rel(our_aux.aux_loss, ref_aux.aux_loss)
+        # (a transformers version whose LM records no router logits, DeepSeek-V3's before 5.2x, has none)
+        our_logits, ref_logits = (getattr(o, "router_logits", None) for o in (our_aux, ref_aux))
+        res["n_router_logits"] = tuple(None if lg is None else len(lg) for lg in (our_logits, ref_logits))
+        res["router_logits"] = max((_rel(a, b) for a, b in zip(our_logits or (), ref_logits or ())), default=0.0)
+        ref_aux_loss = getattr(ref_aux, "aux_loss", None)
+        res["aux_loss"] = None if ref_aux_loss is None else _rel(our_aux.aux_loss, ref_aux_loss)
         res["aux_total_loss"] = _rel(our_aux.loss, ref_aux.loss)
         if export:  # torch.export of the swapped LM (use_cache off) against eager
             with torch.no_grad():

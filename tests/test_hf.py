@@ -34,7 +34,9 @@ def test_swapped_lm_matches_hf(R):
             for key in ("logits", "loss", "grads", "router_logits", "aux_total_loss", "loaded_logits"):
                 assert res[key] < TOL, f"{where}: {key} rel err {res[key]}"
             assert res["grad_names_match"], where
-            assert res["n_router_logits"] == (hf_workers.LAYERS, hf_workers.LAYERS), where
+            recorded = hf_workers.LAYERS if res["n_router_logits"][1] is not None else None
+            assert res["n_router_logits"] == (recorded, recorded), where
+            assert recorded is not None or name == "deepseek_v3", where  # the others record in every 5.x
             if name != "deepseek_v3":  # DeepSeek-V3's LM computes no aux loss
                 assert res["aux_loss"] < TOL, f"{where}: aux loss rel err {res['aux_loss']}"
             assert res["save_keys_match"] and res["save_exact"] and res["reload_exact"], where

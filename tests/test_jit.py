@@ -81,7 +81,9 @@ def _write_probe(base, scale: float = 2.0):
 
 
 def _child_env(base, cache) -> dict:
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=os.pathsep.join([ROOT, str(base)]))
+    # keep the caller's path too: on the GPU machine CuTe DSL itself is found through PYTHONPATH
+    path = [ROOT, str(base)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", PYTHONPATH=os.pathsep.join(path))
     env[jit.CACHE_DIR_ENV] = str(cache)
     return env
 
