@@ -249,3 +249,16 @@ def test_copies_greedy_oracle_on_a_hand_made_plan():
     counts = torch.tensor([[45, 43, 37, 30, 6, 0, 0, 0, 16, 0, 0, 0], [0] * 12, [0] * 12], dtype=torch.int32)
     assert greedy_copies(counts, 177, 1) == 3
     assert plan_global(counts, 177, 1, 4, 16).n_copies == 4
+
+
+def test_bench_cold_start_smoke_measures_two_processes(tmp_path_factory):
+    """Two measured processes share one kernel cache folder; each reports every phase of its first step
+    (on the CPU nothing is compiled, so only the plumbing is checked here)."""
+    stdout, res, _ = run_smoke(tmp_path_factory, "bench_cold_start")
+    assert res["shape"] == dict(S=16, H=32, F=16, E=8, K=2) and res["device"] == "cpu", res
+    for name in ("first_process", "second_process"):
+        r = res[name]
+        assert all(r[k] > 0 for k in ("import_s", "init_s", "first_forward_s", "first_backward_s",
+                                      "second_step_ms")), r
+        assert r["first_step_after_import_s"] == r["init_s"] + r["first_forward_s"] + r["first_backward_s"]
+        assert name in stdout
