@@ -49,8 +49,10 @@ def forward_backward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...]
     return out
 
 
-def inference_forward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...]):
-    """Inference (B < epn, no_grad): per skew this rank's output, eager and compiled, and how many
+def inference_forward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...],
+                      compiled_skews: tuple[str, ...]):
+    """Inference (B < epn, no_grad): per skew this rank's output, eager (and compiled for the skews in
+    `compiled_skews`: an inductor compile per rank and skew is most of this worker's time), and how many
     copies the plan read remotely (every rank's, from the plan op itself)."""
     from moonep_ops import ops
 
@@ -62,7 +64,7 @@ def inference_forward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...
             y = layer(x)
             ids = torch.topk(layer.router(x), cfg.K).indices
             remote = ops.plan(ids, cfg.E, cfg.B, cfg.P, cfg.R, layer.ep.ctrl, layer.ep.group_name)[4]
-            compiled = torch.compile(layer, fullgraph=True)(x)
+            compiled = torch.compile(layer, fullgraph=True)(x) if skew in compiled_skews else None
         out[skew] = dict(y=y, compiled=compiled, n_remote=int((remote >= 0).sum()))
     return out
 

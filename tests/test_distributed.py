@@ -121,15 +121,16 @@ def test_no_grad_forward_equals_training_forward():
 def test_inference_small_B_matches_dense(R):
     """Inference with B=1 slot (epn=4): the copies without a slot are read from their home rank (here
     with gloo; on CUDA through the peer mapping); the output equals the dense MoE's, eager and compiled
-    (fullgraph), and the skewed routing really reads copies remotely."""
+    (fullgraph; for the skewed routing, which really reads copies remotely)."""
     cfg_kwargs = dict(SHAPE, E=4 * R, B=1)
     cfg = EPConfig(R=R, **cfg_kwargs)
-    res = run_ranks(ep_workers.inference_forward, R, cfg_kwargs, ("uniform", "extreme"))
+    res = run_ranks(ep_workers.inference_forward, R, cfg_kwargs, ("uniform", "extreme"), ("extreme",))
     for skew in ("uniform", "extreme"):
         y_ref, _ = dense_reference(cfg, skew)
         tol = dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.cat([r[skew]["y"] for r in res]), y_ref, **tol)
-        torch.testing.assert_close(torch.cat([r[skew]["compiled"] for r in res]), y_ref, **tol)
+        if skew == "extreme":
+            torch.testing.assert_close(torch.cat([r[skew]["compiled"] for r in res]), y_ref, **tol)
     assert sum(r["extreme"]["n_remote"] for r in res) >= 1
 
 
