@@ -39,6 +39,7 @@ import copy
 import inspect
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -165,7 +166,7 @@ def train(args, ref, model, device: torch.device) -> dict:
             grads_ok[k] = grads_ok.get(k, True) and ok
     model.eval()
     return dict(losses=losses, ref_first_loss=ref_loss, first_loss_rel_err=abs(losses[0] - ref_loss) / abs(ref_loss),
-                first_step_ms=step_ms[0], step_ms=step_ms[1:], median_step_ms=sorted(step_ms[1:])[len(step_ms[1:]) // 2],
+                first_step_ms=step_ms[0], step_ms=step_ms[1:], median_step_ms=statistics.median(step_ms[1:]),
                 grads_finite_nonzero=grads_ok)
 
 
@@ -290,10 +291,11 @@ def decode(args, ref, model, device: torch.device) -> dict:
 
 
 def checks_of(args, tr: dict, dec: dict) -> dict[str, bool]:
+    grads = tr["grads_finite_nonzero"]
     checks = dict(losses_finite=all(math.isfinite(v) for v in tr["losses"]),
                   first_loss_matches_hf=tr["first_loss_rel_err"] <= args.loss_tol,
                   loss_falls=tr["losses"][-1] < tr["losses"][0],
-                  moe_grads_finite_nonzero=bool(tr["grads_finite_nonzero"]) and all(tr["grads_finite_nonzero"].values()))
+                  moe_grads_finite_nonzero=bool(grads) and all(grads.values()))
     if args.device == "cuda":
         checks["graph_tokens_equal_eager"] = dec.get("graph_vs_eager", {}).get("identical", False)
     if args.dtype == "float32":
