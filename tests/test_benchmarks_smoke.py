@@ -262,3 +262,60 @@ def test_bench_cold_start_smoke_measures_two_processes(tmp_path_factory):
                                       "second_step_ms")), r
         assert r["first_step_after_import_s"] == r["init_s"] + r["first_forward_s"] + r["first_backward_s"]
         assert name in stdout
+
+
+def test_hf_qwen3_gpu_smoke_on_cpu(tmp_path):
+    """benchmarks/hf_qwen3_gpu.py's CPU path (--smoke: a tiny Qwen3-MoE LM in fp32, 2 layers, batch 2):
+    the swapped LM trains (its first loss the untouched LM's, finite router/expert gradients, the loss
+    falls) and its StaticCache greedy decode equals the untouched LM's `generate` on the trained weights;
+    no CUDA graph on the CPU, and the JSON says so."""
+    pytest.importorskip("transformers")
+    import math
+
+    out = tmp_path / "hf_qwen3_gpu.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hf_qwen3_gpu.py"), "--smoke", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    d = json.load(open(out))
+    assert d["smoke"] and d["device"] == "cpu" and d["dtype"] == "float32" and d["S"] == 2 * 8
+    assert d["transformers"] and all(k in d["run_info"] for k in ("gpu", "commit", "date", "torch"))
+    tr, dec = d["train"], d["decode"]
+    assert len(tr["losses"]) == 3 and all(math.isfinite(v) for v in tr["losses"])
+    assert tr["first_loss_rel_err"] <= 1e-4 and tr["losses"][-1] < tr["losses"][0]
+    assert len(tr["step_ms"]) == 2 and tr["first_step_ms"] > 0
+    grads = tr["grads_finite_nonzero"]
+    assert len(grads) == 2 * 4 and all(grads.values())  # 2 layers: gate, w_gate, w_up, w_down
+    assert "eager decode only" in dec["graph"] and "graph_ms_per_token" not in dec and dec["eager_ms_per_token"] > 0
+    assert dec["tokens_eager"] == dec["tokens_hf"] and [len(t) for t in dec["tokens_eager"]] == [6, 6]
+    assert dec["eager_vs_hf"] == dict(equal=12, total=12, common_prefix=[6, 6], identical=True)
+    assert d["checks"] == dict(losses_finite=True, first_loss_matches_hf=True, loss_falls=True,
+                               moe_grads_finite_nonzero=True, eager_tokens_equal_hf_generate=True)
+    assert "ok   eager_tokens_equal_hf_generate" in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_hf_qwen3_decode_step_traces_to_one_graph(gloo1):
+    """The CPU stand-in for hf_qwen3_gpu's CUDA-graph capture of its decode step: torch.compile(fullgraph=True)
+    traces the whole step (the HF forward into the StaticCache, the swapped MoE blocks, the argmax, the static
+    buffers' advance) into one graph that every later step reuses, i.e. no host read of a tensor and no Python
+    state that changes per token; the compiled steps decode the eager steps' tokens."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from benchmarks import hf_qwen3_gpu
+
+    args = hf_qwen3_gpu.parse_args(["--smoke"])
+    _, model, ep = hf_qwen3_gpu.build(args, torch.device("cpu"), torch.float32)
+    model.eval()
+    prompt = torch.randint(0, args.vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(2))
+    compiled, eager = (hf_qwen3_gpu.GreedyDecoder(model, prompt, args.new_tokens) for _ in range(2))
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(compiled.step, fullgraph=True, backend="aot_eager")
+    for _ in range(compiled.steps):
+        step()
+        eager.step()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and not counters["recompiles"]
+    assert torch.equal(compiled.generated, eager.generated)
+    torch._dynamo.reset()
+    ep.destroy()
