@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from canaries import Canaries  # noqa: E402
 from kernel_compile import check_module_compiles  # noqa: E402
 from moonep_ops import planning  # noqa: E402
 
@@ -31,33 +32,6 @@ DEV = "cuda"
 GARBAGE_ROW = 99.0      # receive / output buffers start with this (never a real value)
 GARBAGE_W = -7.0
 GARBAGE_I = -99
-CANARY_BYTES = 4096     # guard zone before and after every buffer of a canary Sim (> any row of the tests)
-
-
-class Canaries:
-    """Device buffers allocated as views into larger allocations whose guard zones before and after hold a
-    fixed byte pattern: a write outside a buffer (within CANARY_BYTES) changes them."""
-
-    def __init__(self):
-        self.backings = []
-
-    @staticmethod
-    def pattern(n, device):
-        return (torch.arange(n, device=device, dtype=torch.int32) * 37 + 11).remainder(251).to(torch.uint8)
-
-    def empty(self, shape, dtype, device):
-        n = torch.Size(shape).numel() * dtype.itemsize
-        back = self.pattern(n + 2 * CANARY_BYTES, device)
-        self.backings.append(back)
-        return back[CANARY_BYTES:CANARY_BYTES + n].view(dtype).view(shape)
-
-    def check(self):
-        for i, back in enumerate(self.backings):
-            want = self.pattern(back.numel(), back.device)
-            n = back.numel() - 2 * CANARY_BYTES
-            for zone, sl in (("before", slice(0, CANARY_BYTES)), ("after", slice(CANARY_BYTES + n, None))):
-                bad = torch.nonzero(back[sl] != want[sl]).flatten()
-                assert bad.numel() == 0, f"buffer {i}: {bad.numel()} canary bytes {zone} it changed"
 
 
 # ------------------------------------------------------------------------------------------------
