@@ -18,7 +18,15 @@ Semantics (S tokens, K top-k, R ranks, NvS rows; plan tables [S, K] int32 `dst_r
 Every sum is a fixed-order fp32 sum (no atomics): deterministic. Chains are followed for at most 32
 rows (K <= 32) and stop at a row outside [0, NvS); plan entries with a rank outside [0, R) or a row
 outside [0, NvS) are skipped: dst_rank = -1 marks an absent token, whose output row is zero (combine)
-and whose values are 0 (gather).
+and whose values are 0 (gather). Every skipped entry other than that marker ORs STATUS_BAD_TABLE into
+`status` (the EP group's status word, int32 [1]; no host sync), one atomic per entry, the checks
+comparing values the kernels load anyway:
+  presum  a row whose row_primary is outside [-1, NvS); a chain entry (row_next of a row on a head's
+          chain) outside [-1, NvS), or a chain longer than 32 rows (a cycle).
+  pull    an entry (s, k) with dst_rank not -1 and outside [0, R), or a valid rank with dst_row or
+          primary_row outside [0, NvS).
+  gather  an entry with dst_rank not -1 and outside [0, R), or a valid rank with dst_row outside
+          [0, NvS).
 
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
 static key):
@@ -43,7 +51,7 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from moonep_ops.checks import need_int, need_peers, need_tensor
+from moonep_ops.checks import need_int, need_peers, need_status, need_tensor
 
 from .jit import KernelFamily
 from .dispatch import (
@@ -54,6 +62,7 @@ from .dispatch import (
     check_fits,
     chunk_offsets,
     fake,
+    flag_bad_table,
     fake_stream,
     need_plan,
     need_rows,
@@ -119,9 +128,9 @@ def acc_store(acc, base, offs, dtype, VEC: int):
 # ------------------------------------------------------------------------------------------------
 @cute.kernel
 def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.Tensor,
-                   presum: cute.Tensor, NVS: Constexpr[int], ROWB: Constexpr[int], dtype: Constexpr,
-                   NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], D: Constexpr[int],
-                   CM: Constexpr[int]):
+                   presum: cute.Tensor, status: cute.Tensor, NVS: Constexpr[int], ROWB: Constexpr[int],
+                   dtype: Constexpr, NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int],
+                   D: Constexpr[int], CM: Constexpr[int]):
     NW = NT // 32
     W = NCTA * NW
     VEC = 16 * 8 // dtype.width
@@ -143,7 +152,9 @@ def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
     for i0 in cutlass.range(gw * 32, NVS, W * 32):
         i = i0 + lane
         ic = cutlass.min(i, Int32(NVS - 1))
-        hm = cute.arch.vote_ballot_sync((i < NVS) & (row_primary[ic] == i))
+        p = row_primary[ic]
+        flag_bad_table(status, (i < NVS) & ((p < -1) | (p >= NVS)))  # -1: a padding row
+        hm = cute.arch.vote_ballot_sync((i < NVS) & (p == i))
         # Items (head j, segment, chain row c) in that order. The producer issues item np_ into ring
         # slot np_ % D (one commit group per item) once that slot is free; the consumer adds item nc
         # when D items are in flight (or the producer is done) and stores at each chain's end. A
@@ -229,7 +240,10 @@ def _presum_kernel(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
             if (wcur >= 0) & (wcur == wl):
                 wnode = cutlass.select_(lane == wc, wcur, wnode)
                 wc = wc + 1
-                wcur = cutlass.select_((wnx >= 0) & (wnx < NVS) & (wc < CM), wnx, Int32(-1))
+                more = (wnx >= 0) & (wnx < NVS)
+                # (the walker is warp-uniform: lane 0 flags) -1 ends a chain; past CM rows it is a cycle
+                flag_bad_table(status, (lane == 0) & ((wnx < -1) | (wnx >= NVS) | (more & (wc >= CM))))
+                wcur = cutlass.select_(more & (wc < CM), wnx, Int32(-1))
 
 
 @cute.jit
@@ -256,7 +270,7 @@ def _pull_segment(acc: cute.Tensor, src: Int64, car: Int32, ncar: Int32, dst: In
 
 @cute.kernel
 def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
-                 primary_row: cute.Tensor, out: cute.Tensor, S: Constexpr[int], K: Constexpr[int],
+                 primary_row: cute.Tensor, out: cute.Tensor, status: cute.Tensor, S: Constexpr[int], K: Constexpr[int],
                  R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int], dtype: Constexpr,
                  NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], NB: Constexpr[int]):
     NW = NT // 32
@@ -273,6 +287,7 @@ def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
         r = dst_row[idx]
         pr = primary_row[idx]
         ok = (lane < K) & (d >= 0) & (d < R) & (r >= 0) & (r < NVS)
+        flag_bad_table(status, (lane < K) & (d != -1) & ((ok == False) | (pr < 0) | (pr >= NVS)))  # noqa: E712
         car = cute.arch.vote_ballot_sync(ok & (r == pr))
         ncar = cute.arch.popc(car)
         src = (peer_presum[cutlass.select_(ok, d, Int32(0))]
@@ -286,7 +301,7 @@ def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
 
 @cute.kernel
 def _gather_kernel(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
-                   out: cute.Tensor, N: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
+                   out: cute.Tensor, status: cute.Tensor, N: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
                    NCTA: Constexpr[int], NT: Constexpr[int]):
     UG = 4
     T = NCTA * NT
@@ -295,11 +310,13 @@ def _gather_kernel(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
     t = bx * NT + tidx
     for i0 in cutlass.range(t, N, T * UG):
         vals = []
+        bad = cutlass.Boolean(False)  # over the UG entries, flagged after the stores: the loads stay batched
         for u in cutlass.range_constexpr(UG):
             i = cutlass.min(i0 + u * T, Int32(N - 1))
             d = dst_rank[i]
             r = dst_row[i]
             ok = (d >= 0) & (d < R) & (r >= 0) & (r < NVS)
+            bad = bad | ((d != -1) & (ok == False))  # noqa: E712
             a = (peer_vals[cutlass.select_(ok, d, Int32(0))]
                  + Int64(cutlass.select_(ok, r, Int32(0))) * 4)
             v = cute.arch.load(cute.make_ptr(Float32, a, cute.AddressSpace.gmem, assumed_align=4),
@@ -308,31 +325,32 @@ def _gather_kernel(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
         for u in cutlass.range_constexpr(UG):
             if i0 + u * T < N:
                 out[i0 + u * T] = vals[u]
+        flag_bad_table(status, bad)
 
 
 @cute.jit
 def _presum_launch(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.Tensor,
-                   presum: cute.Tensor, stream, NVS: Constexpr[int], ROWB: Constexpr[int],
+                   presum: cute.Tensor, status: cute.Tensor, stream, NVS: Constexpr[int], ROWB: Constexpr[int],
                    dtype: Constexpr, NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int],
                    D: Constexpr[int]):
-    _presum_kernel(rows, row_primary, row_next, presum, NVS, ROWB, dtype, NCTA, NT, U, D,
+    _presum_kernel(rows, row_primary, row_next, presum, status, NVS, ROWB, dtype, NCTA, NT, U, D,
                    _CHAIN_MAX).launch(grid=(NCTA, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
 @cute.jit
 def _pull_launch(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
-                 primary_row: cute.Tensor, out: cute.Tensor, stream, S: Constexpr[int],
+                 primary_row: cute.Tensor, out: cute.Tensor, status: cute.Tensor, stream, S: Constexpr[int],
                  K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
                  dtype: Constexpr, NCTA: Constexpr[int]):
-    _pull_kernel(peer_presum, dst_rank, dst_row, primary_row, out, S, K, R, NVS, ROWB, dtype, NCTA,
+    _pull_kernel(peer_presum, dst_rank, dst_row, primary_row, out, status, S, K, R, NVS, ROWB, dtype, NCTA,
                  _NT_PULL, _U_PULL, _NB_PULL).launch(grid=(NCTA, 1, 1), block=(_NT_PULL, 1, 1), stream=stream)
 
 
 @cute.jit
 def _gather_launch(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
-                   out: cute.Tensor, stream, N: Constexpr[int], R: Constexpr[int],
+                   out: cute.Tensor, status: cute.Tensor, stream, N: Constexpr[int], R: Constexpr[int],
                    NVS: Constexpr[int], NCTA: Constexpr[int]):
-    _gather_kernel(peer_vals, dst_rank, dst_row, out, N, R, NVS, NCTA, _NT_GATHER).launch(
+    _gather_kernel(peer_vals, dst_rank, dst_row, out, status, N, R, NVS, NCTA, _NT_GATHER).launch(
         grid=(NCTA, 1, 1), block=(_NT_GATHER, 1, 1), stream=stream)
 
 
@@ -348,7 +366,7 @@ def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _
 
     def build():
         return cute.compile(_presum_launch, fake(dt, NVS * H), fake(Int32, NVS, 4), fake(Int32, NVS, 4),
-                            fake(dt, NVS * H), fake_stream(), NVS, H * dtype.itemsize, dt, ncta, nt,
+                            fake(dt, NVS * H), fake(Int32, 1, 4), fake_stream(), NVS, H * dtype.itemsize, dt, ncta, nt,
                             u, d, options="--enable-tvm-ffi")
     return _JIT.compiled(("presum", NVS, H, dtype, ncta, nt, u, d), build)
 
@@ -358,7 +376,8 @@ def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, 
 
     def build():
         return cute.compile(_pull_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),
-                            fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(dt, S * H), fake_stream(),
+                            fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(dt, S * H), fake(Int32, 1, 4),
+                            fake_stream(),
                             S, K, R, NVS, H * dtype.itemsize, dt, ncta, options="--enable-tvm-ffi")
     return _JIT.compiled(("pull", S, H, K, R, NVS, dtype, ncta), build)
 
@@ -366,7 +385,7 @@ def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, 
 def _compile_gather(S: int, K: int, R: int, NVS: int, ncta: int):
     def build():
         return cute.compile(_gather_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),
-                            fake(Int32, S * K, 4), fake(Float32, S * K, 4), fake_stream(), S * K, R,
+                            fake(Int32, S * K, 4), fake(Float32, S * K, 4), fake(Int32, 1, 4), fake_stream(), S * K, R,
                             NVS, ncta, options="--enable-tvm-ffi")
     return _JIT.compiled(("gather", S, K, R, NVS, ncta), build)
 
@@ -375,53 +394,59 @@ def _compile_gather(S: int, K: int, R: int, NVS: int, ncta: int):
 # public API
 # ------------------------------------------------------------------------------------------------
 def combine_presum(rows: torch.Tensor, row_primary: torch.Tensor, row_next: torch.Tensor,
-                   presum: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+                   presum: torch.Tensor, status: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """Local: presum[p] = row dtype of the fp32 sum over the chain p, row_next[p], ... of rows[...]
     for every row p with row_primary[p] == p; other rows of presum untouched.
-    rows, presum [NvS, H] bf16/fp16/fp32 (same dtype); row_primary, row_next int32 [NvS]."""
+    rows, presum [NvS, H] bf16/fp16/fp32 (same dtype); row_primary, row_next int32 [NvS]; status int32
+    [1]: STATUS_BAD_TABLE is OR-ed in for a skipped table entry (module docstring)."""
     need_rows("rows", rows)
     dev = rows.device
     NVS, H = rows.shape
     need_rows("presum", presum, rows.dtype, (NVS, H), dev)
     need_tensor("row_primary", row_primary, (torch.int32,), shape=(NVS,), device=dev)
     need_tensor("row_next", row_next, (torch.int32,), shape=(NVS,), device=dev)
+    need_status(status, dev)
     num_ctas = need_int("num_ctas", num_ctas)
     check_fits(1, 1, NVS)
     fn = _compile_presum(NVS, H, rows.dtype, num_ctas)
-    fn(rows.view(-1), row_primary, row_next, presum.view(-1))
+    fn(rows.view(-1), row_primary, row_next, presum.view(-1), status)
 
 
 def combine_pull(peer_presum: torch.Tensor, dst_rank: torch.Tensor, dst_row: torch.Tensor,
-                 primary_row: torch.Tensor, out: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS,
-                 nvs: int | None = None) -> None:
+                 primary_row: torch.Tensor, out: torch.Tensor, status: torch.Tensor,
+                 num_ctas: int = DEFAULT_NUM_CTAS, nvs: int | None = None) -> None:
     """out[s] = row dtype of the fp32 sum, in k order, over the k with dst_row[s, k] ==
     primary_row[s, k], of presum[dst_row[s, k]] on rank dst_rank[s, k].
     peer_presum int64 [R]: addresses of every rank's presum [nvs, H] (out's dtype);
     plan tables int32 [S, K]; out [S, H] bf16/fp16/fp32. `nvs` (optional): rows per rank; with it,
-    entries with dst_row >= nvs are skipped (without it only negative rows are)."""
+    entries with dst_row >= nvs are skipped (without it only negative rows are; the moonep ops pass it).
+    status int32 [1]: STATUS_BAD_TABLE is OR-ed in for a skipped table entry (module docstring)."""
     dev, S, H, K = need_rows_and_plan("out", out, dst_rank, dst_row, primary_row)
     R = need_peers("peer_presum", peer_presum, device=dev)
+    need_status(status, dev)
     nvs = _NO_NVS if nvs is None else need_int("nvs", nvs)
     num_ctas = need_int("num_ctas", num_ctas)
     check_fits(S, K, nvs)
     fn = _compile_pull(S, H, K, R, nvs, out.dtype, num_ctas)
-    fn(peer_presum, dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1), out.view(-1))
+    fn(peer_presum, dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1), out.view(-1), status)
 
 
 def gather_pull(peer_vals: torch.Tensor, dst_rank: torch.Tensor, dst_row: torch.Tensor,
-                out: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS, nvs: int | None = None) -> None:
+                out: torch.Tensor, status: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS,
+                nvs: int | None = None) -> None:
     """out[s, k] = vals[dst_row[s, k]] on rank dst_rank[s, k] (0 outside the plan).
     peer_vals int64 [R]: addresses of every rank's vals f32 [nvs]; plan tables int32 [S, K];
-    out f32 [S, K]. `nvs` (optional): as in `combine_pull`."""
+    out f32 [S, K]; status int32 [1] and `nvs` (optional): as in `combine_pull`."""
     S, K = need_plan(dst_rank, dst_row)
     dev = dst_rank.device
     need_tensor("out", out, (torch.float32,), shape=(S, K), device=dev)
     R = need_peers("peer_vals", peer_vals, device=dev)
+    need_status(status, dev)
     nvs = _NO_NVS if nvs is None else need_int("nvs", nvs)
     num_ctas = need_int("num_ctas", num_ctas)
     check_fits(S, K, nvs)
     fn = _compile_gather(S, K, R, nvs, num_ctas)
-    fn(peer_vals, dst_rank.view(-1), dst_row.view(-1), out.view(-1))
+    fn(peer_vals, dst_rank.view(-1), dst_row.view(-1), out.view(-1), status)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,9 +25,16 @@ Semantics (S tokens, K top-k, R ranks, NvS receive rows, G = epn+B groups; plan 
 Peer arguments are int64 [R] tensors holding the device address of the same (16-byte aligned) buffer
 on every rank. Rows move as 16-byte vectors (any row dtype with H * itemsize a multiple of 16).
 Entries with a destination rank outside [0, R) or a row outside [0, NvS) are skipped: dst_rank = -1
-is the legal mark of an absent token (never sent, nothing written); any other such entry is a failed
-plan, flagged in the plan's status word; chains are followed for at most 32 rows and stop at a row
-outside [0, NvS); a head row whose src is outside [0, R*S) is zeroed (its chain is not followed).
+is the legal mark of an absent token (never sent, nothing written); chains are followed for at most 32
+rows and stop at a row outside [0, NvS); a head row whose src is outside [0, R*S) is zeroed (its chain
+is not followed). Every skipped entry other than the absent-token marker ORs STATUS_BAD_TABLE into
+`status` (the EP group's status word, int32 [1]; no host sync):
+  meta    an entry (s, k) with dst_rank not -1 and outside [0, R), or a valid rank with dst_row or
+          primary_row outside [0, NvS); a group g with cu_seqlens decreasing or past NvS, or
+          group_rows[g] outside [0, the group's length] (checked by the grid's first warp).
+  pull    a row whose recv_primary or recv_next is outside [-1, NvS), a row with a primary in
+          [0, NvS) whose recv_src is outside [0, R*S), a chain longer than 32 rows (a cycle).
+The checks compare values the kernels load anyway; one atomic per offending entry.
 
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
 static key):
@@ -53,11 +60,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64
 
-from moonep_ops.checks import need_int, need_peers, need_placement, need_rank, need_tensor
+from moonep_ops.checks import need_int, need_peers, need_placement, need_rank, need_status, need_tensor
 
 from .jit import KernelFamily
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
-from .warp import ctz, lanemask_lt, match_any
+from .status import STATUS_BAD_TABLE
+from .warp import ctz, lanemask_lt, match_any, ptr
 
 _NT = 512          # threads per CTA (16 warps), both kernels
 _U_META = 8        # 16-byte chunks per thread in flight in meta's x copy
@@ -139,6 +147,14 @@ def addr_of(t: cute.Tensor):
     return t.iterator.toint()
 
 
+@cute.jit
+def flag_bad_table(status: cute.Tensor, bad):
+    """OR STATUS_BAD_TABLE into the status word where `bad` (this thread skipped a table entry that is
+    out of range and not a legal marker)."""
+    if bad:
+        cute.arch.atomic_or(ptr(status, 0), Int32(STATUS_BAD_TABLE))
+
+
 def warp_coords(NW: int):
     """(thread, CTA, warp in the CTA, lane, warp index in the grid) of a kernel with NW warps per CTA."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -156,8 +172,8 @@ def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
                  primary_row: cute.Tensor, peer_w: cute.Tensor, peer_primary: cute.Tensor,
                  peer_next: cute.Tensor, peer_src: cute.Tensor, recv_w: cute.Tensor,
                  recv_primary: cute.Tensor, recv_next: cute.Tensor, recv_src: cute.Tensor,
-                 send_rows: cute.Tensor, cu: cute.Tensor, grows: cute.Tensor, rank: Int32,
-                 S: Constexpr[int], K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
+                 send_rows: cute.Tensor, cu: cute.Tensor, grows: cute.Tensor, status: cute.Tensor,
+                 rank: Int32, S: Constexpr[int], K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
                  G: Constexpr[int], ROWB: Constexpr[int], NCTA: Constexpr[int], NT: Constexpr[int],
                  U: Constexpr[int]):
     NW = NT // 32
@@ -181,6 +197,8 @@ def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
         pr = primary_row[idx]
         w = route_w[idx]
         ok = (lane < K) & (d >= 0) & (d < R) & (r >= 0) & (r < NVS)
+        # -1 marks an absent token; any other rank, or a row of a valid rank, outside the plan is bad
+        flag_bad_table(status, (lane < K) & (d != -1) & ((ok == False) | (pr < 0) | (pr >= NVS)))  # noqa: E712
         m = match_any(cutlass.select_(ok, d, Int32(-1) - lane))
         later = m & gt
         nr = cute.arch.shuffle_sync(r, ctz(cutlass.select_(later != 0, later, Int32(1))))
@@ -202,7 +220,9 @@ def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
         gc = cutlass.min(g, Int32(G - 1))
         end = cu[gc]
         start = cutlass.select_(gc > 0, cu[cutlass.max(gc - 1, Int32(0))], Int32(0))
-        nreal = cutlass.min(cutlass.max(grows[gc], Int32(0)), cutlass.max(end - start, Int32(0)))
+        gr = grows[gc]
+        nreal = cutlass.min(cutlass.max(gr, Int32(0)), cutlass.max(end - start, Int32(0)))
+        flag_bad_table(status, (gw == 0) & (g < G) & ((end < start) | (end > NVS) | (gr < 0) | (gr > end - start)))
         a = cutlass.select_(g == G, last_end, start + nreal)
         b = cutlass.select_(g == G, Int32(NVS), end)
         a = cutlass.max(a, Int32(0))
@@ -235,7 +255,7 @@ def _meta_kernel(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
 @cute.kernel
 def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute.Tensor,
                  recv_next: cute.Tensor, recv_src: cute.Tensor, out_rows: cute.Tensor,
-                 out_w: cute.Tensor, out_primary: cute.Tensor, out_next: cute.Tensor,
+                 out_w: cute.Tensor, out_primary: cute.Tensor, out_next: cute.Tensor, status: cute.Tensor,
                  S: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
                  NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], CM: Constexpr[int]):
     NW = NT // 32
@@ -259,6 +279,9 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
             out_primary[i] = p
             out_next[i] = n
         srcok = (sv >= 0) & (sv < R * S)
+        # -1 marks a padding row (primary, next) or a chain's end (next); a routed row has a source
+        flag_bad_table(status, inb & ((p < -1) | (p >= NVS) | (n < -1) | (n >= NVS)
+                                      | ((p >= 0) & (srcok == False))))  # noqa: E712
         svc = cutlass.select_(srcok, sv, Int32(0))
         rr = svc // S
         srca = peer_send[rr] + Int64(svc - rr * S) * ROWB
@@ -287,7 +310,9 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
                 nodes[nb + c * 32 + lane] = cur
                 ln = c + 1
                 nx = recv_next[cur]
-                cur = cutlass.select_((nx >= 0) & (nx < NVS) & (c + 1 < CM), nx, Int32(-1))
+                more = (nx >= 0) & (nx < NVS)
+                flag_bad_table(status, more & (c + 1 >= CM))  # a chain longer than any token's: a cycle
+                cur = cutlass.select_(more & (c + 1 < CM), nx, Int32(-1))
             c = c + 1
             act = cute.arch.vote_ballot_sync(cur >= 0)
         cute.arch.sync_warp()
@@ -314,12 +339,12 @@ def _meta_launch(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
                  primary_row: cute.Tensor, peer_w: cute.Tensor, peer_primary: cute.Tensor,
                  peer_next: cute.Tensor, peer_src: cute.Tensor, recv_w: cute.Tensor,
                  recv_primary: cute.Tensor, recv_next: cute.Tensor, recv_src: cute.Tensor,
-                 send_rows: cute.Tensor, cu: cute.Tensor, grows: cute.Tensor, rank: Int32, stream,
-                 S: Constexpr[int], K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
+                 send_rows: cute.Tensor, cu: cute.Tensor, grows: cute.Tensor, status: cute.Tensor,
+                 rank: Int32, stream, S: Constexpr[int], K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int],
                  G: Constexpr[int], ROWB: Constexpr[int], NCTA: Constexpr[int], NT: Constexpr[int],
                  U: Constexpr[int]):
     _meta_kernel(x, route_w, dst_rank, dst_row, primary_row, peer_w, peer_primary, peer_next,
-                 peer_src, recv_w, recv_primary, recv_next, recv_src, send_rows, cu, grows, rank,
+                 peer_src, recv_w, recv_primary, recv_next, recv_src, send_rows, cu, grows, status, rank,
                  S, K, R, NVS, G, ROWB, NCTA, NT, U).launch(
         grid=(NCTA, 1, 1), block=(NT, 1, 1), stream=stream)
 
@@ -327,11 +352,11 @@ def _meta_launch(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, ds
 @cute.jit
 def _pull_launch(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute.Tensor,
                  recv_next: cute.Tensor, recv_src: cute.Tensor, out_rows: cute.Tensor,
-                 out_w: cute.Tensor, out_primary: cute.Tensor, out_next: cute.Tensor, stream,
-                 S: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
+                 out_w: cute.Tensor, out_primary: cute.Tensor, out_next: cute.Tensor, status: cute.Tensor,
+                 stream, S: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
                  NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
     _pull_kernel(peer_send, recv_w, recv_primary, recv_next, recv_src, out_rows, out_w, out_primary,
-                 out_next, S, R, NVS, ROWB, NCTA, NT, U, _CM).launch(
+                 out_next, status, S, R, NVS, ROWB, NCTA, NT, U, _CM).launch(
         grid=(NCTA, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
@@ -360,7 +385,7 @@ def _compile_meta(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch
             fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(Int64, R, 8), fake(Int64, R, 8),
             fake(Int64, R, 8), fake(Int64, R, 8), fake(Float32, NVS, 4), fake(Int32, NVS, 4),
             fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(dt, S * H), fake(Int32, G, 4),
-            fake(Int32, G, 4), Int32(0), fake_stream(), S, K, R, NVS, G, rowb, ncta, nt, u,
+            fake(Int32, G, 4), fake(Int32, 1, 4), Int32(0), fake_stream(), S, K, R, NVS, G, rowb, ncta, nt, u,
             options="--enable-tvm-ffi")
     return _JIT.compiled(("meta", S, H, K, R, NVS, G, dtype, ncta, nt, u), build)
 
@@ -374,8 +399,8 @@ def _compile_pull(S: int, H: int, R: int, NVS: int, dtype: torch.dtype, ncta: in
         return cute.compile(
             _pull_launch, fake(Int64, R, 8), fake(Float32, NVS, 4), fake(Int32, NVS, 4),
             fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(dt, NVS * H), fake(Float32, NVS, 4),
-            fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake_stream(), S, R, NVS, rowb, ncta, nt, u,
-            options="--enable-tvm-ffi")
+            fake(Int32, NVS, 4), fake(Int32, NVS, 4), fake(Int32, 1, 4), fake_stream(), S, R, NVS, rowb, ncta,
+            nt, u, options="--enable-tvm-ffi")
     return _JIT.compiled(("pull", S, H, R, NVS, dtype, ncta, nt, u), build)
 
 
@@ -438,7 +463,8 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
                   peer_primary: torch.Tensor, peer_next: torch.Tensor, peer_src: torch.Tensor,
                   recv_w: torch.Tensor, recv_primary: torch.Tensor, recv_next: torch.Tensor,
                   recv_src: torch.Tensor, send_rows: torch.Tensor, cu_seqlens: torch.Tensor,
-                  group_rows: torch.Tensor, rank: int, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+                  group_rows: torch.Tensor, rank: int, status: torch.Tensor,
+                  num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """Write this rank's row metadata into every destination rank's buffers, reset this rank's own
     padding rows' metadata and copy x into this rank's staging buffer `send_rows` (see the module
     docstring). Returns nothing; launches on torch's current stream; the caller runs a cross-rank
@@ -448,7 +474,8 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
     peer_w / peer_primary / peer_next / peer_src int64 [R]: addresses of every rank's recv_w [NvS]
     f32 / recv_primary / recv_next / recv_src [NvS] int32; recv_* this rank's buffers; send_rows
     [S, H] (x's dtype, this rank's symmetric staging buffer); cu_seqlens, group_rows int32 [G] (this
-    rank's padded group ends and real rows per group)."""
+    rank's padded group ends and real rows per group); status int32 [1]: STATUS_BAD_TABLE is OR-ed in
+    for a skipped table entry (module docstring)."""
     dev, S, H, K = need_rows_and_plan("x", x, dst_rank, dst_row, primary_row)
     need_tensor("route_w", route_w, (torch.float32,), shape=(S, K), device=dev)
     R = need_peers("peer_w", peer_w, device=dev)
@@ -467,18 +494,19 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
         raise ValueError("cu_seqlens must hold at least one group end")
     need_tensor("group_rows", group_rows, (torch.int32,), shape=(G,), device=dev)
     rank = need_rank(rank, R)
+    need_status(status, dev)
     num_ctas = need_int("num_ctas", num_ctas)
     check_fits(S, K, NVS, R, H * x.element_size())
     fn = _compile_meta(S, H, K, R, NVS, G, x.dtype, num_ctas)
     fn(x.view(-1), route_w.view(-1), dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1),
        peer_w, peer_primary, peer_next, peer_src, recv_w, recv_primary, recv_next, recv_src,
-       send_rows.view(-1), cu_seqlens, group_rows, rank)
+       send_rows.view(-1), cu_seqlens, group_rows, status, rank)
 
 
 def dispatch_pull(peer_send_rows: torch.Tensor, recv_w: torch.Tensor, recv_primary: torch.Tensor,
                   recv_next: torch.Tensor, recv_src: torch.Tensor, out_rows: torch.Tensor,
                   out_w: torch.Tensor, out_primary: torch.Tensor, out_next: torch.Tensor, S: int,
-                  num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+                  status: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """After the barrier: every token row this rank receives is read once from its source rank's
     send_rows and written to all of the token's rows here; padding rows get zeros; out_w /
     out_primary / out_next = copies of recv_w / recv_primary / recv_next (see the module docstring).
@@ -486,7 +514,7 @@ def dispatch_pull(peer_send_rows: torch.Tensor, recv_w: torch.Tensor, recv_prima
     peer_send_rows int64 [R]: addresses of every rank's send_rows [S, H] (out_rows' dtype);
     recv_w f32, recv_primary / recv_next / recv_src int32 [NvS] (this rank's, filled by every rank's
     dispatch_meta); out_rows [NvS, H] bf16/fp16/fp32, out_w f32, out_primary / out_next int32 [NvS];
-    S: tokens per rank."""
+    S: tokens per rank; status int32 [1]: STATUS_BAD_TABLE is OR-ed in for a skipped table entry."""
     need_rows("out_rows", out_rows)
     dev = out_rows.device
     NVS, H = out_rows.shape
@@ -497,11 +525,12 @@ def dispatch_pull(peer_send_rows: torch.Tensor, recv_w: torch.Tensor, recv_prima
                      ("out_next", out_next, torch.int32)):
         need_tensor(n, t, (dt,), shape=(NVS,), device=dev)
     S = need_int("S", S)
+    need_status(status, dev)
     num_ctas = need_int("num_ctas", num_ctas)
     check_fits(S, 1, NVS, R, H * out_rows.element_size())
     fn = _compile_pull(S, H, R, NVS, out_rows.dtype, num_ctas)
     fn(peer_send_rows, recv_w, recv_primary, recv_next, recv_src, out_rows.view(-1), out_w,
-       out_primary, out_next)
+       out_primary, out_next, status)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Int32
 
-from moonep_ops.checks import need_int, need_rank, need_tensor
+from moonep_ops.checks import need_int, need_rank, need_status, need_tensor
 
 from .jit import KernelFamily
 from .plan_tokens import SMEM_LIMIT, checked_key, flag_bad_expert_ids, foreign_lists, tok_geometry, tok_launch
@@ -460,10 +460,7 @@ def _compile_tokens(S: int, K: int, E: int, R: int, B: int, id_dtype: torch.dtyp
 def _status_tensor(status, device) -> torch.Tensor:
     if status is None:
         return torch.zeros(1, dtype=torch.int32, device=device)
-    need_tensor("status", status, (torch.int32,), ndim=1, device=device)
-    if status.numel() != 1:
-        raise ValueError(f"status must hold exactly 1 int32 element, got {status.numel()}")
-    return status
+    return need_status(status, device)
 
 
 def _check_plan_shapes(R, E, B, S, K, P=1):

@@ -12,6 +12,13 @@ Semantics (R ranks, B slots, epn home experts per rank, `experts_to_copy` [R, B]
   reduce_zero    this rank zeroes its used reduce slots (after every home rank has read them).
 The caller runs the cross-rank barriers around these kernels (moonep_ops/ops.py).
 
+Table checks: an entry of experts_to_copy outside [-1, E = R*epn) is skipped (it names no home expert,
+so nothing is copied, read or folded for it) and ORs STATUS_BAD_TABLE into `status` (the EP group's
+status word, int32 [1]; no host sync), once per entry: prefetch_push flags it while warp 0 of the first
+CTA lists the work, reduce_pull while the first CTA fills its slot tables. The rank and slot of an entry
+are its position in the [R, B] table, never out of range. reduce_zero takes no status: it indexes only
+this rank's own slots by position, and it runs after reduce_pull on the same table in the same op.
+
 Kernels (sm_90a, persistent grids of `num_ctas` CTAs, apache-tvm-ffi fast path, compiled once per
 static key): each CTA first lists the copies that are this rank's work (warp 0 compacts the table into
 shared memory with ballots, in table order, so every CTA builds the same list); the work items are then
@@ -30,10 +37,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
-from moonep_ops.checks import need_int, need_peers, need_rank, need_tensor
+from moonep_ops.checks import need_int, need_peers, need_rank, need_status, need_tensor
 
-from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, copy_segment, fake, fake_stream, row_geometry,
-                       vec_tensor, zero_segment)
+from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, copy_segment, fake, fake_stream, flag_bad_table,
+                       row_geometry, vec_tensor, zero_segment)
 from .jit import KernelFamily
 from .warp import lanemask_lt
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
@@ -76,6 +83,11 @@ def _on_segment(op, bufs, seg, lane, U: Constexpr[int], NC: Constexpr[int], nful
         op(*bufs, nfull * (32 * U), lane, UT, NC, clamp)
 
 
+def _bad_copy(e, E: int):
+    """Whether an experts_to_copy entry is neither -1 (empty slot) nor an expert id in [0, E)."""
+    return (e < -1) | (e >= E)
+
+
 def _pick(t, a0, a1, a2):
     """a0, a1 or a2 by the projection index t (0 gate, 1 up, 2 down)."""
     return cutlass.select_(t == 0, a0, cutlass.select_(t == 1, a1, a2))
@@ -88,11 +100,12 @@ def _alloc_work_list(smem, n: int):
 
 
 @cute.jit
-def _list_work(work: cute.Tensor, count: cute.Tensor, is_work, n: Constexpr[int]):
+def _list_work(work: cute.Tensor, count: cute.Tensor, is_work, n: Constexpr[int], flag=None):
     """The indices i in [0, n) with ``is_work(i)``, in ascending order, compacted by warp 0 into the
     shared `work` list (`_alloc_work_list`); returns their count, after a CTA barrier. Ascending order
     makes every CTA's list the same, so the grid-stride split of the listed items covers each exactly
-    once."""
+    once. ``flag(i, valid)`` (optional) is called on the same indices (``valid``: i < n), to check the
+    entries while they are read."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = cute.arch.lane_idx()
     if tidx < 32:
@@ -100,6 +113,8 @@ def _list_work(work: cute.Tensor, count: cute.Tensor, is_work, n: Constexpr[int]
         for c0 in cutlass.range(0, n, 32):
             i = c0 + lane
             hit = (i < n) & is_work(cutlass.min(i, Int32(n - 1)))
+            if cutlass.const_expr(flag is not None):
+                flag(cutlass.min(i, Int32(n - 1)), i < n)
             m = cute.arch.vote_ballot_sync(hit)
             if hit:
                 work[base + cute.arch.popc(m & lanemask_lt())] = i
@@ -112,15 +127,17 @@ def _list_work(work: cute.Tensor, count: cute.Tensor, is_work, n: Constexpr[int]
 
 @cute.kernel
 def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w_down: cute.Tensor,
-                     peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, rank: Int32,
-                     R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
+                     peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, status: cute.Tensor,
+                     rank: Int32, R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
                      NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
     NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
     lane, gw, nwarps = _warp_grid(NT, NCTA)
     bases = (addr_of(w_gate), addr_of(w_up), addr_of(w_down))
     # the slots (d, j) of every rank that hold a copy of one of this rank's home experts
     mine, count = _alloc_work_list(cutlass.utils.SmemAllocator(), R * B)
-    n = _list_work(mine, count, lambda p: (etc[p] >= 0) & (etc[p] // EPN == rank), R * B)
+    bx, _, _ = cute.arch.block_idx()
+    n = _list_work(mine, count, lambda p: (etc[p] >= 0) & (etc[p] // EPN == rank), R * B,
+                   lambda p, valid: flag_bad_table(status, (bx == 0) & valid & _bad_copy(etc[p], R * EPN)))
     for item in cutlass.range(gw, n * 3 * NSEG, nwarps):
         w, t, seg = _split(item, NSEG)
         p = mine[w]
@@ -133,13 +150,14 @@ def _prefetch_kernel(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w
 
 @cute.kernel
 def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor,
-                        home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor, rank: Int32,
-                        R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
+                        home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor, status: cute.Tensor,
+                        rank: Int32, R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
                         NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int]):
     # EB: bytes of one expert's fp32 gradient (the sources); the bf16 home gradient has EB // 2
     NC, nfull, UT, clamp, NSEG = _geometry(EB, U)
     lane, gw, nwarps = _warp_grid(NT, NCTA)
     tidx, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
     # slot_of[i * R + d]: the slot of rank d holding a copy of home expert i, or -1 (one per rank at most);
     # has_copy[i]: whether home expert i has a copy on any rank (the others are not touched)
     smem = cutlass.utils.SmemAllocator()
@@ -152,6 +170,7 @@ def _reduce_pull_kernel(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.
     cute.arch.sync_threads()
     for p in cutlass.range(tidx, R * B, NT):
         e = etc[p]
+        flag_bad_table(status, (bx == 0) & _bad_copy(e, R * EPN))
         if (e >= 0) & (e // EPN == rank):
             d = p // B
             slot_of[(e - rank * EPN) * R + d] = p - d * B
@@ -208,20 +227,20 @@ def _reduce_zero_kernel(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Te
 
 @cute.jit
 def _prefetch_launch(etc: cute.Tensor, w_gate: cute.Tensor, w_up: cute.Tensor, w_down: cute.Tensor,
-                     peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, rank: Int32, stream,
-                     R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
-                     NCTA: Constexpr[int]):
-    _prefetch_kernel(etc, w_gate, w_up, w_down, peer_gate, peer_up, peer_down, rank, R, B, EPN, EB, NCTA, _NT,
-                     _U).launch(grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
+                     peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor, status: cute.Tensor,
+                     rank: Int32, stream, R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int],
+                     EB: Constexpr[int], NCTA: Constexpr[int]):
+    _prefetch_kernel(etc, w_gate, w_up, w_down, peer_gate, peer_up, peer_down, status, rank, R, B, EPN, EB, NCTA,
+                     _NT, _U).launch(grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
 
 
 @cute.jit
 def _reduce_pull_launch(etc: cute.Tensor, peer_gate: cute.Tensor, peer_up: cute.Tensor, peer_down: cute.Tensor,
-                        home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor, rank: Int32, stream,
-                        R: Constexpr[int], B: Constexpr[int], EPN: Constexpr[int], EB: Constexpr[int],
-                        NCTA: Constexpr[int]):
-    _reduce_pull_kernel(etc, peer_gate, peer_up, peer_down, home_gate, home_up, home_down, rank, R, B, EPN, EB,
-                        NCTA, _NT, _U).launch(grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
+                        home_gate: cute.Tensor, home_up: cute.Tensor, home_down: cute.Tensor,
+                        status: cute.Tensor, rank: Int32, stream, R: Constexpr[int], B: Constexpr[int],
+                        EPN: Constexpr[int], EB: Constexpr[int], NCTA: Constexpr[int]):
+    _reduce_pull_kernel(etc, peer_gate, peer_up, peer_down, home_gate, home_up, home_down, status, rank, R, B,
+                        EPN, EB, NCTA, _NT, _U).launch(grid=(NCTA, 1, 1), block=(_NT, 1, 1), stream=stream)
 
 
 @cute.jit
@@ -243,7 +262,8 @@ def _compile_prefetch(R, B, epn, HF, dtype, ncta):
     def build():
         w = [fake(dt, epn * HF) for _ in range(3)]
         peers = [fake(Int64, R, 8) for _ in range(3)]
-        return cute.compile(_prefetch_launch, fake(Int32, R * B, 4), *w, *peers, Int32(0), fake_stream(),
+        return cute.compile(_prefetch_launch, fake(Int32, R * B, 4), *w, *peers, fake(Int32, 1, 4), Int32(0),
+                            fake_stream(),
                             R, B, epn, EB, ncta, options="--enable-tvm-ffi")
     return _JIT.compiled(("prefetch", R, B, epn, HF, dtype, ncta), build)
 
@@ -254,7 +274,8 @@ def _compile_reduce(R, B, epn, HF, ncta):
     def build():
         peers = [fake(Int64, R, 8) for _ in range(3)]
         homes = [fake(BFloat16, epn * HF) for _ in range(3)]
-        return cute.compile(_reduce_pull_launch, fake(Int32, R * B, 4), *peers, *homes, Int32(0), fake_stream(),
+        return cute.compile(_reduce_pull_launch, fake(Int32, R * B, 4), *peers, *homes, fake(Int32, 1, 4), Int32(0),
+                            fake_stream(),
                             R, B, epn, EB, ncta, options="--enable-tvm-ffi")
     return _JIT.compiled(("reduce_pull", R, B, epn, HF, ncta), build)
 
@@ -290,28 +311,32 @@ def _check_table(experts_to_copy, peers, device):
 
 
 def prefetch_push(w_gate, w_up, w_down, experts_to_copy, peer_pool_gate, peer_pool_up, peer_pool_down, rank: int,
-                  num_ctas: int = DEFAULT_NUM_CTAS) -> None:
-    """Push this rank's planned expert copies into the destination ranks' slot pools."""
+                  status, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """Push this rank's planned expert copies into the destination ranks' slot pools. status int32 [1]:
+    STATUS_BAD_TABLE is OR-ed in for an entry of experts_to_copy outside [-1, E) (skipped)."""
     dev = w_gate.device
     R, B = _check_table(experts_to_copy, dict(peer_pool_gate=peer_pool_gate, peer_pool_up=peer_pool_up,
                                               peer_pool_down=peer_pool_down), dev)
     epn, HF = _check_weights("w", (w_gate, w_up, w_down), tuple(ROW_DTYPES), None, dev)
     rank, num_ctas = need_rank(rank, R), need_int("num_ctas", num_ctas)
+    need_status(status, dev)
     fn = _compile_prefetch(R, B, epn, HF, w_gate.dtype, num_ctas)
     fn(experts_to_copy.view(-1), w_gate.view(-1), w_up.view(-1), w_down.view(-1), peer_pool_gate, peer_pool_up,
-       peer_pool_down, rank)
+       peer_pool_down, status, rank)
 
 
 def reduce_pull(experts_to_copy, peer_reduce_gate, peer_reduce_up, peer_reduce_down, home_gate, home_up, home_down,
-                rank: int, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+                rank: int, status, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """For every home expert i with copies: home[i] = bf16(float(home[i]) + every copy's fp32 gradient, in
     ascending rank order), the copies read from the ranks that computed them (their fp32 reduce
-    buffers); one rounding. The home gradients are bf16 [epn, H, F] / [epn, F, H]."""
+    buffers); one rounding. The home gradients are bf16 [epn, H, F] / [epn, F, H]. status int32 [1]:
+    STATUS_BAD_TABLE is OR-ed in for an entry of experts_to_copy outside [-1, E) (skipped)."""
     dev = home_gate.device
     R, B = _check_table(experts_to_copy, dict(peer_reduce_gate=peer_reduce_gate, peer_reduce_up=peer_reduce_up,
                                               peer_reduce_down=peer_reduce_down), dev)
     epn, HF = _check_weights("home", (home_gate, home_up, home_down), (torch.bfloat16,), None, dev)
     rank, num_ctas = need_rank(rank, R), need_int("num_ctas", num_ctas)
+    need_status(status, dev)
     if 4 * epn * (R + 1) > 48 * 1024:
         raise ValueError(f"epn*(R+1)={epn * (R + 1)}: the slot tables must fit 48 KiB of shared memory")
     if HF % 128:
@@ -319,7 +344,7 @@ def reduce_pull(experts_to_copy, peer_reduce_gate, peer_reduce_up, peer_reduce_d
                          f"steps of 16-byte chunks), got H*F={HF}")
     fn = _compile_reduce(R, B, epn, HF, num_ctas)
     fn(experts_to_copy.view(-1), peer_reduce_gate, peer_reduce_up, peer_reduce_down, home_gate.view(-1),
-       home_up.view(-1), home_down.view(-1), rank)
+       home_up.view(-1), home_down.view(-1), status, rank)
 
 
 def reduce_zero(experts_to_copy, reduce_gate, reduce_up, reduce_down, rank: int,

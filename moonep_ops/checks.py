@@ -144,6 +144,14 @@ def need_peers(name: str, t, R=None, device=None) -> int:
     return check_peers(None, name, t, R, device)
 
 
+def need_status(t, device=None) -> torch.Tensor:
+    """A status word: int32 [1] (the kernels OR their STATUS_* bits into it)."""
+    need_tensor("status", t, (torch.int32,), ndim=1, device=device)
+    if t.numel() != 1:
+        raise ValueError(f"status must hold exactly 1 int32 element, got {t.numel()}")
+    return t
+
+
 # ------------------------------------------------------------------- contracts of the non-GEMM ops
 def check_plan_args(topk_ids: torch.Tensor, E: int, B: int, P: int, R: int, ctrl: torch.Tensor) -> None:
     check_tensor("plan", "topk_ids", topk_ids, ID_DTYPES, (None, None))

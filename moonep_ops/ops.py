@@ -164,11 +164,12 @@ def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group
     _barrier(ep, ctrl, "dispatch")  # every peer is done reading the previous dispatch's tables and staged rows
     kd.dispatch_meta(x, route_w, dst_rank, dst_row, primary_row,
                      *(peers("dispatch", n, t) for n, t in zip(names, tables)), *tables, send_rows, cu_seqlens,
-                     group_rows, ep.rank, num_ctas=ep.comm_sms)
+                     group_rows, ep.rank, ep.status, num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "dispatch")  # every row's table entry has landed and every rank's tokens are staged
     out = (torch.empty((recv_w.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),) + tuple(
         torch.empty_like(t) for t in tables[:3])
-    kd.dispatch_pull(peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0], num_ctas=ep.comm_sms)
+    kd.dispatch_pull(peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0], ep.status,
+                     num_ctas=ep.comm_sms)
     _debug_check(ep, "dispatch")
     return out
 
@@ -218,10 +219,11 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
 
     ep = group_of("combine", ctrl)
     _barrier(ep, ctrl, "combine")  # every peer is done reading the previous combine's presum
-    kc.combine_presum(rows, row_primary, row_next, presum, num_ctas=ep.comm_sms)
+    kc.combine_presum(rows, row_primary, row_next, presum, ep.status, num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "combine")  # every rank's presum is complete
     out = rows.new_empty((dst_rank.shape[0], rows.shape[1]))
-    kc.combine_pull(peers("combine", "presum", presum), dst_rank, dst_row, primary_row, out, num_ctas=ep.comm_sms)
+    kc.combine_pull(peers("combine", "presum", presum), dst_rank, dst_row, primary_row, out, ep.status,
+                    num_ctas=ep.comm_sms, nvs=presum.shape[0])  # rows past every rank's presum are skipped
     _debug_check(ep, "combine")
     return out
 
@@ -260,8 +262,8 @@ def _gather_row_weights_cuda(row_vals, dst_rank, dst_row, row_scratch, ctrl, gro
     row_scratch.copy_(row_vals)
     _barrier(ep, ctrl, "gather_row_weights")
     out = torch.empty(dst_rank.shape, dtype=torch.float32, device=row_vals.device)
-    kc.gather_pull(peers("gather_row_weights", "row_scratch", row_scratch), dst_rank, dst_row, out,
-                   num_ctas=ep.comm_sms)
+    kc.gather_pull(peers("gather_row_weights", "row_scratch", row_scratch), dst_rank, dst_row, out, ep.status,
+                   num_ctas=ep.comm_sms, nvs=row_scratch.shape[0])
     _debug_check(ep, "gather_row_weights")
     return out
 
@@ -552,7 +554,8 @@ def _prefetch_weights_cuda(w_gate, w_up, w_down, experts_to_copy, pool_gate, poo
     _barrier(ep, ctrl, "prefetch_weights")  # every rank's GEMMs are done with the copies the pools held
     weights.prefetch_push(w_gate, w_up, w_down, experts_to_copy, peers("prefetch_weights", "pool_gate", pool_gate),
                           peers("prefetch_weights", "pool_up", pool_up),
-                          peers("prefetch_weights", "pool_down", pool_down), ep.rank, num_ctas=ep.comm_sms)
+                          peers("prefetch_weights", "pool_down", pool_down), ep.rank, ep.status,
+                          num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "prefetch_weights")  # every copy has landed
     _debug_check(ep, "prefetch_weights")
 
@@ -614,7 +617,7 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
     _barrier(ep, ctrl, "reduce_grad")  # every rank's wgrad GEMMs have accumulated into its reduce buffers
     weights.reduce_pull(experts_to_copy, *(peers("reduce_grad", n, b) for n, b in
                                            zip(("reduce_gate", "reduce_up", "reduce_down"), reduce_bufs)),
-                        *homes, ep.rank, num_ctas=ep.comm_sms)
+                        *homes, ep.rank, ep.status, num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "reduce_grad")  # every home rank has read its copies' gradients
     weights.reduce_zero(experts_to_copy, *reduce_bufs, ep.rank, num_ctas=ep.comm_sms)
     _debug_check(ep, "reduce_grad")

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from canaries import Canaries  # noqa: E402
 from kernel_compile import check_module_compiles  # noqa: E402
 from moonep_ops import planning  # noqa: E402
 
@@ -62,7 +63,8 @@ def test_host_validation_errors():
                  peer_src=torch.zeros(R, dtype=i64), recv_w=torch.zeros(N, dtype=f32),
                  recv_primary=torch.zeros(N, dtype=i32), recv_next=torch.zeros(N, dtype=i32),
                  recv_src=torch.zeros(N, dtype=i32), send_rows=torch.zeros(S, H, dtype=bf),
-                 cu_seqlens=torch.zeros(G, dtype=i32), group_rows=torch.zeros(G, dtype=i32), rank=0)
+                 cu_seqlens=torch.zeros(G, dtype=i32), group_rows=torch.zeros(G, dtype=i32), rank=0,
+                 status=torch.zeros(1, dtype=i32))
         a.update(over)
         return a
 
@@ -71,7 +73,7 @@ def test_host_validation_errors():
                  recv_primary=torch.zeros(N, dtype=i32), recv_next=torch.zeros(N, dtype=i32),
                  recv_src=torch.zeros(N, dtype=i32), out_rows=torch.zeros(N, H, dtype=bf),
                  out_w=torch.zeros(N, dtype=f32), out_primary=torch.zeros(N, dtype=i32),
-                 out_next=torch.zeros(N, dtype=i32), S=S)
+                 out_next=torch.zeros(N, dtype=i32), S=S, status=torch.zeros(1, dtype=i32))
         a.update(over)
         return a
 
@@ -92,14 +94,14 @@ def test_host_validation_errors():
         D.dispatch_pull(**pull_args())
     with pytest.raises(ValueError, match="rows must have dtype"):
         C.combine_presum(torch.zeros(N, H, dtype=i32), torch.zeros(N, dtype=i32),
-                         torch.zeros(N, dtype=i32), torch.zeros(N, H, dtype=i32))
+                         torch.zeros(N, dtype=i32), torch.zeros(N, H, dtype=i32), torch.zeros(1, dtype=i32))
     with pytest.raises(ValueError, match="out must be 2-D"):
         C.combine_pull(torch.zeros(R, dtype=i64), torch.zeros(S, K, dtype=i32),
                        torch.zeros(S, K, dtype=i32), torch.zeros(S, K, dtype=i32),
-                       torch.zeros(S * H, dtype=bf))
+                       torch.zeros(S * H, dtype=bf), torch.zeros(1, dtype=i32))
     with pytest.raises(ValueError, match="dst_rank must have dtype"):
         C.gather_pull(torch.zeros(R, dtype=i64), torch.zeros(S, K, dtype=i64),
-                      torch.zeros(S, K, dtype=i32), torch.zeros(S, K, dtype=f32))
+                      torch.zeros(S, K, dtype=i32), torch.zeros(S, K, dtype=f32), torch.zeros(1, dtype=i32))
     if not HAS_CUDA:
         return
     a = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in meta_args().items()}
@@ -125,6 +127,10 @@ def test_host_validation_errors():
         D.dispatch_meta(**dict(a, group_rows=cuda(G + 1, dtype=i32)))
     with pytest.raises(ValueError, match="num_ctas must be >= 1"):
         D.dispatch_meta(**dict(a, num_ctas=0))
+    with pytest.raises(ValueError, match="status must hold exactly 1 int32 element"):
+        D.dispatch_meta(**dict(a, status=cuda(2, dtype=i32)))
+    with pytest.raises(ValueError, match="status must have dtype"):
+        D.dispatch_pull(**dict(q, status=cuda(1, dtype=i64)))
     with pytest.raises(ValueError, match="out_rows must be contiguous"):
         D.dispatch_pull(**dict(q, out_rows=cuda(H, N, dtype=bf).t()))
     with pytest.raises(ValueError, match="recv_src must have dtype"):
@@ -137,10 +143,10 @@ def test_host_validation_errors():
         D.dispatch_pull(**dict(q, S=0))
     with pytest.raises(ValueError, match="out must have dtype"):
         C.gather_pull(cuda(R, dtype=i64), cuda(S, K, dtype=i32), cuda(S, K, dtype=i32),
-                      cuda(S, K, dtype=bf))
+                      cuda(S, K, dtype=bf), cuda(1, dtype=i32))
     with pytest.raises(ValueError, match="row_next must have shape"):
         C.combine_presum(cuda(N, H, dtype=bf), cuda(N, dtype=i32), cuda(N + 1, dtype=i32),
-                         cuda(N, H, dtype=bf))
+                         cuda(N, H, dtype=bf), cuda(1, dtype=i32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,10 +304,15 @@ def combine_reference(case, ys, primaries, nexts):
 class Sim:
     """Per-rank device buffers of one case and the kernel calls on all ranks."""
 
-    def __init__(self, case, H, dtype, num_ctas):
+    def __init__(self, case, H, dtype, num_ctas, canaries=None):
+        """`canaries`: a Canaries that allocates every buffer the kernels write (default: plain tensors)."""
         self.c, self.H, self.dtype, self.ncta = case, H, dtype, num_ctas
         R, N, S, K = case.R, case.NVS, case.S, case.K
         dev = DEV
+        empty = torch.empty
+        if canaries is not None:
+            empty = lambda *shape, dtype, device: canaries.empty(shape, dtype, device)  # noqa: E731
+        self.status = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(R)]
         self.x = [torch.empty(S, H, dtype=dtype, device=dev) for _ in range(R)]
         self.w = [torch.empty(S, K, dtype=torch.float32, device=dev) for _ in range(R)]
         self.dst_rank = [case.tok[r].dst_rank.to(dev).contiguous() for r in range(R)]
@@ -309,20 +320,20 @@ class Sim:
         self.primary = [case.tok[r].primary_row.to(dev).contiguous() for r in range(R)]
         self.cu = [case.cu[r].to(dev) for r in range(R)]
         self.grows = [case.group_rows[r].to(dev) for r in range(R)]
-        self.send_rows = [torch.empty(S, H, dtype=dtype, device=dev) for _ in range(R)]
-        self.recv_w = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
-        self.recv_pr = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
-        self.recv_nx = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
-        self.recv_src = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
-        self.out_rows = [torch.empty(N, H, dtype=dtype, device=dev) for _ in range(R)]
-        self.out_w = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
-        self.out_pr = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
-        self.out_nx = [torch.empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
+        self.send_rows = [empty(S, H, dtype=dtype, device=dev) for _ in range(R)]
+        self.recv_w = [empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
+        self.recv_pr = [empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
+        self.recv_nx = [empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
+        self.recv_src = [empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
+        self.out_rows = [empty(N, H, dtype=dtype, device=dev) for _ in range(R)]
+        self.out_w = [empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
+        self.out_pr = [empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
+        self.out_nx = [empty(N, dtype=torch.int32, device=dev) for _ in range(R)]
         self.y = [torch.empty(N, H, dtype=dtype, device=dev) for _ in range(R)]
-        self.presum = [torch.empty(N, H, dtype=dtype, device=dev) for _ in range(R)]
-        self.comb = [torch.empty(S, H, dtype=dtype, device=dev) for _ in range(R)]
+        self.presum = [empty(N, H, dtype=dtype, device=dev) for _ in range(R)]
+        self.comb = [empty(S, H, dtype=dtype, device=dev) for _ in range(R)]
         self.vals = [torch.empty(N, dtype=torch.float32, device=dev) for _ in range(R)]
-        self.gath = [torch.empty(S, K, dtype=torch.float32, device=dev) for _ in range(R)]
+        self.gath = [empty(S, K, dtype=torch.float32, device=dev) for _ in range(R)]
         self.p_send, self.p_w = peer_table(self.send_rows), peer_table(self.recv_w)
         self.p_pr, self.p_nx = peer_table(self.recv_pr), peer_table(self.recv_nx)
         self.p_src = peer_table(self.recv_src)
@@ -363,7 +374,7 @@ class Sim:
             dispatch_meta(self.x[r], self.w[r], self.dst_rank[r], self.dst_row[r], self.primary[r],
                           self.p_w, self.p_pr, self.p_nx, self.p_src, self.recv_w[r], self.recv_pr[r],
                           self.recv_nx[r], self.recv_src[r], self.send_rows[r], self.cu[r], self.grows[r],
-                          r, self.ncta)
+                          r, self.status[r], self.ncta)
 
     def pull(self):
         from csrc_cute.dispatch import dispatch_pull
@@ -371,18 +382,36 @@ class Sim:
         for r in range(self.c.R):
             dispatch_pull(self.p_send, self.recv_w[r], self.recv_pr[r], self.recv_nx[r], self.recv_src[r],
                           self.out_rows[r], self.out_w[r], self.out_pr[r], self.out_nx[r], self.c.S,
-                          self.ncta)
+                          self.status[r], self.ncta)
 
-    def combine(self):
-        from csrc_cute.combine import combine_presum, combine_pull, gather_pull
+    def presum_all(self):
+        from csrc_cute.combine import combine_presum
 
         for d in range(self.c.R):
-            combine_presum(self.y[d], self.out_pr[d], self.out_nx[d], self.presum[d], self.ncta)
+            combine_presum(self.y[d], self.out_pr[d], self.out_nx[d], self.presum[d], self.status[d], self.ncta)
+
+    def combine_pull_all(self):
+        from csrc_cute.combine import combine_pull
+
         for r in range(self.c.R):
             combine_pull(self.p_presum, self.dst_rank[r], self.dst_row[r], self.primary[r], self.comb[r],
-                         self.ncta, nvs=self.c.NVS)
-            gather_pull(self.p_vals, self.dst_rank[r], self.dst_row[r], self.gath[r], self.ncta,
+                         self.status[r], self.ncta, nvs=self.c.NVS)
+
+    def gather_all(self):
+        from csrc_cute.combine import gather_pull
+
+        for r in range(self.c.R):
+            gather_pull(self.p_vals, self.dst_rank[r], self.dst_row[r], self.gath[r], self.status[r], self.ncta,
                         nvs=self.c.NVS)
+
+    def combine(self):
+        self.presum_all()
+        self.combine_pull_all()
+        self.gather_all()
+
+    def status_words(self):
+        """Every rank's status word (a host sync)."""
+        return [int(t) for t in self.status]
 
     # ---- checks -------------------------------------------------------------------------------
     def check_meta(self, ref):
@@ -518,41 +547,144 @@ def test_dispatch_combine_simulated(cfg):
             sim.check_combine(exact)
 
 
-@needs_cuda
-def test_invalid_plan_entries_are_skipped():
-    """Entries with a rank or row outside the plan (a failed plan) are skipped, never written or read
-    out of bounds: gather gives 0 there, combine sums only the valid carriers; dispatch_meta and
-    dispatch_pull run on the broken tables without faults."""
+def _bad_table_sim():
+    """The small shape of the table-check tests (the kernels compile once for both) on canary buffers:
+    (case, sim, canaries, a real row and a chain head of rank 0) after one clean dispatch."""
     R, S, K, E, B, P, H, dtype = 2, 40, 4, 8, 4, 8, 64, torch.bfloat16
     gen = torch.Generator().manual_seed(5)
     case = Case(R, S, K, E, B, P, make_ids("random", R, S, K, E, gen))
-    sim = Sim(case, H, dtype, 4)
+    guard = Canaries()
+    sim = Sim(case, H, dtype, 4, guard)
     sim.set_inputs(salt=1)
+    sim.set_expert_outputs(salt=2, exact=True)
     sim.meta()
     sim.pull()
-    sim.set_expert_outputs(salt=2, exact=True)
+    pr0 = sim.recv_pr[0].cpu()
+    heads = torch.nonzero(pr0 == torch.arange(case.NVS, dtype=pr0.dtype)).flatten()
+    real = int(torch.nonzero(case.real[0])[0])
+    return case, sim, guard, real, int(heads[0])
+
+
+@needs_cuda
+def test_invalid_plan_entries_are_skipped():
+    """Table entries outside the plan (a failed plan, corrupted tables) are skipped, never written or read
+    out of bounds, and set STATUS_BAD_TABLE in the status word of the rank whose kernel met them; the
+    absent-token marker dst_rank = -1 sets nothing. gather gives 0 there, combine sums only the valid
+    carriers, a chain head whose src is out of range is zeroed; every written buffer keeps its canaries."""
+    from csrc_cute.status import STATUS_BAD_TABLE
+
+    case, sim, guard, real, h = _bad_table_sim()
+    R, S, N = case.R, case.S, case.NVS
+    names = ("dst_rank", "dst_row", "primary", "cu", "grows", "recv_pr", "recv_nx", "recv_src", "out_pr", "out_nx")
+    clean = {n: [t.clone() for t in getattr(sim, n)] for n in names}
+
+    def restore():
+        for n, saved in clean.items():
+            for t, v in zip(getattr(sim, n), saved):
+                t.copy_(v)
+
+    def run(kernels, flagged, what):
+        """Run `kernels` on every rank from zeroed status words: rank r's word must be STATUS_BAD_TABLE
+        if flagged[r], else 0 (no other bit either); the canaries must be intact."""
+        for t in sim.status:
+            t.zero_()
+        for k in kernels:
+            getattr(sim, k)()
+        torch.cuda.synchronize()
+        want = [STATUS_BAD_TABLE if f else 0 for f in flagged]
+        assert sim.status_words() == want, (what, kernels, sim.status_words(), want)
+        guard.check()
+
+    every = ("meta", "pull", "presum_all", "combine_pull_all", "gather_all")
+    run(every, [False] * R, "a valid plan")
+    # absent tokens: token 0 all -1, token 1 dst_rank = -1 only; both legal, their rows 0
     for r in range(R):
-        dr, row = sim.dst_rank[r], sim.dst_row[r]
-        dr[0, :] = -1
-        dr[1, :] = R
-        row[2, :] = case.NVS + 3
-        row[3, :] = -5
+        for t in (sim.dst_rank[r], sim.dst_row[r], sim.primary[r]):
+            t[0] = -1
+        sim.dst_rank[r][1] = -1
+    run(("combine_pull_all", "gather_all", "meta", "pull"), [False] * R, "absent tokens")
+    for r in range(R):
+        assert bool((sim.gath[r][:2] == 0).all()) and bool((sim.comb[r][:2] == 0).all())
+    restore()
+
+    # this rank's token tables, corrupted on every rank: (what, table, token, value, flagged by gather)
+    token_kinds = [("dst_rank = R", "dst_rank", 1, R, True), ("dst_rank = -5", "dst_rank", 1, -5, True),
+                   ("dst_row = NvS", "dst_row", 2, N, True), ("dst_row = -2", "dst_row", 2, -2, True),
+                   ("primary_row = NvS", "primary", 3, N, False)]
+    for what, name, s, v, by_gather in token_kinds:
+        restore()
+        for r in range(R):
+            getattr(sim, name)[r][s] = v
+        run(("meta",), [True] * R, what)
+        run(("combine_pull_all",), [True] * R, what)
+        run(("gather_all",), [by_gather] * R, what)
+        for r in range(R):
+            assert bool((sim.comb[r][s] == 0).all()), what  # no entry of the token is a valid carrier
+            if by_gather:
+                assert bool((sim.gath[r][s] == 0).all()), what
+    # group tables of meta's padding pass (group 0's length is cu_seqlens[0])
+    for what, name, g, value in (("group_rows past its group", "grows", 0, lambda r: int(clean["cu"][r][0]) + 1),
+                                 ("cu_seqlens past NvS", "cu", -1, lambda r: N + 1)):
+        restore()
+        for r in range(R):
+            getattr(sim, name)[r][g] = value(r)
+        run(("meta",), [True] * R, what)
+    restore()
+    run(("meta", "pull"), [False] * R, "the clean plan again")
+
+    # rank 0's receive tables (dispatch_pull) and row tables (combine_presum); rank 1's stay clean
+    row_kinds = [("recv_primary = NvS", "recv_pr", real, N, "pull"), ("recv_primary = -3", "recv_pr", real, -3, "pull"),
+                 ("recv_next = NvS", "recv_nx", real, N, "pull"), ("recv_next cycle", "recv_nx", h, h, "pull"),
+                 ("recv_src = R*S at a head", "recv_src", h, R * S, "pull"),
+                 ("row_primary = NvS", "out_pr", real, N, "presum_all"),
+                 ("row_primary = -2", "out_pr", real, -2, "presum_all"),
+                 ("row_next = NvS on a chain", "out_nx", h, N + 2, "presum_all"),
+                 ("row_next cycle", "out_nx", h, h, "presum_all")]
+    for what, name, i, v, kernel in row_kinds:
+        restore()
+        getattr(sim, name)[0][i] = v
+        sim.out_rows[0].fill_(GARBAGE_ROW)
+        run((kernel,), [True] + [False] * (R - 1), what)
+        if name == "recv_src":
+            assert bool((sim.out_rows[0][h] == 0).all()), what  # the head's chain is not followed
+
+
+@needs_cuda
+def test_corrupted_tables_keep_canaries_and_raise():
+    """Every kind of corrupted table at once, on every rank, through every kernel: the canaries around
+    every written buffer are byte-identical, each rank's status word holds STATUS_BAD_TABLE and nothing
+    else, and check_status raises MoEStatusError with its message (and clears the word)."""
+    import re
+
+    from csrc_cute.status import MESSAGES, STATUS_BAD_TABLE
+    from moonep_ops.status import MoEStatusError, check_status
+
+    case, sim, guard, real, h = _bad_table_sim()
+    R, S, N = case.R, case.S, case.NVS
+    torch.cuda.synchronize()
+    assert sim.status_words() == [0] * R
+    for r in range(R):
+        sim.dst_rank[r][0] = R
+        sim.dst_rank[r][1] = -3
+        sim.dst_row[r][2] = N
+        sim.dst_row[r][3] = -2
+        sim.primary[r][4] = N
+    sim.meta()
+    for d in range(R):  # after meta's writes: a next row past the buffer, a head without a source
+        pr = sim.recv_pr[d].cpu()
+        hd = torch.nonzero(pr == torch.arange(N, dtype=pr.dtype)).flatten()
+        sim.recv_nx[d][hd[0]] = N
+        sim.recv_src[d][hd[1]] = R * S
+        sim.recv_pr[d][int(torch.nonzero(case.real[d])[-1])] = N
+    sim.pull()   # copies the bad next row into out_nx: presum's chain walk meets it
     sim.combine()
     torch.cuda.synchronize()
+    guard.check()
+    assert sim.status_words() == [STATUS_BAD_TABLE] * R
     for r in range(R):
-        assert bool((sim.gath[r][:4] == 0).all())
-        assert bool((sim.comb[r][:4] == 0).all())
-    # dispatch with the same broken tables: no fault; a chain head whose src is out of range is zeroed
-    sim.meta()
-    torch.cuda.synchronize()
-    pr0 = sim.recv_pr[0].cpu()
-    h = int(torch.nonzero(pr0 == torch.arange(case.NVS, dtype=pr0.dtype))[0])
-    sim.recv_src[0][h] = R * S + 5
-    for t in sim.out_rows:
-        t.fill_(GARBAGE_ROW)
-    sim.pull()
-    torch.cuda.synchronize()
-    assert bool((sim.out_rows[0][h] == 0).all())
+        with pytest.raises(MoEStatusError, match=re.escape(MESSAGES[STATUS_BAD_TABLE])):
+            check_status(sim.status[r], "dispatch")
+        assert int(sim.status[r]) == 0
 
 
 @needs_cuda
@@ -609,12 +741,9 @@ def test_timing_default_shape():
     N = case.NVS
     t_meta = timed(sim.meta)
     t_dpull = timed(sim.pull)
-    t_pre = timed(lambda: [KC.combine_presum(sim.y[d], sim.out_pr[d], sim.out_nx[d], sim.presum[d], ncta)
-                           for d in range(R)])
-    t_pull = timed(lambda: [KC.combine_pull(sim.p_presum, sim.dst_rank[r], sim.dst_row[r], sim.primary[r],
-                                            sim.comb[r], ncta) for r in range(R)])
-    t_gat = timed(lambda: [KC.gather_pull(sim.p_vals, sim.dst_rank[r], sim.dst_row[r], sim.gath[r], ncta)
-                           for r in range(R)])
+    t_pre = timed(sim.presum_all)
+    t_pull = timed(sim.combine_pull_all)
+    t_gat = timed(sim.gather_all)
     n_real = S * K
     nc = ncar // R
     print(f"\n[comm timing, {ncta} CTAs, per rank, both ranks simulated on one GPU] NvS={N} "
@@ -639,7 +768,8 @@ def test_timing_default_shape():
             t = timed(lambda: [fn(sim.x[r].view(-1), sim.w[r].view(-1), sim.dst_rank[r].view(-1),
                                   sim.dst_row[r].view(-1), sim.primary[r].view(-1), sim.p_w, sim.p_pr,
                                   sim.p_nx, sim.p_src, sim.recv_w[r], sim.recv_pr[r], sim.recv_nx[r],
-                                  sim.recv_src[r], sim.send_rows[r].view(-1), sim.cu[r], sim.grows[r], r)
+                                  sim.recv_src[r], sim.send_rows[r].view(-1), sim.cu[r], sim.grows[r],
+                                  sim.status[r], r)
                                for r in range(R)])
             print(f"  meta   ctas={nct:3d} nt={nt} u={u}:        {t:8.1f} us")
         for nt, u in ((512, 16), (512, 8), (256, 16)):
@@ -647,7 +777,8 @@ def test_timing_default_shape():
                 o.fill_(GARBAGE_ROW)
             fn = KD._compile_pull(S, H, R, N, dtype, nct, nt, u)
             t = timed(lambda: [fn(sim.p_send, sim.recv_w[r], sim.recv_pr[r], sim.recv_nx[r], sim.recv_src[r],
-                                  sim.out_rows[r].view(-1), sim.out_w[r], sim.out_pr[r], sim.out_nx[r])
+                                  sim.out_rows[r].view(-1), sim.out_w[r], sim.out_pr[r], sim.out_nx[r],
+                                  sim.status[r])
                                for r in range(R)])
             same = all(torch.equal(a, b) for a, b in zip(sim.out_rows, ref_rows))
             print(f"  pull   ctas={nct:3d} nt={nt} u={u}:        {t:8.1f} us  "
@@ -657,7 +788,8 @@ def test_timing_default_shape():
             for o in sim.presum:
                 o.fill_(GARBAGE_ROW)
             fn = KC._compile_presum(N, H, dtype, nct, nt, u, dd)
-            t = timed(lambda: [fn(sim.y[d].view(-1), sim.out_pr[d], sim.out_nx[d], sim.presum[d].view(-1))
+            t = timed(lambda: [fn(sim.y[d].view(-1), sim.out_pr[d], sim.out_nx[d], sim.presum[d].view(-1),
+                                  sim.status[d])
                                for d in range(R)])
             heads = [pr == torch.arange(N, device=pr.device, dtype=pr.dtype) for pr in sim.out_pr]
             same = all(torch.equal(a[h], b[h]) for a, b, h in zip(sim.presum, ref_pre, heads))
