@@ -43,7 +43,7 @@ def _gemm(op: str, kd: int, nd: int, pad: int) -> Callable[[], None]:
     return thunk
 
 
-# Every GEMM variant the compile tests cover (tests/test_group_gemm_cute.py) and the default of
+# Every GEMM variant the compile tests cover (tests/test_group_gemm_compile.py) and the default of
 # compile_group_gemm_for_sm90: (op, Kd, Nd, P); for the SwiGLU ops Kd is H and Nd is F.
 _GEMM_VARIANTS = [
     ("fwd", 7168, 2048, 128),
