@@ -13,6 +13,8 @@ gpu = pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper (sm_90) GPU")
 
 
 def zero_inputs(n=256, kd=64, nd=64, epn=2, nb=1, dtype=torch.bfloat16, device="cpu"):
+    """Zeros of the forward's arguments (x [n, Kd], w_home [epn, Kd, Nd], w_slot [nb, Kd, Nd], cu_seqlens
+    [epn + nb]) on the CPU: valid but for the device, so a host check fails on the argument it mutates."""
     x = torch.zeros(n, kd, dtype=dtype, device=device)
     wh = torch.zeros(epn, kd, nd, dtype=dtype, device=device)
     ws = torch.zeros(nb, kd, nd, dtype=dtype, device=device)
@@ -21,6 +23,7 @@ def zero_inputs(n=256, kd=64, nd=64, epn=2, nb=1, dtype=torch.bfloat16, device="
 
 
 def zero_swiglu_inputs(n=256, kd=64, nd=64, epn=2, nb=1):
+    """``zero_inputs`` for group_gemm_swiglu: (x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens)."""
     x, wh, ws, cu = zero_inputs(n, kd, nd, epn, nb)
     return x, wh, ws, wh.clone(), ws.clone(), cu
 
