@@ -1,0 +1,180 @@
+"""CPU (CI) checks of the CuTe DSL grouped GEMM kernels (csrc_cute/group_gemm/): every variant compiles
+for sm_90a without a GPU and ptxas reports one kernel with no spills and no stack frame; the PTX has the
+instructions of its design (wgmma majorness, TMA loads and stores, the remote variants' descriptor
+machinery); layout probes of the epilogues (CuTe layout algebra at trace time); the ptxas report parser.
+"""
+
+import os
+
+import pytest
+
+from csrc_cute import compile_check
+from csrc_cute.group_gemm import compile_group_gemm_for_sm90
+
+
+def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int) -> str:
+    """Compile one GEMM variant for sm_90a, check ptxas reports one kernel with no spills and no stack
+    frame, and return its PTX text (skips when ptxas is missing)."""
+    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op)
+    assert res.ptx, f"no PTX written:\n{res.child_output}"
+    assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
+    if compile_check.find_ptxas() is None:
+        pytest.skip("ptxas not available")
+    print(f"\n[group_gemm {op} sm_90a Kd={kd} Nd={nd} P={pad}]\n" + res.summary())
+    assert len(res.stats) == 1, res.summary()
+    for s in res.stats:
+        assert s.spill_bytes == 0, res.summary()
+        assert s.stack_frame_bytes == 0, res.summary()
+    with open(res.ptx[0], "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+def layout_probe(module: str, probe: str, tile_m: int, tile_n: int) -> dict:
+    """Run layout probe `probe` of csrc_cute/group_gemm/<module>.py (CuTe layout algebra at trace time,
+    no GPU) in a child process with CUTE_DSL_ARCH=sm_90a; returns the dict it prints."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    code = (f"import json\nfrom csrc_cute.group_gemm.{module} import {probe} as f\n"
+            f"print('RESULT', json.dumps(f({tile_m}, {tile_n})))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_parse_ptxas_verbose():
+    text = (
+        "ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n"
+        "ptxas info    : Function properties for k1\n"
+        "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+        "ptxas info    : Used 168 registers, used 2 barriers, 1024 bytes smem, 400 bytes cmem[0]\n"
+    )
+    (s,) = compile_check.parse_ptxas_verbose(text)
+    assert (s.name, s.registers, s.shared_bytes, s.cmem_bytes) == ("k1", 168, 1024, 400)
+    assert (s.stack_frame_bytes, s.spill_store_bytes, s.spill_load_bytes, s.spill_bytes) == (8, 4, 12, 16)
+
+
+@pytest.mark.parametrize("pad", [128, 64])
+def test_compile_sm90a_no_spills(tmp_path, pad):
+    assert "wgmma.mma_async" in compile_one_kernel_no_spills(tmp_path, "fwd", 7168, 2048, pad)
+
+
+@pytest.mark.parametrize(
+    "op, kd, nd, pad",
+    [
+        ("dgrad", 7168, 2048, 128),  # gate/up projection's dgrad (output Kd = 7168)
+        ("dgrad", 2048, 7168, 64),  # down projection's dgrad, tile_M = 64
+        ("dgrad2", 7168, 2048, 128),  # gate + up projections' dgrad in one GEMM (Kd = H, Nd = F)
+        ("dgrad2", 520, 200, 64),  # partial output tile, partial last k tile of each pair, tile_M = 64
+        ("wgrad", 7168, 2048, 128),
+        ("wgrad", 520, 136, 64),  # partial tiles in M and N, tile_N = 128
+    ],
+)
+def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
+    ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
+    # the tensor cores do the work: wgmma with the operand majorness of the op
+    # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma, "no wgmma in the PTX"
+    trans = {"dgrad": "0, 0;", "dgrad2": "0, 0;", "wgrad": "1, 1;"}[op]
+    assert all(ln.replace(" ", "").endswith(trans.replace(" ", "")) for ln in mma), mma[0][-60:]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if op.startswith("dgrad"):
+        # the producer's TMA loads: per operand pair (one for dgrad, two for dgrad2) a home and a slot load
+        # of A (2-D) and of B (3-D)
+        pairs = 2 if op == "dgrad2" else 1
+        assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * pairs
+        assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 2 * pairs
+        # every descriptor prefetched: A per pair, home and slot B per pair, the store
+        assert ptx.count("prefetch.tensormap") == 3 * pairs + 1
+    if op == "wgrad":
+        # home groups: bf16 through stmatrix and a TMA store over dw_home viewed (Kd, Nd, epn); slot
+        # groups: the fp32 read-add-write
+        assert "stmatrix" in ptx and "cp.async.bulk.tensor.3d.global.shared" in ptx
+        assert "cvt.rn.bf16x2.f32" in ptx and "ld.global.f32" in ptx and "st.global.f32" in ptx
+
+
+@pytest.mark.parametrize(
+    "op, kd, nd, pad",
+    [
+        ("swiglu", 7168, 2048, 128),  # gate/up projection, training (h, gate, up stored)
+        ("swiglu_h_only", 7168, 2048, 128),  # inference: h only
+        ("swiglu", 520, 200, 64),  # tile_M = 64, partial tiles
+        ("row_scale", 2048, 7168, 128),  # down projection with route weights
+        ("row_scale", 520, 200, 64),
+        ("swiglu_bwd", 7168, 2048, 128),  # down-projection dgrad + SwiGLU backward (Kd = H, Nd = F here)
+        ("swiglu_bwd", 520, 200, 64),
+        # inference with remote groups (weights read from the home rank through the peer mapping)
+        ("swiglu_h_only_remote", 7168, 2048, 128),
+        ("swiglu_remote", 520, 200, 64),
+        ("row_scale_remote", 2048, 7168, 128),
+        ("row_scale_remote", 520, 200, 64),
+    ],
+)
+def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
+    ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    check_remote_descriptors(ptx, rings=(2 if op.startswith("swiglu") else 1) if op.endswith("_remote") else 0)
+    op = op.removesuffix("_remote")
+    if op == "swiglu_bwd":
+        # dgrad: A and B K-major; one 128-column accumulator; the activation's backward in the epilogue
+        assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+        assert all(ln.replace(" ", "").endswith("0,0;") for ln in mma), mma[0][-60:]
+        assert "ex2.approx" in ptx and "rcp.approx" in ptx and "shfl.sync.bfly" in ptx
+        # row_w: one load per row slot (2) in each of the full-tile and partial-tile epilogues
+        assert ptx.count("ld.global.f32") == 4, ptx.count("ld.global.f32")
+    elif op.startswith("swiglu"):
+        # two accumulators (gate, up) of 128 columns each; the activation is computed in the kernel
+        assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+        assert "ex2.approx" in ptx and "rcp.approx" in ptx
+        # TMA stores of 4 sub-tiles (128 x 32) per tile: h, and with the pre-activations also gate and up
+        stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
+        assert stores == (12 if op == "swiglu" else 4), stores
+    else:
+        # the route weight: two distinct rows per thread and tile, loaded once each (loads CSE'd)
+        assert ptx.count("ld.global.f32") == 2, ptx.count("ld.global.f32")
+
+
+def check_remote_descriptors(ptx: str, rings: int):
+    """The remote variants (``rings`` B rings) build one descriptor per ring, once (its global address
+    replaced, one release fence, one acquire per descriptor), and exactly one of the four B-load sets
+    of the producer (home, slot, remote, unused remote group) goes through the built descriptors; the
+    other variants (``rings`` 0) have none of this machinery."""
+    import re
+
+    replaced = re.findall(r"tensormap\.replace\.tile\.global_address\.global\.b1024\.b64\s+\[(%rd\d+)\]", ptx)
+    assert len(replaced) == rings, replaced
+    assert ptx.count("fence.proxy.tensormap::generic.release") == min(rings, 1)
+    assert ptx.count("fence.proxy.tensormap::generic.acquire") == rings
+    if rings:
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\S*\s+\[%r\d+\],\s*\[(%rd\d+),", ptx)
+        via_desc = [r for r in loads if r in replaced]
+        assert loads and len(via_desc) == len(loads) // 4, (len(via_desc), len(loads))
+    else:
+        assert "tensormap.replace" not in ptx and "fence.proxy.tensormap" not in ptx
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 256), (64, 128)])
+def test_wgrad_epilogue_threads_cover_the_tile_once(tile_m, tile_n):
+    """The wgrad epilogue of the slot groups adds each thread's accumulators straight into the fp32 dW:
+    the consumer threads' partitions of an output tile must cover every element exactly once (layout
+    algebra at trace time, no GPU). Guards against slicing the tiled MMA by warp group instead of by
+    thread."""
+    res = layout_probe("wgrad", "wgrad_epilogue_coverage", tile_m, tile_n)
+    n = tile_m * tile_n
+    assert res == dict(writes=n, distinct=n, elements=n, inside=True), res
+
+
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_swiglu_bwd_row_reduction_layout(tile_m):
+    """The route-weight gradient is reduced per row in registers (static row slots), then over the four
+    lanes of a quad: checked against the real accumulator layout for every consumer thread (CPU)."""
+    res = layout_probe("swiglu_bwd", "swiglu_bwd_row_quads", tile_m, 128)
+    assert res == dict(threads=2 * tile_m, bad_slot=0, bad_quad=0, bad_cover=0, slots=2), res

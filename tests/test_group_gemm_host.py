@@ -1,0 +1,190 @@
+"""CPU (CI) checks of the grouped GEMM host layer (csrc_cute/group_gemm/host.py): tile selection
+(select_config, select_wgrad_config) and input validation of every op before a kernel is compiled;
+errors read ``moonep.<op>: <argument> must ...``. The remote-groups validation is in
+test_group_gemm_remote.py.
+"""
+
+import pytest
+import torch
+
+from csrc_cute.group_gemm import (
+    group_gemm_dgrad,
+    group_gemm_dgrad2,
+    group_gemm_fwd,
+    group_gemm_wgrad,
+    select_config,
+    select_wgrad_config,
+)
+from group_gemm_cases import zero_inputs, zero_swiglu_inputs
+
+
+def test_select_config_rejects_small_pad():
+    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132)
+    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132)
+    assert select_config(64, 2048, 132).tile_m == 64
+    for bad in (32, 16):
+        with pytest.raises(ValueError, match=r"P \(pad\)"):
+            select_config(bad, 2048)
+    for bad in (0, 96, 8):
+        with pytest.raises(ValueError, match=r"P \(pad\)"):
+            select_config(bad, 2048)
+
+
+def test_select_wgrad_config():
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132)
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132)
+    assert select_wgrad_config(64, 64, 64).tile_m == 64
+    with pytest.raises(ValueError, match=r"P \(pad\)"):
+        select_wgrad_config(32, 256, 256)
+    with pytest.raises(ValueError, match=r"P \(pad\)"):
+        select_wgrad_config(96, 256, 256)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: (a[0].float(), *a[1:]), r"^moonep\.group_gemm: x must be bfloat16"),
+        (lambda a: (a[0], a[1].half(), *a[2:]), r"^moonep\.group_gemm: w_home must be bfloat16"),
+        (lambda a: (a[0], a[1], a[2].float(), a[3]), r"^moonep\.group_gemm: w_slot must be bfloat16"),
+        (lambda a: (a[0].t(), *a[1:]), r"^moonep\.group_gemm: x must be contiguous"),
+        (lambda a: (a[0], a[1].transpose(1, 2), *a[2:]), r"^moonep\.group_gemm: w_home must be contiguous"),
+        (lambda a: (a[0][None], *a[1:]), r"^moonep\.group_gemm: x must have shape \[\*, \*\]"),
+        (lambda a: (a[0], a[1][0], *a[2:]), r"^moonep\.group_gemm: w_home must have shape \[\*, \*, \*\]"),
+        (lambda a: (a[0], a[1], a[2][0], a[3]), r"^moonep\.group_gemm: w_slot must have shape \[\*, 64, 64\]"),
+        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"^moonep\.group_gemm: x has 56 columns but w_home rows are 64"),
+        (lambda a: (a[0], a[1], a[2][:, :, :56].contiguous(), a[3]),
+         r"^moonep\.group_gemm: w_slot must have shape \[\*, 64, 64\], got \[1, 64, 56\]"),
+        (lambda a: (a[0], a[1], a[2], a[3].long()), r"^moonep\.group_gemm: cu_seqlens must have dtype int32"),
+        (lambda a: (a[0], a[1], a[2], a[3][:2]),
+         r"^moonep\.group_gemm: cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\)"),
+        (lambda a: (a[0], a[1][:0], a[2], a[3][:1]), r"^moonep\.group_gemm: w_home must hold at least one expert"),
+        (lambda a: a, r"^moonep\.group_gemm: x must be a CUDA tensor"),
+    ],
+)
+def test_bad_inputs(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        group_gemm_fwd(*mutate(zero_inputs()))
+
+
+def test_bad_inner_dims():
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm: Kd must be a positive multiple of 8"):
+        group_gemm_fwd(*zero_inputs(kd=60))
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm: Nd must be a positive multiple of 8"):
+        group_gemm_fwd(*zero_inputs(nd=60))
+
+
+def test_dgrad_bad_inputs():
+    x, wh, ws, cu = zero_inputs()  # dy [256, Nd=64]
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy must be bfloat16"):
+        group_gemm_dgrad(x.float(), wh, ws, cu)
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy has 56 columns but the weights have 64"):
+        group_gemm_dgrad(x[:, :56].contiguous(), wh, ws, cu)
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: cu_seqlens must have shape \[3\]"):
+        group_gemm_dgrad(x, wh, ws, cu[:2])
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_dgrad: dy must be a CUDA tensor"):
+        group_gemm_dgrad(x, wh, ws, cu)
+
+
+def test_dgrad2_bad_inputs():
+    x, wh, ws, cu = zero_inputs()  # dy [256, Nd=64]
+    op = r"^moonep\.group_gemm_dgrad2: "
+    with pytest.raises(ValueError, match=op + r"dy_b must be bfloat16 for the CuTe kernel"):
+        group_gemm_dgrad2(x, wh, ws, x.float(), wh, ws, cu)
+    with pytest.raises(ValueError, match=op + r"w_b_home must have shape \[2, 64, 64\]"):
+        group_gemm_dgrad2(x, wh, ws, x, wh[:1], ws, cu)
+    with pytest.raises(ValueError, match=op + r"P must be >= 64 for the CuTe kernel"):
+        group_gemm_dgrad2(x, wh, ws, x, wh, ws, cu, pad=32)
+    with pytest.raises(ValueError, match=op + r"dy_a must be a CUDA tensor"):
+        group_gemm_dgrad2(x, wh, ws, x, wh, ws, cu)
+
+
+def test_wgrad_bad_inputs():
+    x, wh, ws, cu = zero_inputs()
+    dy = x.clone()
+    dwh, dws = wh.clone(), ws.float()  # home gradients bf16 (written), slot gradients fp32 (accumulated)
+    op = r"^moonep\.group_gemm_wgrad: "
+    with pytest.raises(ValueError, match=op + r"dw_home must be bfloat16"):
+        group_gemm_wgrad(x, dy, cu, wh.float(), dws)
+    with pytest.raises(ValueError, match=op + r"dw_slot must have dtype float32"):
+        group_gemm_wgrad(x, dy, cu, dwh, ws)
+    with pytest.raises(ValueError, match=op + r"x must be bfloat16"):
+        group_gemm_wgrad(x.float(), dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dy must have shape \[256, \*\]"):
+        group_gemm_wgrad(x, dy[:128], cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dw_slot must have shape \[\*, 64, 64\]"):
+        group_gemm_wgrad(x, dy, cu, dwh, dws[:, :8].contiguous())
+    with pytest.raises(ValueError, match=op + r"cu_seqlens must have shape \[3\]"):
+        group_gemm_wgrad(x, dy, cu[:2], dwh, dws)
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
+        group_gemm_wgrad(x, dy, cu, dwh, dws)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: (a[0].float(), *a[1:]), r"x must be bfloat16"),
+        (lambda a: (a[0], a[1].half(), *a[2:]), r"w_gate_home must be bfloat16"),
+        (lambda a: (a[0], a[1], a[2].float(), *a[3:]), r"w_gate_slot must be bfloat16"),
+        (lambda a: (*a[:3], a[3].half(), *a[4:]), r"w_up_home must be bfloat16"),
+        (lambda a: (*a[:4], a[4][:, :, :56].contiguous(), a[5]), r"w_up_slot must have shape \[1, 64, 64\], got \[1, 64, 56"),
+        (lambda a: (*a[:4], a[4].transpose(1, 2), a[5]), r"w_up_slot must be contiguous"),
+        (lambda a: (*a[:3], a[3][:, :, :56].contiguous(), *a[4:]), r"w_up_home must have shape \[2, 64, 64\]"),
+        (lambda a: (*a[:4], a[4][:0], a[5]), r"w_up_slot must have shape \[1, 64, 64\], got \[0, 64, 64\]"),
+        (lambda a: (a[0][:, :56].contiguous(), *a[1:]), r"w_gate_home must have shape \[\*, 56, \*\]"),
+        (lambda a: (*a[:5], a[5][:2]), r"cu_seqlens must have shape \[3\] \(one entry per group: epn \+ B = 3\)"),
+        (lambda a: a, r"x must be a CUDA tensor"),
+    ],
+)
+def test_swiglu_bad_inputs(mutate, match):
+    from csrc_cute.group_gemm import group_gemm_swiglu
+
+    with pytest.raises(ValueError, match=r"^moonep\.group_gemm_swiglu: " + match):
+        group_gemm_swiglu(*mutate(zero_swiglu_inputs()))
+
+
+def test_row_scale_bad_inputs():
+    from csrc_cute.group_gemm import group_gemm_row_scale
+
+    x, wh, ws, cu = zero_inputs()
+    rw = torch.ones(x.shape[0])
+    op = r"^moonep\.group_gemm_row_scale: "
+    with pytest.raises(ValueError, match=op + r"row_w must have dtype float32"):
+        group_gemm_row_scale(x, wh, ws, cu, rw.double())
+    with pytest.raises(ValueError, match=op + r"row_w must have shape \[256\]"):
+        group_gemm_row_scale(x, wh, ws, cu, rw[:128])
+    with pytest.raises(TypeError, match=op + r"row_w must be a Tensor"):  # the contract's type error
+        group_gemm_row_scale(x, wh, ws, cu, 1.0)
+    with pytest.raises(ValueError, match=op + r"w_home must be bfloat16"):
+        group_gemm_row_scale(x, wh.half(), ws, cu, rw)
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
+        group_gemm_row_scale(x, wh, ws, cu, rw)
+
+
+def test_swiglu_bwd_bad_inputs():
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd
+
+    n, f, hd = 256, 64, 128
+    g_y = torch.zeros(n, hd, dtype=torch.bfloat16)
+    wdh, wds = torch.zeros(2, f, hd, dtype=torch.bfloat16), torch.zeros(1, f, hd, dtype=torch.bfloat16)
+    cu = torch.zeros(3, dtype=torch.int32)
+    rw = torch.zeros(n)
+    gate, up = torch.zeros(n, f, dtype=torch.bfloat16), torch.zeros(n, f, dtype=torch.bfloat16)
+    ok = (g_y, wdh, wds, cu, rw, gate, up)
+    for i, bad, match in (
+        (0, g_y.float(), r"g_y must be bfloat16"),
+        (0, g_y[:, :64].contiguous(), r"w_down_home must have shape \[\*, \*, 64\]"),
+        (1, wdh.half(), r"w_down_home must be bfloat16"),
+        (2, wds[:, :, :64].contiguous(), r"w_down_slot must have shape \[\*, 64, 128\]"),
+        (3, cu[:2], r"cu_seqlens must have shape \[3\]"),
+        (4, rw.double(), r"row_w must have dtype float32"),
+        (4, rw[:8], r"row_w must have shape \[256\]"),
+        (5, gate[:, :32].contiguous(), r"gate must have shape \[256, 64\]"),
+        (6, up.float(), r"up must be bfloat16"),
+        (6, up.t().contiguous().t(), r"up must be contiguous"),
+        (None, None, r"g_y must be a CUDA tensor"),
+    ):
+        args = list(ok)
+        if i is not None:
+            args[i] = bad
+        with pytest.raises(ValueError, match=r"^moonep\.group_gemm_swiglu_bwd: " + match):
+            group_gemm_swiglu_bwd(*args)

@@ -1,0 +1,223 @@
+"""GPU (Hopper) tests of the fused SwiGLU kernels: gate/up + SwiGLU (group_gemm_swiglu, with and without
+the stored pre-activations) and the SwiGLU backward fused into the down projection's dgrad
+(group_gemm_swiglu_bwd), against the CPU reference ops and torch autograd; the registered ops and CUDA
+graphs of the fused FFN forward (with the row-scaled down projection) and backward. Skipped without a
+Hopper GPU.
+"""
+
+import pytest
+import torch
+
+import moonep_ops  # noqa: F401  (registers moonep::group_gemm*, the reference ops)
+from group_gemm_cases import (
+    WGRAD_HOME_TOL,
+    WGRAD_TOL,
+    capture_graph,
+    check_rows,
+    check_swiglu,
+    gpu,
+    nan_home_grads,
+    random_lengths,
+    random_problem,
+    random_routing,
+    random_swiglu_problem,
+    reference_swiglu,
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# gate/up + SwiGLU (group_gemm_swiglu)
+# ------------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64, 256])
+def test_swiglu_random_groups_with_empty_and_slots(pad):
+    # H = 520: partial k tile; F = 200: partial n tile (128 columns of h per tile)
+    lengths = random_lengths(pad, 5, 4, 6, seed=40 + pad)
+    args = random_swiglu_problem(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    check_swiglu(*args, pad=pad)
+
+
+@gpu
+def test_swiglu_many_tiles_h_only_and_one_group():
+    lengths = random_lengths(128, 8, 8, 13, seed=77)
+    args = random_swiglu_problem(lengths, 8, kd=256, nd=1024, n_total=sum(lengths) + 5 * 128, seed=77)
+    h, _, _ = check_swiglu(*args)
+    h_only, _, _ = check_swiglu(*args, store_preact=False)
+    assert torch.equal(h, h_only)
+    for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([128] * 6, 6)):  # one group / B = 0 / 1 tile
+        check_swiglu(*random_swiglu_problem(lengths, epn, kd=384, nd=256, n_total=sum(lengths) + 128, seed=len(lengths)))
+
+
+@gpu
+def test_swiglu_slot_weights_are_read_from_the_slot_pools():
+    # slot gate weights negated, slot up weights swapped with home gate: a mix-up changes h
+    x, wgh, wgs, wuh, wus, cu = random_swiglu_problem([256, 256], 1, kd=128, nd=128, seed=5)
+    wgs.copy_(-wgh)
+    wus.copy_(wgh)
+    h, gate, up = check_swiglu(x, wgh, wgs, wuh, wus, cu)
+    g = -(x[256:].float() @ wgh[0].float())
+    u = x[256:].float() @ wgh[0].float()
+    torch.testing.assert_close(h[256:].float(), (torch.nn.functional.silu(g) * u).bfloat16().float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
+    from csrc_cute.group_gemm import group_gemm_row_scale, group_gemm_swiglu
+
+    epn, nb, kd, nd, n = 4, 2, 384, 256, 2048
+    x, wgh, wgs, wuh, wus, _ = random_swiglu_problem([0] * (epn + nb), epn, kd, nd, n_total=n, seed=3)
+    _, wdh, wds, _ = random_problem([0] * (epn + nb), epn, nd, kd, n_total=n, seed=4)
+    row_w = torch.rand(n, device="cuda")
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    cu.copy_(random_routing(epn, nb, n, 0))
+    # the registered ops run these kernels (bitwise)
+    h, gate, up = torch.ops.moonep.group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, 128, True)
+    h2, g2, u2 = group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu)
+    assert torch.equal(h, h2) and torch.equal(gate, g2) and torch.equal(up, u2)
+    h3, g3, u3 = torch.ops.moonep.group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, 128, False)
+    assert torch.equal(h3, h) and g3.shape == (0, nd) and u3.shape == (0, nd)
+    y = torch.ops.moonep.group_gemm_row_scale(h, wdh, wds, cu, row_w, 128)
+    assert torch.equal(y, group_gemm_row_scale(h, wdh, wds, cu, row_w))
+    # capture the fused FFN forward (swiglu -> row-scaled down) once, replay with new routings
+    bufs = [torch.empty(n, nd, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    y_out = torch.empty(n, kd, dtype=torch.bfloat16, device="cuda")
+    graph = capture_graph(lambda: (
+        group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu, out=bufs[0], gate_out=bufs[1], up_out=bufs[2]),
+        group_gemm_row_scale(bufs[0], wdh, wds, cu, row_w, out=y_out)))
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        for b in bufs + [y_out]:
+            b.fill_(float("nan"))
+        graph.replay()
+        eh, eg, eu = group_gemm_swiglu(x, wgh, wgs, wuh, wus, cu)
+        ey = group_gemm_row_scale(eh, wdh, wds, cu, row_w)
+        torch.cuda.synchronize()
+        assert torch.equal(bufs[0], eh) and torch.equal(bufs[1], eg) and torch.equal(bufs[2], eu), seed
+        assert torch.equal(y_out, ey), seed
+        ref_h, ref_g, _ = reference_swiglu(x, wgh, wgs, wuh, wus, cu)
+        check_rows(bufs[0], ref_h, cu)
+        check_rows(bufs[1], ref_g, cu)
+
+
+# ------------------------------------------------------------------------------------------------
+# SwiGLU backward fused into the down projection's dgrad (group_gemm_swiglu_bwd)
+# ------------------------------------------------------------------------------------------------
+
+
+def _make_swiglu_bwd(lengths, epn, hd, f, n_total=None, seed=0):
+    """(g_y [N, H], w_down_home [epn, F, H], w_down_slot, cu, row_w [N], gate [N, F], up [N, F]) on the GPU."""
+    g_y, wdh, wds, cu = random_problem(lengths, epn, f, hd, n_total=n_total, seed=seed)  # weights [*, F, H]
+    gen = torch.Generator().manual_seed(seed + 77)
+    n = g_y.shape[0]
+    g_y = torch.randn(n, hd, generator=gen).bfloat16().cuda()
+    wdh.mul_((f / hd) ** 0.5)
+    wds.mul_((f / hd) ** 0.5)
+    gate = (torch.randn(n, f, generator=gen) * 2).bfloat16().cuda()
+    up = torch.randn(n, f, generator=gen).bfloat16().cuda()
+    row_w = torch.rand(n, generator=gen).cuda()
+    return g_y, wdh, wds, cu, row_w, gate, up
+
+
+def reference_swiglu_bwd(*args, pad=128):
+    out = torch.ops.moonep.group_gemm_swiglu_bwd(*(t.cpu() for t in args), pad)
+    return tuple(t.to(args[0].device) for t in out)
+
+
+def _check_swiglu_bwd(args, pad=128):
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd
+
+    got = group_gemm_swiglu_bwd(*args, pad=pad)
+    ref = reference_swiglu_bwd(*args, pad=pad)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_gate", "g_up", "h_w"), got[:3], ref[:3]):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
+    # g_row_w sums F products of order one: compare relative to the row's scale
+    torch.testing.assert_close(got[3], ref[3], atol=2e-2 * args[5].shape[1] ** 0.5, rtol=2e-2)
+    end = int(args[3][-1])
+    assert torch.count_nonzero(got[0][end:]) == 0 and torch.count_nonzero(got[3][end:]) == 0
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_swiglu_bwd_random_groups_with_empty_and_slots(pad):
+    # H = 520: partial k tile; F = 200: partial output tile; padding rows past the last group
+    lengths = random_lengths(pad, 5, 4, 6, seed=90 + pad)
+    _check_swiglu_bwd(_make_swiglu_bwd(lengths, 5, hd=520, f=200, n_total=sum(lengths) + 3 * pad, seed=pad), pad)
+
+
+@gpu
+def test_swiglu_bwd_many_tiles_one_group_and_slot_pool():
+    lengths = random_lengths(128, 8, 8, 13, seed=91)
+    _check_swiglu_bwd(_make_swiglu_bwd(lengths, 8, hd=512, f=1024, n_total=sum(lengths) + 256, seed=91))
+    for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([128, 0, 256], 3)):
+        _check_swiglu_bwd(_make_swiglu_bwd(lengths, epn, hd=256, f=384, n_total=sum(lengths) + 128, seed=92))
+    # slot weights negated: g_gate, g_up and g_row_w of the slot rows flip sign, h_w does not
+    args = list(_make_swiglu_bwd([256, 256], 1, hd=128, f=128, seed=93))
+    args[2] = -args[1]
+    got = _check_swiglu_bwd(tuple(args))
+    flipped = list(args)
+    flipped[2] = args[1].clone()
+    ref = reference_swiglu_bwd(*flipped)
+    torch.testing.assert_close(got[0][256:].float(), -ref[0][256:].float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got[2].float(), ref[2].float(), atol=3e-2, rtol=2e-2)
+
+
+@gpu
+def test_swiglu_bwd_op_autograd_chain_and_cuda_graph():
+    """The registered op runs the kernel, and the whole fused FFN backward (this kernel, the dgrads and
+    wgrads) matches torch autograd of the fp32 math; then capture + replay with new routings."""
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd
+
+    epn, nb, hd, f, n = 3, 2, 256, 384, 1536
+    g_y, wdh, wds, _, row_w, gate, up = _make_swiglu_bwd([0] * (epn + nb), epn, hd, f, n_total=n, seed=94)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    cu.copy_(random_routing(epn, nb, n, 0))
+    got = torch.ops.moonep.group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up, 128)
+    again = group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "not deterministic / not the kernel"
+    # autograd of y = ((silu(gate) * up) @ W_g) * row_w in fp32 on the CPU
+    leaves = [t.detach().cpu().float().requires_grad_(True) for t in (gate, up, row_w)]
+    w_all = torch.cat([wdh, wds]).cpu().float()
+    cu_l = [0] + cu.cpu().tolist()
+    h = torch.nn.functional.silu(leaves[0]) * leaves[1]
+    y = torch.zeros(n, hd)
+    for g in range(epn + nb):
+        y[cu_l[g]:cu_l[g + 1]] = h[cu_l[g]:cu_l[g + 1]] @ w_all[g]
+    (y * leaves[2][:, None] * g_y.cpu().float()).sum().backward()
+    for name, a, b in (("g_gate", got[0], leaves[0].grad), ("g_up", got[1], leaves[1].grad)):
+        torch.testing.assert_close(a.float().cpu(), b, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(got[3].cpu(), leaves[2].grad, atol=0.2, rtol=2e-2)
+    # down projection's weight gradient from h_w: dW_g = h_w_g^T g_y_g
+    from csrc_cute.group_gemm import group_gemm_wgrad
+
+    # (h_w itself is checked against the fp32 reference above; here the bf16 h_w the kernel wrote is the
+    # operand, so only the fp32 summation order differs; against fp32 h the bf16 rounding of h_w, summed
+    # over a group's rows, exceeds atol 0.1 already with the CPU reference's h_w)
+    dwh, dws = nan_home_grads(epn, f, hd), torch.zeros(nb, f, hd, device="cuda")
+    group_gemm_wgrad(got[2], g_y, cu, dwh, dws)
+    hw = got[2].cpu().float()
+    for g in range(epn + nb):
+        ref = hw[cu_l[g]:cu_l[g + 1]].t() @ g_y.cpu().float()[cu_l[g]:cu_l[g + 1]]
+        if g < epn:  # home: bf16, written
+            torch.testing.assert_close(dwh[g].float().cpu(), ref, **WGRAD_HOME_TOL)
+        else:
+            torch.testing.assert_close(dws[g - epn].cpu(), ref, **WGRAD_TOL)
+    # CUDA graph: capture once, replay with new routings on the device
+    outs = [torch.empty_like(t) for t in got]
+
+    def bwd_into_outs():
+        for o, r in zip(outs, group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)):
+            o.copy_(r)
+
+    graph = capture_graph(bwd_into_outs)
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        graph.replay()
+        eager = group_gemm_swiglu_bwd(g_y, wdh, wds, cu, row_w, gate, up)
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, e) for o, e in zip(outs, eager)), seed
+        _check_swiglu_bwd((g_y, wdh, wds, cu, row_w, gate, up))

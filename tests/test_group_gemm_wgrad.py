@@ -1,0 +1,180 @@
+"""GPU (Hopper) tests of the grouped GEMM weight gradient (csrc_cute/group_gemm/wgrad.py): home groups
+written in bf16, slot groups accumulated in fp32, against a float reference; empty groups, partial tiles,
+many work items per CTA; CUDA-graph replay of dgrad + wgrad; the registered ops; autograd of
+``moonep::group_gemm`` on CUDA through the forward, dgrad and wgrad kernels. Skipped without a Hopper GPU.
+"""
+
+import pytest
+import torch
+
+import moonep_ops  # noqa: F401  (registers moonep::group_gemm*, the reference ops)
+from csrc_cute.group_gemm import group_gemm_dgrad, group_gemm_wgrad
+from group_gemm_cases import (
+    WGRAD_HOME_TOL,
+    WGRAD_TOL,
+    capture_graph,
+    gpu,
+    nan_home_grads,
+    random_bwd_problem,
+    random_lengths,
+    random_routing,
+    reference_dgrad,
+)
+
+
+def reference_wgrad(x, dy, cu, dws, epn, pad=128):
+    """Float reference of the wgrad op (the CPU op on fp32 copies of the bf16 inputs): returns the fp32
+    home gradients [epn, Kd, Nd] (x_g^T dy_g, zeros for empty groups: what the kernel rounds to bf16
+    once) and dws (fp32 slot gradients) with the slot groups' products added, on x's device."""
+    h = torch.full((epn, x.shape[1], dy.shape[1]), float("nan"))
+    s = dws.cpu().clone()
+    torch.ops.moonep.group_gemm_wgrad(x.cpu().float(), dy.cpu().float(), cu.cpu(), h, s, pad)
+    return h.to(x.device), s.to(x.device)
+
+
+def _check_wgrad(dwh, dws, ref_h, ref_s):
+    torch.cuda.synchronize()
+    assert not dwh.isnan().any(), "every tile of dw_home must be written"
+    torch.testing.assert_close(dwh.float(), ref_h, **WGRAD_HOME_TOL)
+    torch.testing.assert_close(dws, ref_s, **WGRAD_TOL)
+
+
+def _wgrad_case(x, dy, cu, epn, pad=128, seed=0):
+    """wgrad onto NaN home gradients and random fp32 slot gradients, against the float reference: home
+    groups written (an empty one: zeros), slot groups accumulated, empty slot groups untouched."""
+    g = torch.Generator().manual_seed(seed)
+    kd, nd, G = x.shape[1], dy.shape[1], cu.shape[0]
+    dws0 = torch.randn(G - epn, kd, nd, generator=g).to(x.device)
+    dwh, dws = nan_home_grads(epn, kd, nd), dws0.clone()
+    group_gemm_wgrad(x, dy, cu, dwh, dws, pad=pad)
+    ref_h, ref_s = reference_wgrad(x, dy, cu, dws0, epn, pad)
+    _check_wgrad(dwh, dws, ref_h, ref_s)
+    lengths = torch.diff(cu.cpu().long(), prepend=torch.zeros(1, dtype=torch.long))
+    for grp in range(G):
+        if grp < epn:
+            if lengths[grp] == 0:
+                assert not dwh[grp].any(), f"empty home group {grp}: dW must be written as zeros"
+        elif lengths[grp] == 0:
+            assert torch.equal(dws0[grp - epn], dws[grp - epn]), f"empty slot group {grp}: dW must be untouched"
+        else:
+            assert not torch.equal(dws0[grp - epn], dws[grp - epn]), f"slot group {grp} with rows: dW not updated"
+    return dws0, dwh, dws
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64, 256])
+def test_wgrad_random_groups_partial_tiles(pad):
+    # Kd = 520 (tile_M 128: partial), Nd = 200 (tile_N 128: partial); padding rows past the end
+    lengths = random_lengths(pad, 5, 4, 6, seed=pad + 3)
+    x, dy, wh, ws, cu = random_bwd_problem(lengths, 5, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    _wgrad_case(x, dy, cu, epn=5, pad=pad, seed=pad)
+
+
+@gpu
+def test_wgrad_many_work_items_big_k():
+    # 16 groups x 4 x 4 tiles > #SMs: CTAs walk several items; groups up to 2048 rows (32 k tiles)
+    lengths = random_lengths(128, 8, 8, 17, seed=5)
+    x, dy, wh, ws, cu = random_bwd_problem(lengths, 8, kd=512, nd=1024, n_total=sum(lengths) + 256, seed=5)
+    _wgrad_case(x, dy, cu, epn=8, seed=5)
+
+
+@gpu
+def test_wgrad_all_rows_one_group_and_b0():
+    # all rows in one home group (the other home groups: zeros), all in the slot group (every home
+    # group: zeros), and B = 0
+    for lengths, epn in (([0, 0, 2048, 0], 3), ([0, 0, 0, 2048], 3), ([0, 640, 128], 3)):
+        x, dy, wh, ws, cu = random_bwd_problem(lengths, epn, kd=256, nd=384, n_total=sum(lengths) + 128, seed=7)
+        _wgrad_case(x, dy, cu, epn=epn, seed=7)
+
+
+@gpu
+def test_wgrad_all_home_groups_empty_writes_zeros():
+    # no rows at all in any group (the padding rows past the end are ignored): every home tile is zeros
+    x, dy, wh, ws, cu = random_bwd_problem([0, 0, 0, 0], 2, kd=520, nd=200, n_total=256, seed=8)
+    _, dwh, _ = _wgrad_case(x, dy, cu, epn=2, seed=8)
+    assert not dwh.any()
+
+
+@gpu
+def test_wgrad_home_overwritten_slots_accumulate_over_calls():
+    lengths = [256, 0, 384, 128]
+    x, dy, wh, ws, cu = random_bwd_problem(lengths, 2, kd=256, nd=256, seed=3)
+    dws0, dwh, dws = _wgrad_case(x, dy, cu, epn=2, seed=3)
+    first_h = dwh.clone()
+    group_gemm_wgrad(x, dy, cu, dwh, dws)  # the home gradients are written again, the slots add again
+    _, once_s = reference_wgrad(x, dy, cu, dws0, 2)
+    ref_h, ref_s = reference_wgrad(x, dy, cu, once_s, 2)
+    _check_wgrad(dwh, dws, ref_h, ref_s)
+    assert torch.equal(dwh, first_h), "the home gradients must be overwritten (bitwise the same values)"
+    assert not dwh[1].any()
+
+
+@gpu
+def test_dgrad_and_wgrad_cuda_graph_replay_matches_eager():
+    epn, nb, kd, nd, n = 4, 2, 384, 512, 2048
+    x, dy, wh, ws, _ = random_bwd_problem([0] * (epn + nb), epn, kd, nd, n_total=n)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    cu.copy_(random_routing(epn, nb, n, 0))
+    dx = torch.empty(n, kd, dtype=torch.bfloat16, device="cuda")
+    dwh = torch.zeros(epn, kd, nd, dtype=torch.bfloat16, device="cuda")
+    dws = torch.zeros(nb, kd, nd, device="cuda")
+    group_gemm_dgrad(dy, wh, ws, cu, out=dx)  # compile + warm up outside capture
+    group_gemm_wgrad(x, dy, cu, dwh, dws)
+    graph = capture_graph(lambda: (group_gemm_dgrad(dy, wh, ws, cu, out=dx), group_gemm_wgrad(x, dy, cu, dwh, dws)))
+    gen = torch.Generator().manual_seed(1)
+    for seed in range(1, 5):  # new routings land on the device only; the graph is replayed as is
+        cu.copy_(random_routing(epn, nb, n, seed))
+        init_s = torch.randn(nb, kd, nd, generator=gen).cuda()
+        dwh.fill_(float("nan"))
+        dws.copy_(init_s)
+        dx.fill_(float("nan"))
+        graph.replay()
+        eager_dx = group_gemm_dgrad(dy, wh, ws, cu)
+        eager_h, eager_s = nan_home_grads(epn, kd, nd), init_s.clone()
+        group_gemm_wgrad(x, dy, cu, eager_h, eager_s)
+        torch.cuda.synchronize()
+        assert torch.equal(dx, eager_dx), f"dgrad: graph replay differs from eager (seed {seed})"
+        assert torch.equal(dwh, eager_h) and torch.equal(dws, eager_s), f"wgrad: replay != eager (seed {seed})"
+        torch.testing.assert_close(dx.float(), reference_dgrad(dy, wh, ws, cu).float(), atol=2e-2, rtol=2e-2)
+        _check_wgrad(dwh, dws, *reference_wgrad(x, dy, cu, init_s, epn))
+
+
+@gpu
+def test_registered_dgrad_and_wgrad_ops_dispatch_to_the_kernels():
+    """The CPU-only custom ops have CUDA kernels: torch.ops.moonep.* on CUDA tensors run ours (bitwise)."""
+    lengths = [128, 0, 256, 128]
+    x, dy, wh, ws, cu = random_bwd_problem(lengths, 2, kd=256, nd=192, seed=9)
+    dx = torch.ops.moonep.group_gemm_dgrad(dy, wh, ws, cu, 128)
+    assert dx.is_cuda and torch.equal(dx, group_gemm_dgrad(dy, wh, ws, cu, pad=128))
+    torch.testing.assert_close(dx.float(), reference_dgrad(dy, wh, ws, cu).float(), atol=2e-2, rtol=2e-2)
+    dwh = nan_home_grads(2, 256, 192)
+    dws = torch.ones(2, 256, 192, device="cuda")
+    h2, s2 = dwh.clone(), dws.clone()
+    assert torch.ops.moonep.group_gemm_wgrad(x, dy, cu, dwh, dws, 128) is None
+    group_gemm_wgrad(x, dy, cu, h2, s2, pad=128)
+    assert torch.equal(dwh, h2) and torch.equal(dws, s2)
+    _check_wgrad(dwh, dws, *reference_wgrad(x, dy, cu, torch.ones_like(dws), 2))
+    assert not dwh[1].any()  # the empty home group
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_autograd_group_gemm_on_cuda(pad):
+    """group_gemm forward + backward on CUDA (our fwd, dgrad and wgrad kernels) vs CPU reference autograd."""
+    lengths = random_lengths(pad, 3, 2, 5, seed=21 + pad)
+    x, dy, wh, ws, cu = random_bwd_problem(lengths, 3, kd=320, nd=264, n_total=sum(lengths) + pad, seed=21)
+    grads = []
+    for dev in ("cuda", "cpu"):
+        leaves = [t.detach().to(dev).requires_grad_(True) for t in (x, wh, ws)]
+        y = torch.ops.moonep.group_gemm(leaves[0], leaves[1], leaves[2], cu.to(dev), pad)
+        (y.float() * dy.to(dev).float()).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for name, got, ref in zip(("x", "w_home", "w_slot"), *grads):
+        assert got.is_cuda and got.dtype == torch.bfloat16, name
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(got.float().cpu(), ref.float(), atol=2e-2 * max(scale, 1.0), rtol=2e-2,
+                                   msg=lambda m, n=name: f"grad of {n}: {m}")
+    # rows past the last group get zero gradient; empty groups' weights get zero gradient
+    end = int(cu[-1])
+    assert torch.count_nonzero(grads[0][0][end:]) == 0
+    assert torch.count_nonzero(grads[0][1][1]) == 0 and torch.count_nonzero(grads[0][2][1]) == 0
