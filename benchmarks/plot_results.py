@@ -184,9 +184,54 @@ def plot_peers(path: str) -> None:
     plt.close(fig)
 
 
+COLD_START_PHASES = ("import_s", "device_init_s", "ep_group_s", "cute_import_s", "first_forward_s",
+                     "first_backward_s")
+
+
+def plot_cold_start(path: str) -> None:
+    """bench_cold_start: each process's phases up to the end of its first training step, stacked."""
+    d = json.load(open(path))
+    procs = ("first_process", "second_process")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0, 0.0]
+    for phase in COLD_START_PHASES:
+        vals = [d[p].get(phase, 0.0) for p in procs]
+        ax.barh(procs, vals, left=bottom, label=phase[:-2])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("s from process start")
+    ax.legend(fontsize=7)
+    shape = " ".join(f"{k}={v}" for k, v in d["shape"].items())
+    ax.set_title(f"cold start to the first training step, {shape}\n{caption(d)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+    plt.close(fig)
+
+
+def plot_hf_qwen3(path: str) -> None:
+    """hf_qwen3_gpu: the training losses (and the untouched model's first loss) and the decode ms/token."""
+    d = json.load(open(path))
+    train, dec = d["train"], d["decode"]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 4))
+    ax0.plot(range(1, len(train["losses"]) + 1), train["losses"], marker="o", label="swapped LM")
+    ax0.scatter([1], [train["ref_first_loss"]], marker="x", color="k", label="untouched HF, step 1")
+    ax0.set_xlabel("step")
+    ax0.set_ylabel("loss")
+    ax0.legend(fontsize=8)
+    modes = [m for m in ("graph", "eager") if f"{m}_ms_per_token" in dec]
+    ax1.bar(modes, [dec[f"{m}_ms_per_token"] for m in modes])
+    ax1.set_ylabel("ms per decoded token")
+    info = d["run_info"]
+    fig.suptitle(f"Qwen3-MoE (transformers {d['transformers']}) with swapped blocks, {d['dtype']}\n"
+                 f"{caption(info)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
                        ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e),
-                       ("bench_inference.json", plot_inference), ("bench_peers.json", plot_peers)):
+                       ("bench_inference.json", plot_inference), ("bench_peers.json", plot_peers),
+                       ("bench_cold_start.json", plot_cold_start), ("hf_qwen3_gpu.json", plot_hf_qwen3)):
         if os.path.exists(os.path.join(RESULTS, name)):
             plot(os.path.join(RESULTS, name))
