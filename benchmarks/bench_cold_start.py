@@ -115,8 +115,8 @@ def main(argv=None) -> None:
     payload = dict(run_info(), shape={k: getattr(args, k) for k in ("S", "H", "F", "E", "K")}, device=args.device,
                    **runs)
     path = write_json("bench_cold_start.json", payload, args.out)
-    keys = ("import_s", "device_init_s", "ep_group_s", "cute_import_s", "init_s", "first_forward_s", "first_backward_s", "first_step_after_import_s",
-            "second_step_ms", "cache_entries")
+    keys = ("import_s", "device_init_s", "ep_group_s", "cute_import_s", "init_s", "first_forward_s",
+            "first_backward_s", "first_step_after_import_s", "second_step_ms", "cache_entries")
     print(f"{'':16}" + "".join(f"{k:>{len(k) + 2}}" for k in keys))
     for name, r in runs.items():
         print(f"{name:16}" + "".join(f"{r[k]:{len(k) + 2}.3f}" for k in keys))
