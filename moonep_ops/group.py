@@ -106,8 +106,7 @@ class EPGroup:
         self._home_weights = []  # symmetric home-expert weights (inference with B < epn reads them remotely)
         if self._symmetric:
             registry.add_ctrl(self, self.ctrl)
-            torch.cuda.synchronize(device)
-            dist.barrier(group=self.group)  # every peer's buffers are initialised before anyone writes
+            self._sync_peers()  # every peer's buffers are initialised before anyone writes
 
     def _buffer(self, *shape, dtype=None, fill=0):
         dtype = dtype or self.dtype
@@ -164,8 +163,7 @@ class EPGroup:
         if c.B == c.epn:
             self._reduce = tuple(self._buffer(*shape, dtype=torch.float32) for shape in shapes)
         if self._symmetric:
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group)
+            self._sync_peers()
 
     def home_weight(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A home-expert weight tensor that peers can read (collective on CUDA): with B < epn the grouped
@@ -174,9 +172,16 @@ class EPGroup:
         t = self._buffer(*shape, dtype=dtype)
         self._home_weights.append(t)
         if self._symmetric:
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group)
+            self._sync_peers()
         return t
+
+    def _sync_peers(self) -> None:
+        """CUDA: this rank's buffer writes are done and every peer got this far. With R = 1 there is no
+        peer: no barrier, so a 1-rank group never creates an NCCL communicator for barriers alone
+        (the only NCCL work a 1-rank EPGroup had; its ops synchronise through the control block)."""
+        torch.cuda.synchronize(self.device)
+        if self.cfg.R > 1:
+            dist.barrier(group=self.group)
 
     def _weight_buffers(self):
         if self._pools is None:
@@ -198,8 +203,7 @@ class EPGroup:
     def destroy(self) -> None:
         """Release the buffers (before the process group is destroyed)."""
         if self._symmetric and self.ctrl is not None:
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group)  # no peer still reads or writes our buffers
+            self._sync_peers()  # no peer still reads or writes our buffers
         for name in ("ctrl", "send_rows", "recv_w", "recv_primary", "recv_next", "recv_src", "presum", "row_scratch"):
             t = getattr(self, name)
             if t is not None:
