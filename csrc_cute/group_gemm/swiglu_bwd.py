@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
-from .base import GroupGemmSm90Base, KernelParams
+from .base import GroupGemmSm90Base, KernelParams, partition_coords
 from .config import GroupGemmConfig
 from .scheduler import RowTileScheduler
 
@@ -240,9 +240,8 @@ def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
         kernel._setup_mainloop()
         kernel._row_slots()
         tile = cute.make_identity_tensor((tile_m, tile_n))
-        for t in cutlass.range_constexpr(kernel.num_mma_threads):
-            part = kernel.tiled_mma.get_slice(t).partition_C(tile)
-            per_thread.append([tuple(int(v) for v in part[i]) for i in range(cute.size(part))])
+        per_thread.extend(partition_coords(lambda t: kernel.tiled_mma.get_slice(t).partition_C(tile),
+                                           kernel.num_mma_threads))
 
     with expect_no_driver():
         cute.compile(probe)

@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
-from .base import GroupGemmSm90Base, KernelParams
+from .base import GroupGemmSm90Base, KernelParams, partition_coords
 from .config import GroupGemmConfig
 from .scheduler import GroupTileScheduler
 
@@ -202,10 +202,9 @@ def wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
     def probe():
         kernel._setup_mainloop()
         tile = cute.make_identity_tensor((tile_m, tile_n))
-        for t in cutlass.range_constexpr(kernel.num_mma_threads):
-            part = kernel.epilogue_partition(kernel.tiled_mma, t, tile)
-            for i in cutlass.range_constexpr(cute.size(part)):
-                seen.append(tuple(int(v) for v in part[i]))
+        for coords in partition_coords(lambda t: kernel.epilogue_partition(kernel.tiled_mma, t, tile),
+                                       kernel.num_mma_threads):
+            seen.extend(coords)
 
     with expect_no_driver():
         cute.compile(probe)
