@@ -14,7 +14,8 @@ op-id check rides on, host syncs, and the CPU reference's agreement exchange.
 2. barrier  GPU time per launch of the barrier kernel at R = 1 and of an empty kernel with its arguments
             and launch shape (benchmarks/empty_kernel.py): back to back on a stream, and replayed from one
             CUDA graph of `launches` launches (no launch gaps). The op-id check cannot be switched off, so
-            barrier - empty bounds what it costs; a comm op runs 2 barriers.
+            barrier - empty bounds what it costs; dispatch, combine, gather_row_weights (and prefetch_weights,
+            reduce_grad at R > 1) run 2 barriers, plan 1 (in its count exchange).
 3. syncs    every row of part 1 once under torch.cuda.set_sync_debug_mode("error") and once under the
             profiler (host sync calls, synchronous cudaMemcpy, DtoH copies: benchmarks.common.profile_step).
 4. agreement  CPU reference ops (gloo, spawned ranks) at R = 1 and R = 2, per call: the full op; the op
@@ -43,8 +44,7 @@ from moonep_ops.handles import Dispatch, Plan  # noqa: E402
 ops = torch.ops.moonep
 SHAPES = dict(tiny=dict(S=64, H=256, K=2, E=8, F=128), design=dict(S=8192, H=7168, K=8, E=48, F=2048))
 CPU_SHAPE = dict(S=64, H=256, K=2, E=8, F=64)
-CPU_OPS = ("plan", "dispatch", "combine")
-QUEUE_ITEMS = 512  # well below the ~1000 launches a stream queues before the host blocks
+QUEUE_ITEMS = 512  # pending GPU work items: well below the ~1024 launches CUDA queues before a launch blocks
 SMOKE = dict(cpu_calls=10, repeats=3)
 
 
