@@ -206,6 +206,37 @@ def short_error(e: BaseException) -> str:
     return msg + (f" ({ctx[0][len('Developer debug context:'):].strip()[:400]})" if ctx else "")
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_step(step) -> tuple[list[str], int]:
+    """Run `step` once under torch.profiler: (the host syncs and device-to-host copies it made: CUDA runtime
+    sync calls and synchronous cudaMemcpy inside the step's time range, and every DtoH copy on the GPU;
+    the GPU work items it queued: kernels, memsets, copies)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("moonep_step"):
+            step()
+    events = prof.events()
+    (span,) = [e.time_range for e in events if e.name == "moonep_step" and e.device_type == DeviceType.CPU]
+    found, gpu_items = [], 0
+    for e in events:
+        gpu_items += e.device_type == DeviceType.CUDA
+        inside = span.start <= e.time_range.start and e.time_range.end <= span.end
+        if inside and (e.name in SYNC_CALLS or e.name == "cudaMemcpy"):
+            found.append(e.name)
+        elif "Memcpy DtoH" in e.name:
+            found.append(e.name)
+    return found, gpu_items
+
+
+def host_syncs(step) -> list[str]:
+    """The host syncs and device-to-host copies of one run of `step` (profile_step)."""
+    return profile_step(step)[0]
+
+
 def kernel_breakdown(step, show: bool, top: int | None = 25) -> list[tuple[str, float]]:
     """GPU time per kernel name over one step (torch.profiler), ms, largest first (the first `top`, or
     all with None); printed (the first 25) if `show`."""

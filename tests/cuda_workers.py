@@ -7,6 +7,7 @@ rank shows up in the test's report.
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import host_syncs
 from moonep_ops import EPConfig, EPGroup, MoEStatusError, dense_moe, planning
 from moonep_ops.status import check_status
 from routings import cpu_counts, routings, with_absent_tokens
@@ -465,30 +466,6 @@ def inference_small_B(rank: int, R: int, cfg_kwargs: dict, B: int, skews: tuple[
 
 
 # ------------------------------------------------------------------------- MoEModel: compiler contract
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-def host_syncs(step) -> list[str]:
-    """Run `step` under torch.profiler; the host syncs and device-to-host copies it made: CUDA runtime
-    sync calls and synchronous cudaMemcpy inside the step's time range, and every DtoH copy on the GPU."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("moonep_step"):
-            step()
-    events = prof.events()
-    (span,) = [e.time_range for e in events if e.name == "moonep_step" and e.device_type == DeviceType.CPU]
-    found = []
-    for e in events:
-        inside = span.start <= e.time_range.start and e.time_range.end <= span.end
-        if inside and (e.name in SYNC_CALLS or e.name == "cudaMemcpy"):
-            found.append(e.name)
-        elif "Memcpy DtoH" in e.name:
-            found.append(e.name)
-    return found
-
-
 def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, steps: int):
     """A MoEModel of n_layers blocks (bf16, one EPGroup) on the GPU:
     eager      output and every gradient (the test checks them against the dense fp32 model);

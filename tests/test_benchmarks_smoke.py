@@ -319,3 +319,48 @@ def test_hf_qwen3_decode_step_traces_to_one_graph(gloo1):
     assert torch.equal(compiled.generated, eager.generated)
     torch._dynamo.reset()
     ep.destroy()
+
+
+def test_bench_op_overhead_bypass_drops_only_the_exchange(gloo1):
+    """The CPU "before" figure of bench_op_overhead: with the agreement bypassed an op computes the same output
+    and still rejects bad arguments, but runs no exchange (the op counter in the control block stays put);
+    the full `agree` comes back afterwards."""
+    from benchmarks.bench_op_overhead import CPU_SHAPE, agreement_bypassed, cpu_calls
+    from csrc_cute.status import OP_COUNT_WORD
+    from moonep_ops import EPConfig, EPGroup
+    from moonep_ops import ops as op_impl
+
+    ep = EPGroup(EPConfig(R=1, **CPU_SHAPE), device="cpu")
+    combine = cpu_calls(ep)["combine"]
+    before = int(ep.ctrl[OP_COUNT_WORD])
+    full = combine()
+    assert int(ep.ctrl[OP_COUNT_WORD]) == before + 1
+    with agreement_bypassed():
+        assert torch.equal(combine(), full) and int(ep.ctrl[OP_COUNT_WORD]) == before + 1
+        with pytest.raises(ValueError, match="moonep.combine"):
+            torch.ops.moonep.combine(full, *([torch.zeros(1, dtype=torch.int32)] * 5), ep.presum, ep.ctrl,
+                                     ep.group_name)
+    assert op_impl.agree.__name__ == "agree"
+    combine()
+    assert int(ep.ctrl[OP_COUNT_WORD]) == before + 2
+    ep.destroy()
+
+
+def test_bench_op_overhead_smoke_measures_the_cpu_agreement(tmp_path_factory):
+    """--smoke: the CPU part alone (spawned gloo ranks, R = 1 and 2), the GPU part named as skipped."""
+    import math
+
+    stdout, d, _ = run_smoke(tmp_path_factory, "bench_op_overhead")
+    assert d["smoke"] and d["gpu_r1"].startswith("skipped")
+    for key in ("gpu", "command", "commit", "date", "torch"):
+        assert key in d
+    rows = {(r["R"], r["op"]): r for r in d["cpu_agreement"]}
+    assert set(rows) == {(R, op) for R in (1, 2) for op in ("plan", "dispatch", "combine")}
+    for r in rows.values():
+        assert r["full_us"] > 0 and r["bypassed_us"] > 0 and r["agree_alone_us"] > 0, r
+        assert math.isfinite(r["exchange_us"]), r
+    for op in ("plan", "dispatch", "combine"):  # R = 2 exchanges between processes; R = 1 exchanges nothing
+        assert rows[(2, op)]["agree_alone_us"] > rows[(1, op)]["agree_alone_us"], (rows[(1, op)], rows[(2, op)])
+    assert d["summary"]["cpu_exchange_us_R2"] == {op: rows[(2, op)]["exchange_us"] for op in ("plan", "dispatch",
+                                                                                            "combine")}
+    assert "agree alone" in stdout
