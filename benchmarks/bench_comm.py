@@ -70,6 +70,7 @@ def peer_copy_gbs(rank: int, R: int, group, nbytes: int = 1 << 30) -> float:
 def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
     from benchmarks.baseline_ep import baseline_combine, baseline_dispatch
     from moonep_ops import EPConfig, EPGroup, planning
+    from moonep_ops.handles import Plan
 
     ops = torch.ops.moonep
     S, H, K, epn = opts["S"], opts["H"], opts["K"], opts["epn"]
@@ -86,8 +87,9 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
         ids = ids_all[rank].cuda()
         counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids_all]).int()
         route_w = torch.softmax(torch.randn(S, K, device="cuda"), 1)
-        plan = ops.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name)
-        dst_rank, dst_row, primary_row, etc, _, cu, group_rows, _ = plan
+        plan = Plan(*ops.plan(ids, E, cfg.B, cfg.P, R, ep.ctrl, ep.group_name))
+        dst_rank, dst_row, primary_row, cu, group_rows = (plan.dst_rank, plan.dst_row, plan.primary_row,
+                                                          plan.cu_seqlens, plan.group_rows)
         recv = ep.dispatch_buffers
 
         def do_plan():
@@ -104,10 +106,11 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
                                ep.group_name)
 
         def do_forward():
-            p = do_plan()
-            r_rows, _, r_primary, r_next = ops.dispatch(x, route_w, p[0], p[1], p[2], p[4], p[5], *recv, ep.ctrl,
-                                                        ep.group_name)
-            return ops.combine(r_rows, r_primary, r_next, p[0], p[1], p[2], ep.presum, ep.ctrl, ep.group_name)
+            p = Plan(*do_plan())
+            r_rows, _, r_primary, r_next = ops.dispatch(x, route_w, p.dst_rank, p.dst_row, p.primary_row,
+                                                        p.cu_seqlens, p.group_rows, *recv, ep.ctrl, ep.group_name)
+            return ops.combine(r_rows, r_primary, r_next, p.dst_rank, p.dst_row, p.primary_row, ep.presum, ep.ctrl,
+                               ep.group_name)
 
         unit_w = torch.ones(S, K, device="cuda")
 
