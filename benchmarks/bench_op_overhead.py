@@ -37,8 +37,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_comm import graph_time_ms  # noqa: E402
-from benchmarks.common import (apply_smoke_defaults, cuda_time_ms, profile_step, run_info, short_error,  # noqa: E402
-                               write_json)
+from benchmarks.common import (apply_smoke_defaults, cuda_time_ms, profile_step, run_info,  # noqa: E402
+                               run_without_host_sync, short_error, write_json)
 from moonep_ops.handles import Dispatch, Plan  # noqa: E402
 
 ops = torch.ops.moonep
@@ -139,15 +139,8 @@ def launch_calls(ep) -> tuple[dict, tuple]:
 
 def sync_check(fn) -> dict:
     """Whether one call synchronised the host: torch's sync debug mode, then the profiler's count."""
-    torch.cuda.synchronize()
-    error = None
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError as e:
-        error = short_error(e)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _, err = run_without_host_sync(fn)
+    error = None if err is None else short_error(err)
     torch.cuda.synchronize()
     syncs, items = profile_step(fn)
     return dict(sync_debug_error=error, profiler_syncs=syncs, gpu_items=items)

@@ -209,6 +209,19 @@ def short_error(e: BaseException) -> str:
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
+def run_without_host_sync(fn):
+    """fn() under torch's CUDA sync debug mode "error" (after a synchronize): (its result, None), or
+    (None, the RuntimeError a host sync raised); the mode is reset either way."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn(), None
+    except RuntimeError as e:
+        return None, e
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def profile_step(step) -> tuple[list[str], int]:
     """Run `step` once under torch.profiler: (the host syncs and device-to-host copies it made: CUDA runtime
     sync calls and synchronous cudaMemcpy inside the step's time range, and every DtoH copy on the GPU;

@@ -7,7 +7,7 @@ rank shows up in the test's report.
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import host_syncs
+from benchmarks.common import host_syncs, run_without_host_sync
 from moonep_ops import EPConfig, EPGroup, MoEStatusError, dense_moe, planning
 from moonep_ops.status import check_status
 from routings import cpu_counts, routings, with_absent_tokens
@@ -90,15 +90,8 @@ def plan_repeat_graph_nosync(rank: int, R: int, n_launches: int):
             if d:
                 graph_bad.append((rep, j, d))
     # no host sync in a warm plan step
-    torch.cuda.synchronize()
-    sync_error = None
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        outs = _plan(ep, ids[1])
-    except RuntimeError as e:
-        sync_error = str(e)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    outs, err = run_without_host_sync(lambda: _plan(ep, ids[1]))
+    sync_error = None if err is None else str(err)
     nosync_ok = sync_error is None and not _diff(outs, tuple(t.cpu() for t in refs[1]))
     final_status = int(ep.status.item())
     ep.destroy()
@@ -276,15 +269,8 @@ def dispatch_combine_traceable(rank: int, R: int, cfg_kwargs: dict, n_routings: 
     for _ in range(3):
         graph.replay()
         graph_ok &= bool(torch.equal(g_rows, first_rows)) and bool(torch.equal(g_y, first_y))
-    torch.cuda.synchronize()
-    sync_error = None
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    except RuntimeError as e:
-        sync_error = str(e)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _, err = run_without_host_sync(step)
+    sync_error = None if err is None else str(err)
     status = int(ep.status.item())
     ep.destroy()
     return dict(fails=fails, max_remote_rows=max_remote_rows, repeat_diff=repeat_diff, graph_ok=graph_ok,
