@@ -24,8 +24,9 @@ test: $(VENV)/.installed
 # included, with the 25 slowest tests listed. All test processes share one kernel disk cache (see
 # tests/conftest.py and csrc_cute/jit.py), so each kernel is compiled once per session. Kernel compiles
 # are single-threaded CPU work: GPU_TEST_WORKERS pytest-xdist workers (work-stealing, so one slow file
-# does not hold a worker) run them side by side on one GPU; 8 fit the H200 machine's 16 cores.
+# does not hold a worker) run them side by side on one GPU; 8 fit the H200 machine's 16 cores. -v names
+# each test as it ends, so a run cut short by a time limit still says which test failed.
 GPU_TEST_WORKERS ?= 8
 gpu-test:
 	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-test: no CUDA device (make test runs the CPU suite)')"
-	$(PYTHON) -m pytest -q -p no:cacheprovider -n $(GPU_TEST_WORKERS) --dist worksteal --timeout=300 --durations=25 tests/
+	$(PYTHON) -m pytest -v -p no:cacheprovider -n $(GPU_TEST_WORKERS) --dist worksteal --timeout=300 --durations=25 tests/
