@@ -94,7 +94,7 @@ def greedy_split_routings(R, S, K, E, seed, n):
     gen = torch.Generator().manual_seed(seed)
     epn = E // R
     out = []
-    for _ in range(200 * n):
+    for _ in range(2000 * n):  # hit rates: ~1 in 600 draws at R = 3, 1 in 50-150 at R >= 8
         logp = torch.randn(E, generator=gen, dtype=torch.float64) * float(torch.rand(1, generator=gen) * 2)
         hot = int(torch.randint(0, R, (1,), generator=gen))
         logp[hot * epn:(hot + 1) * epn] += 1 + float(torch.rand(1, generator=gen)) * 3
