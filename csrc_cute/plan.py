@@ -13,15 +13,21 @@ Kernels (sm_90a, launched through the apache-tvm-ffi fast path, compiled once pe
   count        topk_ids [Rb, S*K] -> counts [Rb, E]      smem histogram per CTA, warp-aggregated
                                                           (match.any) atomics, then global atomics
                                                           (integer sums: deterministic).
-  plan_global  counts [R, E] -> workspace [tot[E], pre[E], rfrom, rstart, ramt, otot [R each]]
+  plan_global  counts [R, E] -> workspace [tot, pre, give, gave [E each], rfrom, rstart, ramt,
+               otot, split [R each]]
                one CTA: totals and row sums in one pass (a row sum above S*K is flagged), per-rank
                surpluses load - T_d, the greedy rank loop in warp 0 (surpluses in registers,
-               redux.sync max/min + ballot: ties to the lowest rank, at most R-1 steps), and pre[e] = rows ranked before e in its donor's hottest-first order
-               (found by counting, so the "sort" is exact and deterministic).
+               redux.sync max/min + ballot: ties to the lowest rank, at most R-1 steps), pre[e] =
+               rows ranked before e in its donor's hottest-first order (found by counting, so the
+               "sort" is exact and deterministic), then each donor's split (planning.donor_split):
+               the interval cut's pieces counted per receiver, and the greedy split run in one warp
+               per donor, one piece per step (redux.sync max quota, min rstart on ties), stopped at
+               the cut's count; split[g] = 1 where the greedy makes fewer, its pieces in give
+               [receiver, donor expert], gave[e] = rows expert e gives away (both splits).
   plan_expand  workspace -> alloc [E, R], experts_to_copy [R, B], experts_remote [R, epn-B],
                cu_seqlens and group_rows [R, 2*epn]
-               CTA d: rows of home group d (the cuts are interval overlaps of [pre, pre+tot) with
-               [rstart, rstart+ramt)); warp 0: rank d's slot list, then its remote list (ballot +
+               CTA d: rows of home group d (tot - gave at home; to a receiver the interval overlap
+               of [pre, pre+tot) with [rstart, rstart+ramt), or give for a greedy donor); warp 0: rank d's slot list, then its remote list (ballot +
                popc, ascending expert id), and padded cu_seqlens (warp scans chained by a carry).
                B = epn: every foreign expert gets a slot. B < epn: the CTA first ranks the foreign
                experts by (rows desc, id asc) by counting, O(epn^2 / 256); the first B get slots.
@@ -126,9 +132,10 @@ def _count_launch(ids: cute.Tensor, counts: cute.Tensor, status: cute.Tensor, st
 @cute.kernel
 def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tensor,
                         R: Constexpr[int], E: Constexpr[int], TT: Constexpr[int], NT: Constexpr[int]):
-    """One CTA: totals, loads, greedy flows, hottest-first offsets -> workspace
-    ws = [tot[E], pre[E], rfrom[R], rstart[R], ramt[R], otot[R]]. TT = S*K, the most rows a rank
-    routes; the targets T_d come from N, the sum of all row sums."""
+    """One CTA: totals, loads, greedy flows, hottest-first offsets, each donor's split -> workspace
+    ws = [tot[E], pre[E], give[E], gave[E], rfrom[R], rstart[R], ramt[R], otot[R], split[R]] (the
+    layout _WS documents). TT = S*K, the most rows a rank routes; the targets T_d come from N, the sum
+    of all row sums."""
     epn = E // R
     NW = NT // 32
     tidx, _, _ = cute.arch.thread_idx()
@@ -142,12 +149,17 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
     rstart = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
     ramt = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
     otot = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    ncut = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
+    rem = smem.allocate_tensor(Int32, cute.make_layout(R), byte_alignment=16)
     for r in cutlass.range(tidx, R, NT):
         rows[r] = 0
         rfrom[r] = -1
         rstart[r] = 0
         ramt[r] = 0
         otot[r] = 0
+        ncut[r] = 0
+    for i in cutlass.range(tidx, 2 * E, NT):  # give and gave: a greedy donor writes only its pieces
+        ws[2 * E + i] = 0
     cute.arch.sync_threads()
 
     # one pass over counts: totals per expert (thread per expert) and row sums (warp sums added
@@ -260,11 +272,116 @@ def _plan_global_kernel(counts: cute.Tensor, ws: cute.Tensor, status: cute.Tenso
                 before = (tf > te) | ((tf == te) & (f < e))
                 p = p + cutlass.select_(before, tf, Int32(0))
         ws[E + e] = p
+    cute.arch.sync_threads()
+    _choose_splits(ws, tot, rfrom, rstart, ramt, otot, ncut, rem, R, E, NT)
     for r in cutlass.range(tidx, R, NT):
-        ws[2 * E + r] = rfrom[r]
-        ws[2 * E + R + r] = rstart[r]
-        ws[2 * E + 2 * R + r] = ramt[r]
-        ws[2 * E + 3 * R + r] = otot[r]
+        ws[4 * E + r] = rfrom[r]
+        ws[4 * E + R + r] = rstart[r]
+        ws[4 * E + 2 * R + r] = ramt[r]
+        ws[4 * E + 3 * R + r] = otot[r]
+        ws[4 * E + 4 * R + r] = ncut[r]  # _choose_splits left the donor's split here
+
+
+@cute.jit
+def _choose_splits(ws: cute.Tensor, tot: cute.Tensor, rfrom: cute.Tensor, rstart: cute.Tensor, ramt: cute.Tensor,
+                   otot: cute.Tensor, ncut: cute.Tensor, rem: cute.Tensor, R: Constexpr[int], E: Constexpr[int],
+                   NT: Constexpr[int]):
+    """Per donor: the interval cut's piece count, then the greedy split in one warp, kept if it makes
+    strictly fewer pieces (planning.donor_split). Called by the whole plan_global CTA after pre[e] is
+    in ws; on return ncut[g] = 1 where donor g keeps the greedy split (its pieces are in give, the rows
+    each expert gives away in gave, both in ws) and 0 otherwise, and gave holds every expert's."""
+    epn = E // R
+    NW = NT // 32
+    tidx, _, _ = cute.arch.thread_idx()
+    warp = tidx // 32
+    lane = cute.arch.lane_idx()
+    # the cut's pieces: receiver d of donor g takes [rstart, rstart+ramt) of g's hottest-first rows,
+    # one piece per expert of g that overlaps it
+    for d in cutlass.range(tidx, R, NT):
+        g = rfrom[d]
+        if g >= 0:
+            s0 = rstart[d]
+            s1 = s0 + ramt[d]
+            n = Int32(0)
+            for j in cutlass.range(epn, unroll=4):
+                te = tot[g * epn + j]
+                a0 = ws[E + g * epn + j]
+                n = n + cutlass.select_(overlap(a0, a0 + te, s0, s1) > 0, Int32(1), Int32(0))
+            cute.arch.atomic_add(ptr(ncut, g), n)
+        rem[d] = ramt[d]
+    cute.arch.sync_threads()
+    # the greedy split of donor g in warp g % NW, one piece per iteration: the current expert (the
+    # positive one at row offset `off` of the hottest-first order) gives min(left, quota) rows to the
+    # receiver with the largest remaining quota `rem` (ties: the earlier step, i.e. the lower rstart).
+    # It stops at the cut's piece count: from there on it cannot make fewer.
+    NV = (R + 31) // 32
+    for g in cutlass.range(warp, R, NW):
+        need = otot[g]
+        limit = ncut[g]
+        pieces = Int32(0)
+        left = Int32(0)
+        off = Int32(0)
+        ie = Int32(0)
+        while (need > 0) & (pieces < limit):
+            if left == 0:
+                found = Int32(epn)
+                for i0 in cutlass.range(0, epn, 32):
+                    i = i0 + lane
+                    ic = cutlass.min(i, Int32(epn - 1))
+                    te = tot[g * epn + ic]
+                    hit = (i < epn) & (te > 0) & (ws[E + g * epn + ic] == off)
+                    bal = cute.arch.vote_ballot_sync(hit)
+                    found = cutlass.select_((bal != 0) & (found == epn), i0 + ctz(bal), found)
+                ie = cutlass.min(found, Int32(epn - 1))
+                te = tot[g * epn + ie]
+                left = cutlass.min(te, need)
+                off = off + te
+                if lane == 0:
+                    ws[3 * E + g * epn + ie] = left
+            best = Int32(0)
+            for j in cutlass.range_constexpr(NV):
+                rr = cutlass.min(j * 32 + lane, Int32(R - 1))
+                mine = (j * 32 + lane < R) & (rfrom[rr] == g)
+                best = cutlass.max(best, cutlass.select_(mine, rem[rr], Int32(0)))
+            best = cute.arch.warp_redux_sync(best, "max")
+            first = Int32(_I32_MAX)
+            for j in cutlass.range_constexpr(NV):
+                rr = cutlass.min(j * 32 + lane, Int32(R - 1))
+                mine = (j * 32 + lane < R) & (rfrom[rr] == g) & (rem[rr] == best)
+                first = cutlass.min(first, cutlass.select_(mine, rstart[rr], Int32(_I32_MAX)))
+            first = cute.arch.warp_redux_sync(first, "min")
+            take = cutlass.min(left, best)
+            for j in cutlass.range_constexpr(NV):
+                rr = j * 32 + lane
+                rc = cutlass.min(rr, Int32(R - 1))
+                if (rr < R) & (rfrom[rc] == g) & (rstart[rc] == first):
+                    rem[rc] = best - take
+                    ws[2 * E + rc * epn + ie] = take
+            cute.arch.sync_warp()
+            pieces = pieces + 1
+            left = left - take
+            need = need - take
+        if lane == 0:
+            ncut[g] = cutlass.select_((need == 0) & (pieces < limit), Int32(1), Int32(0))
+    cute.arch.sync_threads()
+    # the rows each expert of a donor that keeps the cut gives away (a greedy donor's are written)
+    for e in cutlass.range(tidx, E, NT):
+        g = e // epn
+        if (otot[g] > 0) & (ncut[g] == 0):
+            a0 = ws[E + e]
+            ws[3 * E + e] = overlap(a0, a0 + tot[e], Int32(0), otot[g])
+
+
+def _received_rows(ws, g, split_g, d, i, s0, s1, E, epn):
+    """Rows of expert i of donor g (>= 0 or -1: none) that rank d receives: give[d*epn + i] when g keeps
+    the greedy split, else the overlap of the expert's [pre, pre+tot) with d's cut [s0, s1). Branch-free
+    (loads clamped to row 0 when g < 0)."""
+    gc = cutlass.max(g, Int32(0))
+    te = ws[gc * epn + i]
+    a0 = ws[E + gc * epn + i]
+    cut = overlap(a0, a0 + te, s0, s1)
+    v = cutlass.select_(split_g != 0, ws[2 * E + d * epn + i], cut)
+    return cutlass.select_(g >= 0, v, Int32(0))
 
 
 @cute.kernel
@@ -273,8 +390,10 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
                         B: Constexpr[int], P: Constexpr[int], NT: Constexpr[int]):
     """CTA d: rows of home group d in alloc [E, R]; rank d's slot experts (e2c), remote experts
     (erem, B < epn only), padded group ends (cu) and real rows per group (grows).
-    Donor outflows are consecutive cuts [rstart, rstart+ramt) of the donor's hottest-first row
-    sequence; expert e holds [pre[e], pre[e]+tot[e]) of it."""
+    A donor that keeps the interval cut gives receiver dd the cut [rstart, rstart+ramt) of its
+    hottest-first row sequence, of which expert e holds [pre[e], pre[e]+tot[e]); one that keeps the
+    greedy split (split[g] = 1) gives it give[dd*epn + i] rows of its expert i. Either way expert e
+    keeps tot[e] - gave[e] rows at home."""
     epn = E // R
     G = 2 * epn
     tidx, _, _ = cute.arch.thread_idx()
@@ -283,16 +402,18 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
     lane = cute.arch.lane_idx()
     lt = lanemask_lt()
     smem = cutlass.utils.SmemAllocator()
-    rinfo = smem.allocate_tensor(Int32, cute.make_layout(4 * R), byte_alignment=16)
+    rinfo = smem.allocate_tensor(Int32, cute.make_layout(5 * R), byte_alignment=16)
     gt = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
     gp = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
-    for i in cutlass.range(tidx, 4 * R, NT):
-        rinfo[i] = ws[2 * E + i]
+    gv = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
+    for i in cutlass.range(tidx, 5 * R, NT):
+        rinfo[i] = ws[4 * E + i]
     for i in cutlass.range(tidx, epn, NT):
         gt[i] = ws[d * epn + i]
         gp[i] = ws[E + d * epn + i]
+        gv[i] = ws[3 * E + d * epn + i]
     cute.arch.sync_threads()
-    od = rinfo[3 * R + d]
+    split_d = rinfo[4 * R + d]
     for i in cutlass.range(tidx, epn * R, NT, unroll=4):
         ie = i // R
         dd = i - ie * R
@@ -300,11 +421,14 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
         a0 = gp[ie]
         v = Int32(0)
         if dd == d:
-            v = te - overlap(a0, a0 + te, Int32(0), od)
+            v = te - gv[ie]
         else:
             if rinfo[dd] == d:
-                s0 = rinfo[R + dd]
-                v = overlap(a0, a0 + te, s0, s0 + rinfo[2 * R + dd])
+                if split_d != 0:
+                    v = ws[2 * E + dd * epn + ie]
+                else:
+                    s0 = rinfo[R + dd]
+                    v = overlap(a0, a0 + te, s0, s0 + rinfo[2 * R + dd])
         alloc[d * epn * R + i] = v
 
     lists = foreign_lists(e2c, erem, B, epn)  # at trace time, before the dynamic regions
@@ -312,6 +436,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
     g = rinfo[d]
     s0 = rinfo[R + d]
     s1 = s0 + rinfo[2 * R + d]
+    split_g = rinfo[4 * R + cutlass.max(g, Int32(0))] & cutlass.select_(g >= 0, Int32(1), Int32(0))
     if cutlass.const_expr(B < epn):
         # too few slots for every foreign expert: the B with the most rows on rank d (ties: lower
         # id) get them. frows[i] = rows of donor expert g*epn+i on d; fslot[i] = 1 if it has a slot,
@@ -319,12 +444,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
         frows = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
         fslot = smem.allocate_tensor(Int32, cute.make_layout(epn), byte_alignment=16)
         for i in cutlass.range(tidx, epn, NT):
-            v = Int32(0)
-            if g >= 0:
-                te = ws[g * epn + i]
-                a0 = ws[E + g * epn + i]
-                v = overlap(a0, a0 + te, s0, s1)
-            frows[i] = v
+            frows[i] = _received_rows(ws, g, split_g, d, i, s0, s1, E, epn)
         cute.arch.sync_threads()
         for i in cutlass.range(tidx, epn, NT):
             v = frows[i]
@@ -342,8 +462,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
             i = i0 + lane
             ic = cutlass.min(i, Int32(epn - 1))
             te = gt[ic]
-            a0 = gp[ic]
-            ln = cutlass.select_(i < epn, te - overlap(a0, a0 + te, Int32(0), od), Int32(0))
+            ln = cutlass.select_(i < epn, te - gv[ic], Int32(0))
             pd = (ln + (P - 1)) // P * P
             inc = warp_incl_scan(pd, lane)
             if i < epn:
@@ -361,9 +480,7 @@ def _plan_expand_kernel(ws: cute.Tensor, alloc: cute.Tensor, e2c: cute.Tensor, e
                     ic = cutlass.min(i, Int32(epn - 1))
                     if cutlass.const_expr(B == epn):
                         # every foreign expert has a slot; its rows come straight from the workspace
-                        te = ws[g * epn + ic]
-                        a0 = ws[E + g * epn + ic]
-                        rows = overlap(a0, a0 + te, s0, s1)
+                        rows = _received_rows(ws, g, split_g, d, ic, s0, s1, E, epn)
                         keep = (i < epn) & (rows > 0)
                     else:
                         rows = frows[ic]
@@ -412,6 +529,12 @@ def _cute_dtype(dt: torch.dtype):
     return cutlass.Int64 if dt == torch.int64 else cutlass.Int32
 
 
+def _ws_len(R: int, E: int) -> int:
+    """int32 elements of the plan workspace: tot, pre, give, gave [E each], then rfrom, rstart, ramt,
+    otot, split [R each]."""
+    return 4 * E + 5 * R
+
+
 def _list_len(R: int, W: int) -> int:
     """Elements of an [R, W] expert list as a kernel argument. A list of width 0 (no slots, or no
     remote groups) is never touched; one int32 stands in for it, as kernel shapes are static."""
@@ -432,7 +555,7 @@ def _compile_count(RB: int, N: int, E: int, id_dtype: torch.dtype):
 def _compile_global(R: int, E: int, B: int, P: int, TT: int):
     def build():
         epn = E // R
-        return cute.compile(_plan_global_launch, _fake(Int32, R * E), _fake(Int32, 2 * E + 4 * R),
+        return cute.compile(_plan_global_launch, _fake(Int32, R * E), _fake(Int32, _ws_len(R, E)),
                             _fake(Int32, E * R), _fake(Int32, _list_len(R, B)),
                             _fake(Int32, _list_len(R, epn - B)), _fake(Int32, R * 2 * epn),
                             _fake(Int32, R * 2 * epn), _fake(Int32, 1), _fake_stream(), R, E, B, P, TT,
@@ -472,8 +595,8 @@ def _check_plan_shapes(R, E, B, S, K, P=1):
         raise ValueError(f"K must be <= 32 (one token's ids fit a warp), got K={K}")
     if R * S * K >= 2 ** 31 - 1 or S * K + P * 2 * (E // R) >= 2 ** 31 - 1:
         raise ValueError(f"R*S*K={R * S * K} must fit int32")
-    if E * 4 + 6 * R * 4 > SMEM_LIMIT:
-        raise ValueError(f"E={E}, R={R}: plan_global keeps E+6*R int32 in 48 KiB of shared memory")
+    if E * 4 + 8 * R * 4 > SMEM_LIMIT:
+        raise ValueError(f"E={E}, R={R}: plan_global keeps E+8*R int32 in 48 KiB of shared memory")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -543,7 +666,7 @@ def plan_global_cuda(counts: torch.Tensor, S: int, K: int, B: int, P: int,
     cu = torch.empty(R, 2 * epn, dtype=torch.int32, device=dev)
     grows = torch.empty(R, 2 * epn, dtype=torch.int32, device=dev)
     fn = _compile_global(R, E, B, P, S * K)
-    ws = torch.empty(2 * E + 4 * R, dtype=torch.int32, device=dev)
+    ws = torch.empty(_ws_len(R, E), dtype=torch.int32, device=dev)
     fn(counts.view(-1), ws, alloc.view(-1), _list_arg(e2c), _list_arg(erem), cu.view(-1), grows.view(-1),
        status)
     return GPUGlobalPlan(alloc, e2c, cu, grows, erem), status

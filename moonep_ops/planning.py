@@ -19,8 +19,12 @@ Global plan (`plan_global`), rank-level greedy, deterministic:
      any other receiver. A donor never gives more than it holds at home (load[g] > T_g >= T_d - 1,
      so load[g] >= T_d >= the deficit). Every step finishes at least one rank, so there are at most
      R-1 steps.
-  3. Each donor cuts its outflows, in step order, from its home experts' tokens taken hottest first
-     (total desc, expert id asc): few experts cover a given number of rows, so few copies are made.
+  3. Each donor splits its outflows over its home experts taken hottest first (total desc, expert id
+     asc): few experts cover a given number of rows, so few copies are made. Two splits, the one with
+     fewer pieces (copies) kept, ties to the first: (a) the interval cut: the outflows, in step order,
+     cut from the experts' rows as consecutive intervals; (b) the greedy split: each expert gives its
+     rows to the outflow with the largest remaining quota (ties: the earlier step), split only when
+     that quota is full. The choice is per donor, so a receiver still takes experts of one home group.
      What is left stays home.
 Rows on rank d: home experts' groups first, then its B slots (copied experts, ascending id), then
 its remote groups (ascending id); each group padded to a multiple of P. A rank's foreign experts all
@@ -150,6 +154,51 @@ def hottest_first(tot_home: torch.Tensor) -> torch.Tensor:
     return torch.argsort(key, descending=True)
 
 
+def interval_split(sizes: list[int], quotas: list[int]) -> list[tuple[int, int, int]]:
+    """A donor's outflows cut, in step order, from its experts' rows taken in order (hottest first),
+    as consecutive intervals -> pieces (expert position, outflow index, rows)."""
+    pieces = []
+    pos, left = 0, sizes[0]
+    for j, amt in enumerate(quotas):
+        while amt > 0:
+            while left == 0:
+                pos += 1
+                left = sizes[pos]
+            take = min(amt, left)
+            pieces.append((pos, j, take))
+            left -= take
+            amt -= take
+    return pieces
+
+
+def greedy_split(sizes: list[int], quotas: list[int]) -> list[tuple[int, int, int]]:
+    """Each expert in order (hottest first) gives its rows to the outflow with the largest remaining
+    quota (ties: the earlier step), split only when that quota is full -> pieces as interval_split."""
+    rem = list(quotas)
+    need = sum(rem)
+    pieces = []
+    for pos, size in enumerate(sizes):
+        left = min(size, need)
+        while left > 0:
+            j = max(range(len(rem)), key=lambda i: (rem[i], -i))
+            take = min(left, rem[j])
+            pieces.append((pos, j, take))
+            rem[j] -= take
+            left -= take
+            need -= take
+        if need == 0:
+            return pieces
+    return pieces
+
+
+def donor_split(sizes: list[int], quotas: list[int]) -> list[tuple[int, int, int]]:
+    """Step 3 of the plan for one donor: the interval cut or the greedy split, whichever makes fewer
+    pieces (each piece is one expert copy on a receiver); ties keep the interval cut."""
+    cut = interval_split(sizes, quotas)
+    greedy = greedy_split(sizes, quotas)
+    return greedy if len(greedy) < len(cut) else cut
+
+
 def plan_global(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> GlobalPlan:
     """counts int [R, E] (tokens of rank r routed to expert e) -> the global plan, identical on every rank."""
     _check_args(counts, S, K, B, P)
@@ -165,20 +214,13 @@ def plan_global(counts: torch.Tensor, S: int, K: int, B: int, P: int) -> GlobalP
     for g, d, amt in rank_flows(load, target):
         outflows.setdefault(g, []).append((d, amt))
     for g, flows in outflows.items():
-        order = hottest_first(tot[g * epn:(g + 1) * epn]) + g * epn
-        pos = 0  # expert position in `order`; `left` rows of it not yet given away
-        left = int(tot[order[0]])
-        for d, amt in flows:
-            while amt > 0:
-                while left == 0:
-                    pos += 1
-                    left = int(tot[order[pos]])
-                e = int(order[pos])
-                take = min(amt, left)
-                alloc[e, d] += take
-                alloc[e, g] -= take
-                left -= take
-                amt -= take
+        order = (hottest_first(tot[g * epn:(g + 1) * epn]) + g * epn).tolist()
+        sizes = [int(tot[e]) for e in order]
+        quotas = [amt for _, amt in flows]
+        for pos, j, take in donor_split(sizes, quotas):
+            e, d = order[pos], flows[j][0]
+            alloc[e, d] += take
+            alloc[e, g] -= take
 
     home = torch.arange(E) // epn
     foreign = (alloc > 0) & (home[:, None] != torch.arange(R)[None, :])  # [E, R]

@@ -241,15 +241,34 @@ def test_peers_gpu_time_split_names_gemm_kernels():
 
 
 def test_copies_greedy_oracle_on_a_hand_made_plan():
-    """bench_copies' oracle on a plan worked by hand: donor rank 0 (experts 45, 43, 37, 30 rows) gives 53 rows
-    to rank 1, then 43 to rank 2. Our consecutive cut: rank 1 takes e0 + 8 of e1, rank 2 the rest of e1 + 8
-    of e2 (4 copies); the greedy gives e1 whole to rank 2's equal quota (3 copies)."""
-    from benchmarks.bench_copies import greedy_copies
+    """bench_copies' oracles on a plan worked by hand: donor rank 0 (experts 45, 43, 37, 30 rows) gives 53 rows
+    to rank 1, then 43 to rank 2. The consecutive cut: rank 1 takes e0 + 8 of e1, rank 2 the rest of e1 + 8
+    of e2 (4 copies); the greedy gives e1 whole to rank 2's equal quota (3 copies), and so does ours."""
+    from benchmarks.bench_copies import cut_copies, greedy_copies
     from moonep_ops.planning import plan_global
 
     counts = torch.tensor([[45, 43, 37, 30, 6, 0, 0, 0, 16, 0, 0, 0], [0] * 12, [0] * 12], dtype=torch.int32)
-    assert greedy_copies(counts, 177, 1) == 3
-    assert plan_global(counts, 177, 1, 4, 16).n_copies == 4
+    assert greedy_copies(counts, 177, 1) == 3 and cut_copies(counts) == 4
+    assert plan_global(counts, 177, 1, 4, 16).n_copies == 3
+
+
+def test_copies_no_more_than_the_greedy_on_the_bench_routings():
+    """Issue 13 part 4 on bench_copies' 103 skewed routings (R up to 16): ours makes no more copies than the
+    greedy split on any routing. Figures at this commit: ours 937, greedy 937 (margin 0: ours ties the
+    greedy on every routing), the interval cut alone 938 (worst +1 at lognormal sigma=1, R=16, E=256)."""
+    from benchmarks.bench_copies import run
+
+    res = run()
+    ours, greedy, cut = res["ours_total"], res["greedy_total"], res["cut_total"]
+    assert res["routings"] >= 100 and {r["R"] for r in res["rows"]} >= {2, 4, 8, 16}
+    assert {"one-hot-expert", "one-hot-rank-0", "lognormal1.0"} <= {r["routing"] for r in res["rows"]}
+    assert ours <= greedy, f"ours {ours} copies > greedy {greedy} (by {ours - greedy})"
+    assert ours <= cut, f"ours {ours} copies > the interval cut's {cut} (by {ours - cut})"
+    worse = [r for r in res["rows"] if r["ours"] > min(r["greedy"], r["cut"])]
+    assert not worse and res["ours_losses"] == 0, worse[:3]
+    assert res["ours_wins"] + res["ties"] == res["routings"]
+    print(f"ours {ours}, greedy {greedy} ({greedy - ours} fewer), cut {cut} ({cut - ours} fewer); "
+          f"wins {res['ours_wins']}, ties {res['ties']}")
 
 
 def test_bench_cold_start_smoke_measures_two_processes(tmp_path_factory):

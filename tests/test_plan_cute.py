@@ -20,7 +20,8 @@ if ROOT not in sys.path:
 
 from kernel_compile import check_module_compiles  # noqa: E402
 from moonep_ops import planning  # noqa: E402
-from routings import cpu_counts, lognormal_ids, routings, with_absent_tokens  # noqa: E402
+from routings import (cpu_counts, greedy_split_donors, greedy_split_routings, hand_made_ids,  # noqa: E402
+                      lognormal_ids, routings, with_absent_tokens)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -168,6 +169,52 @@ def test_cuda_plan_bitexact(cfg):
 
 def test_config_routing_total():
     assert sum(c[-1] for c in CONFIGS) >= 200
+
+
+# (R, S, K, E, B, P, ids dtype, routings) where some donor keeps the greedy split (R >= 3: with one
+# receiver per donor both splits are the same); B < epn: the greedy pieces also rank the slots
+GREEDY_CONFIGS = [
+    (3, 16, 2, 12, 4, 16, torch.int32, 8),
+    (4, 64, 4, 32, 8, 16, torch.int64, 8),
+    (8, 64, 4, 64, 8, 16, torch.int32, 8),
+    (8, 64, 4, 64, 2, 16, torch.int32, 8),            # inference
+    (16, 128, 4, 64, 4, 8, torch.int32, 6),
+    (32, 64, 8, 256, 8, 128, torch.int64, 6),
+    (64, 96, 8, 2048, 32, 128, torch.int32, 6),       # two donors per warp of the split step
+    (8, 512, 8, 384, 48, 128, torch.int32, 6),
+]
+
+
+def test_greedy_configs_take_the_greedy_split():
+    """CPU: every routing of GREEDY_CONFIGS has a donor whose greedy split plan_global keeps."""
+    for R, S, K, E, B, Pad, dt, n in GREEDY_CONFIGS[:3]:
+        for name, ids in greedy_split_routings(R, S, K, E, seed=R * E + S, n=n):
+            assert greedy_split_donors(cpu_counts(ids, E)), (R, E, name)
+    assert greedy_split_donors(cpu_counts(hand_made_ids(), 12)) == [0]
+
+
+@needs_cuda
+@pytest.mark.parametrize("cfg", GREEDY_CONFIGS, ids=lambda c: "R{}-S{}-K{}-E{}-B{}-P{}".format(*c[:6]))
+def test_cuda_plan_bitexact_greedy_split(cfg):
+    """Plans where some donor keeps the greedy split (give/gave in the workspace): the GPU plan and
+    token destinations equal the CPU reference, also with absent tokens."""
+    from csrc_cute import plan as P
+
+    R, S, K, E, B, Pad, dt, n = cfg
+    for i, (name, ids_cpu) in enumerate(greedy_split_routings(R, S, K, E, seed=R * E + S, n=n)):
+        ranks = sorted({0, R - 1, i % R})
+        _check_routing(P, R, S, K, E, B, Pad, dt, name, ids_cpu, ranks)
+        _check_routing(P, R, S, K, E, B, Pad, dt, f"absent-{name}", with_absent_tokens(ids_cpu, i), ranks)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B", [4, 1])
+def test_cuda_plan_bitexact_hand_made_greedy_plan(B):
+    """bench_copies' hand-made plan (rank 0 alone routes, 177 rows): 3 copies by the greedy split."""
+    from csrc_cute import plan as P
+
+    ref = _check_routing(P, 3, 177, 1, 12, B, 16, torch.int32, "hand-made", hand_made_ids(), range(3))
+    assert int((ref.alloc[:4, 1:] > 0).sum()) == 3
 
 
 @needs_cuda

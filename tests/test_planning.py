@@ -8,9 +8,9 @@ from expecttest import assert_expected_inline
 
 from benchmarks.routing_gen import counts_of, sample_topk
 from moonep_ops.config import EPConfig
-from routings import with_absent_tokens
-from moonep_ops.planning import (check_topk_ids, count_routed, group_of_expert, maxvio, plan_global,
-                                  plan_tokens)
+from routings import greedy_split_donors, greedy_split_routings, hand_made_ids, with_absent_tokens
+from moonep_ops.planning import (check_topk_ids, count_routed, donor_split, greedy_split, group_of_expert,
+                                  interval_split, maxvio, plan_global, plan_tokens)
 
 
 # ----------------------------------------------------------------------------- independent oracles
@@ -20,29 +20,51 @@ def oracle_targets(N, R):
 
 
 def oracle_greedy(counts):
-    """DESIGN.md's reference policy written as plainly as possible: lists of ints, no torch."""
+    """DESIGN.md's reference policy written as plainly as possible: lists of ints, no torch. The rank
+    loop first; then each donor's experts, hottest first, are split over its receivers twice, by
+    consecutive cuts in step order and by the largest-remaining-quota greedy, and the split with fewer
+    (expert, receiver) copies is kept (ties: the cuts)."""
     R, E = counts.shape
     epn = E // R
     tot = [int(v) for v in counts.sum(0)]
     T = oracle_targets(sum(tot), R)
     surplus = [sum(tot[r * epn:(r + 1) * epn]) - T[r] for r in range(R)]
-    alloc = [[0] * R for _ in range(E)]
-    for e in range(E):
-        alloc[e][e // epn] = tot[e]
+    receivers = {}  # donor -> [(receiver, rows)] in step order
     while max(surplus) > 0:
         g = surplus.index(max(surplus))
         d = surplus.index(min(surplus))
         amt = -surplus[d]
         surplus[g] -= amt
         surplus[d] += amt
+        receivers.setdefault(g, []).append((d, amt))
+    alloc = [[0] * R for _ in range(E)]
+    for e in range(E):
+        alloc[e][e // epn] = tot[e]
+    for g, flows in receivers.items():
         hot = sorted(range(g * epn, (g + 1) * epn), key=lambda e: (-tot[e], e))
-        for e in hot:  # take from the hottest expert that still has rows at home
-            take = min(amt, alloc[e][g])
+        cut = {}  # (expert, receiver) -> rows
+        home = {e: tot[e] for e in hot}
+        for d, amt in flows:
+            for e in hot:  # take from the hottest expert that still has rows at home
+                take = min(amt, home[e])
+                if take:
+                    cut[e, d] = take
+                    home[e] -= take
+                    amt -= take
+        greedy = {}
+        quota = [amt for _, amt in flows]
+        for e in hot:
+            rows = tot[e]
+            while rows and sum(quota):
+                best = max(quota)
+                j = quota.index(best)  # the earliest step of the largest remaining quota
+                take = min(rows, best)
+                greedy[e, flows[j][0]] = take
+                quota[j] -= take
+                rows -= take
+        for (e, d), take in (greedy if len(greedy) < len(cut) else cut).items():
             alloc[e][g] -= take
             alloc[e][d] += take
-            amt -= take
-            if amt == 0:
-                break
     return alloc
 
 
@@ -96,6 +118,9 @@ def routings():
         cases.append(("E=R", R, 8, 1, E, sample_topk(R, 8, E, 1, 3.0, R)))
     for R, E in [(2, 512), (4, 1024)]:  # large epn
         cases.append(("large-epn", R, 32, 8, E, sample_topk(R, 32, E, 8, 2.0, R)))
+    for R, S, K, E in [(3, 16, 2, 12), (4, 64, 4, 32), (8, 64, 4, 64)]:  # some donor takes the greedy split
+        for name, ids in greedy_split_routings(R, S, K, E, seed=R * E, n=4):
+            cases.append((name, R, S, K, E, list(ids)))
     return cases
 
 
@@ -104,6 +129,33 @@ CASES = routings()
 
 def test_enough_routings():
     assert len(CASES) >= 200
+    greedy = [name for name, R, S, K, E, ids in CASES if greedy_split_donors(counts_of(ids, E))]
+    assert len(greedy) >= 12, greedy  # the oracle sees plans where the greedy split is kept
+
+
+def test_donor_split_keeps_the_fewer_pieces():
+    """Pieces are (expert position, outflow, rows). Each split wins somewhere; a tie keeps the cut."""
+    cut = [(0, 0, 45), (1, 0, 8), (1, 1, 35), (2, 1, 8)]
+    assert interval_split([45, 43, 37, 30], [53, 43]) == cut
+    assert greedy_split([45, 43, 37, 30], [53, 43]) == donor_split([45, 43, 37, 30], [53, 43]) == [
+        (0, 0, 45), (1, 1, 43), (2, 0, 8)]
+    assert interval_split([3, 2, 1], [1, 2, 2]) == donor_split([3, 2, 1], [1, 2, 2]) == [
+        (0, 0, 1), (0, 1, 2), (1, 2, 2)]
+    assert len(greedy_split([3, 2, 1], [1, 2, 2])) == 4
+    tie = [(0, 0, 1), (0, 1, 2), (1, 1, 2)]  # both make 3 pieces, different ones
+    assert interval_split([3, 2], [1, 4]) == donor_split([3, 2], [1, 4]) == tie
+    assert greedy_split([3, 2], [1, 4]) == [(0, 1, 3), (1, 0, 1), (1, 1, 1)]
+
+
+def test_greedy_split_on_the_hand_made_plan():
+    """Donor rank 0 (experts 45, 43, 37, 30 rows) gives 53 rows to rank 1, then 43 to rank 2. The
+    interval cut: rank 1 takes e0 + 8 of e1, rank 2 the rest of e1 + 8 of e2 (4 copies); the greedy
+    split gives e0 + 8 of e2 to rank 1 and e1 whole to rank 2's equal quota (3 copies), and is kept."""
+    ids = list(hand_made_ids())
+    check_plan(3, 177, 1, 12, ids, 16)
+    gp = plan_global(counts_with_absent(ids, 12), 177, 1, 4, 16)
+    assert gp.n_copies == 3
+    assert gp.alloc[:4].tolist() == [[0, 45, 0], [0, 0, 43], [29, 8, 0], [30, 0, 0]]
 
 
 def counts_with_absent(ids, E):
