@@ -11,11 +11,13 @@ op-id check rides on, host syncs, and the CPU reference's agreement exchange.
             queue room). The raw launches beside them: the barrier's Python wrapper (csrc_cute.sync.barrier),
             its compiled launcher called directly, an empty CuTe DSL kernel, one aten op. GPU time per call
             (CUDA events) and GPU work items per call (profiler) in the same rows.
-2. barrier  GPU time per launch of the barrier kernel at R = 1 and of an empty kernel with its arguments
-            and launch shape (benchmarks/empty_kernel.py): back to back on a stream, and replayed from one
-            CUDA graph of `launches` launches (no launch gaps). The op-id check cannot be switched off, so
-            barrier - empty bounds what it costs; dispatch, combine, gather_row_weights (and prefetch_weights,
-            reduce_grad at R > 1) run 2 barriers, plan 1 (in its count exchange).
+2. barrier  GPU time per launch of the barrier kernel at R = 1, of the same barrier compiled without the
+            op-id check (sync's "barrier_unchecked", which no op runs) and of an empty kernel with the
+            barrier's arguments and launch shape (benchmarks/empty_kernel.py): back to back on a stream, and
+            replayed from one CUDA graph of `launches` launches (no launch gaps). barrier - unchecked is what
+            the op-id check costs, barrier - empty what the whole barrier costs; dispatch, combine,
+            gather_row_weights (and prefetch_weights, reduce_grad at R > 1) run 2 barriers, plan 1 (in its
+            count exchange).
 3. syncs    every row of part 1 once under torch.cuda.set_sync_debug_mode("error") and once under the
             profiler (host sync calls, synchronous cudaMemcpy, DtoH copies: benchmarks.common.profile_step).
 4. agreement  CPU reference ops (gloo, spawned ranks) at R = 1 and R = 2, per call: the full op; the op
@@ -128,13 +130,14 @@ def launch_calls(ep) -> tuple[dict, tuple]:
     c = ep.cfg
     peer_ctrl = peers("bench_op_overhead", "ctrl", ep.ctrl)
     args = (peer_ctrl, ep.ctrl, ep.rank, sync._timeout_ns(ep.timeout_s), OP_IDS["dispatch"])
-    barrier, empty = sync._compile("barrier", c.R, c.E), compile_empty(c.R, c.E)
+    kernels = dict(barrier=sync._compile("barrier", c.R, c.E), unchecked=sync._compile("barrier_unchecked", c.R, c.E),
+                   empty=compile_empty(c.R, c.E))
     scratch = torch.zeros(1, device=ep.device)
     return {"sync.barrier (Python wrapper)": lambda: sync.barrier(peer_ctrl, ep.ctrl, ep.rank, c.E, ep.timeout_s,
                                                                    "dispatch"),
-            "barrier kernel (compiled launcher)": lambda: barrier(*args),
-            "empty kernel (compiled launcher)": lambda: empty(*args),
-            "aten zero_ (1 element)": scratch.zero_}, (barrier, empty, args)
+            "barrier kernel (compiled launcher)": lambda: kernels["barrier"](*args),
+            "empty kernel (compiled launcher)": lambda: kernels["empty"](*args),
+            "aten zero_ (1 element)": scratch.zero_}, (kernels, args)
 
 
 def sync_check(fn) -> dict:
@@ -156,16 +159,22 @@ def measure_row(name: str, fn, opts: dict) -> dict:
     return row
 
 
-def barrier_costs(barrier, empty, args, opts: dict) -> dict:
+def barrier_costs(kernels: dict, args, opts: dict) -> dict:
+    """us per launch of each kernel (stream, graph); the op-id check's and the whole barrier's share."""
     n = opts["launches"]
     out = {}
-    for name, fn in (("barrier", lambda: barrier(*args)), ("empty", lambda: empty(*args))):
+    for name, kernel in kernels.items():
+        def fn(kernel=kernel):
+            kernel(*args)
         out[f"{name}_stream_us"] = cuda_time_ms(fn, iters=n, repeats=opts["repeats"]) * 1e3
         out[f"{name}_graph_us"] = graph_time_ms(lambda: [fn() for _ in range(n)], iters=3,
                                                 repeats=opts["repeats"]) * 1e3 / n
-    out["barrier_minus_empty_graph_us"] = out["barrier_graph_us"] - out["empty_graph_us"]
-    out["barrier_minus_empty_stream_us"] = out["barrier_stream_us"] - out["empty_stream_us"]
-    out["bound_per_comm_op_us"] = 2 * max(out["barrier_minus_empty_graph_us"], 0.0)  # 2 barriers per comm op
+    for mode in ("graph", "stream"):
+        out[f"barrier_minus_empty_{mode}_us"] = out[f"barrier_{mode}_us"] - out[f"empty_{mode}_us"]
+        out[f"op_check_{mode}_us"] = out[f"barrier_{mode}_us"] - out[f"unchecked_{mode}_us"]
+    # 2 barriers per comm op; graph replay has no launch gaps, so it isolates the kernels' own time
+    out["op_check_per_comm_op_us"] = 2 * out["op_check_graph_us"]
+    out["barrier_per_comm_op_us"] = 2 * out["barrier_minus_empty_graph_us"]
     return out
 
 
@@ -175,10 +184,10 @@ def gpu_shape(name: str, opts: dict) -> dict:
     shape = SHAPES[name]
     ep = EPGroup(EPConfig(R=1, **shape), device="cuda")
     experts = MoEExperts(ep)
-    launches, (barrier, empty, args) = launch_calls(ep)
+    launches, (kernels, args) = launch_calls(ep)
     rows = [measure_row(n, fn, opts) for n, fn in {**op_calls(ep, experts, gpu_inputs(ep, experts)),
                                                    **launches}.items()]
-    out = dict(name=name, shape=shape, rows=rows, barrier=barrier_costs(barrier, empty, args, opts))
+    out = dict(name=name, shape=shape, rows=rows, barrier=barrier_costs(kernels, args, opts))
     ep.check("bench_op_overhead")  # a barrier that timed out or met another op would void the figures
     ep.destroy()
     torch.cuda.empty_cache()
@@ -260,9 +269,10 @@ def print_tables(gpu: list[dict], cpu: list[dict]) -> None:
         for r in s["rows"]:
             print(f"  {r['op']:36s} {r['calls']:5d} {r['gpu_items']:5d} {r['host_us']:9.1f} {r['gpu_us']:9.1f}  "
                   f"{'YES ' + str(r['sync_debug_error'] or r['profiler_syncs']) if r['synced'] else 'no'}")
-        print("  us per launch (stream, CUDA graph): barrier {barrier_stream_us:.2f}, {barrier_graph_us:.2f}; empty "
-              "{empty_stream_us:.2f}, {empty_graph_us:.2f}; barrier - empty (graph) {barrier_minus_empty_graph_us:.2f};"
-              " bound per comm op (2 barriers) {bound_per_comm_op_us:.2f}".format(**s["barrier"]))
+        print("  us per launch (stream, CUDA graph): barrier {barrier_stream_us:.2f}, {barrier_graph_us:.2f}; without"
+              " the op-id check {unchecked_stream_us:.2f}, {unchecked_graph_us:.2f}; empty {empty_stream_us:.2f},"
+              " {empty_graph_us:.2f}\n  per comm op (2 barriers, graph): op-id check {op_check_per_comm_op_us:.3f},"
+              " whole barrier {barrier_per_comm_op_us:.2f}".format(**s["barrier"]))
     print(f"CPU reference ops (gloo), per call: {'R':>2} {'op':9s} {'full us':>9} {'no exchange':>11} "
           f"{'exchange':>9} {'agree alone':>11}")
     for r in cpu:
@@ -300,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     print_tables(gpu, cpu)
     summary = dict(cpu_exchange_us_R2={r["op"]: r["exchange_us"] for r in cpu if r["R"] == 2})
     if gpu:
-        summary.update(bound_per_comm_op_us={s["name"]: s["barrier"]["bound_per_comm_op_us"] for s in gpu},
+        summary.update(op_check_per_comm_op_us={s["name"]: s["barrier"]["op_check_per_comm_op_us"] for s in gpu},
+                       barrier_per_comm_op_us={s["name"]: s["barrier"]["barrier_per_comm_op_us"] for s in gpu},
                        any_op_synced=any(r["synced"] for s in gpu for r in s["rows"]))
     payload = dict(run_info(), smoke=args.smoke, opts=opts, cpu_shape=CPU_SHAPE, cpu_agreement=cpu,
                    gpu_r1=gpu if gpu else "skipped (--smoke: CPU only)", summary=summary)

@@ -228,10 +228,33 @@ def plot_hf_qwen3(path: str) -> None:
     plt.close(fig)
 
 
+def plot_op_overhead(path: str) -> None:
+    """bench_op_overhead: host and GPU us per call of each op at the design shape (log scale), and the us per
+    launch of the barrier, the barrier without its op-id check and an empty kernel (CUDA-graph replay)."""
+    d = json.load(open(path))
+    shape = next(s for s in d["gpu_r1"] if s["name"] == "design")
+    rows = shape["rows"]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[3, 1]))
+    bars(ax0, [r["op"] for r in rows], {"host us per call": [r["host_us"] for r in rows],
+                                        "GPU us per call": [r["gpu_us"] for r in rows]}, "us")
+    ax0.set_yscale("log")
+    ax0.set_title(f"R=1, {' '.join(f'{k}={v}' for k, v in shape['shape'].items())}", fontsize=9)
+    b = shape["barrier"]
+    kernels = ("barrier", "unchecked", "empty")
+    ax1.bar(["barrier", "no op-id\ncheck", "empty"], [b[f"{k}_graph_us"] for k in kernels])
+    ax1.set_ylabel("us per launch (CUDA graph)")
+    ax1.set_title(f"op-id check {b['op_check_per_comm_op_us']:.3f} us per comm op", fontsize=9)
+    fig.suptitle(f"per-op cost of the cross-rank agreement\n{caption(d)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
                        ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e),
                        ("bench_inference.json", plot_inference), ("bench_peers.json", plot_peers),
-                       ("bench_cold_start.json", plot_cold_start), ("hf_qwen3_gpu.json", plot_hf_qwen3)):
+                       ("bench_cold_start.json", plot_cold_start), ("hf_qwen3_gpu.json", plot_hf_qwen3),
+                       ("bench_op_overhead.json", plot_op_overhead)):
         if os.path.exists(os.path.join(RESULTS, name)):
             plot(os.path.join(RESULTS, name))

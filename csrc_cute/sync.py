@@ -53,11 +53,12 @@ def _peer_word(peer_ctrl: cute.Tensor, r, i):
 
 @cute.jit
 def signal_and_wait(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, op_id: Int32,
-                    R: Constexpr[int], NT: Constexpr[int]):
+                    R: Constexpr[int], NT: Constexpr[int], check_op: Constexpr[bool] = True):
     """The barrier, run by every thread of exactly one CTA (which must not have diverged). Every write
     this CTA made before the call, local or remote, is visible to every peer once it passes. `op_id`
     (csrc_cute/status.py OP_IDS, < 256) names the op; a peer met at this epoch from another op sets
-    STATUS_OP_MISMATCH."""
+    STATUS_OP_MISMATCH. Every op runs with check_op; only bench_op_overhead compiles it out, to time
+    what the check itself costs."""
     tidx, _, _ = cute.arch.thread_idx()
     epoch = ctrl[EPOCH_WORD] + 1
     mark = epoch << 8  # the epoch in the signal word's upper 24 bits
@@ -76,10 +77,11 @@ def signal_and_wait(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, time
             if behind & (elapsed > timeout_ns):
                 cute.arch.atomic_or(ptr(ctrl, STATUS_WORD), Int32(STATUS_TIMEOUT))
             pending = behind & (elapsed <= timeout_ns)
-        # a peer one barrier ahead has overwritten this barrier's id: it checked ours when it passed
-        if ((seen & Int32(-256)) == mark) & ((seen & Int32(255)) != op_id):
-            cute.arch.atomic_or(ptr(ctrl, STATUS_WORD), Int32(STATUS_OP_MISMATCH))
-            ctrl[MISMATCH_WORD] = (op_id << 16) | (seen & Int32(255))
+        if cutlass.const_expr(check_op):
+            # a peer one barrier ahead has overwritten this barrier's id: it checked ours when it passed
+            if ((seen & Int32(-256)) == mark) & ((seen & Int32(255)) != op_id):
+                cute.arch.atomic_or(ptr(ctrl, STATUS_WORD), Int32(STATUS_OP_MISMATCH))
+                ctrl[MISMATCH_WORD] = (op_id << 16) | (seen & Int32(255))
     cute.arch.sync_threads()
     if tidx == 0:
         ctrl[EPOCH_WORD] = epoch
@@ -87,8 +89,8 @@ def signal_and_wait(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, time
 
 @cute.kernel
 def _barrier_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, op_id: Int32,
-                    R: Constexpr[int], NT: Constexpr[int]):
-    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, op_id, R, NT)
+                    R: Constexpr[int], NT: Constexpr[int], check_op: Constexpr[bool]):
+    signal_and_wait(peer_ctrl, ctrl, rank, timeout_ns, op_id, R, NT, check_op)
 
 
 @cute.kernel
@@ -110,8 +112,8 @@ def _exchange_counts_kernel(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, counts: c
 
 @cute.jit
 def _barrier_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, rank: Int32, timeout_ns: Int64, op_id: Int32,
-                    stream, R: Constexpr[int]):
-    _barrier_kernel(peer_ctrl, ctrl, rank, timeout_ns, op_id, R, _NT).launch(
+                    stream, R: Constexpr[int], check_op: Constexpr[bool]):
+    _barrier_kernel(peer_ctrl, ctrl, rank, timeout_ns, op_id, R, _NT, check_op).launch(
         grid=(1, 1, 1), block=(_NT, 1, 1), stream=stream)
 
 
@@ -129,13 +131,15 @@ _JIT = KernelFamily("sync", (__name__,))
 
 
 def _compile(kind: str, R: int, E: int):
+    """kind: "barrier", "exchange", or "barrier_unchecked" (the barrier without the op-id check: only
+    bench_op_overhead runs it)."""
     def build():
         peers = cute.runtime.make_fake_compact_tensor(Int64, (R,), assumed_align=8)
         ctrl = cute.runtime.make_fake_compact_tensor(Int32, (control_words(R, E),), assumed_align=16)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        if kind == "barrier":
+        if kind in ("barrier", "barrier_unchecked"):
             return cute.compile(_barrier_launch, peers, ctrl, Int32(0), Int64(0), Int32(0), stream, R,
-                                options="--enable-tvm-ffi")
+                                kind == "barrier", options="--enable-tvm-ffi")
         counts = cute.runtime.make_fake_compact_tensor(Int32, (R * E,), assumed_align=4)
         return cute.compile(_exchange_counts_launch, peers, ctrl, counts, Int32(0), Int64(0), stream, R, E,
                             options="--enable-tvm-ffi")
@@ -174,10 +178,11 @@ def exchange_counts(peer_ctrl: torch.Tensor, ctrl: torch.Tensor, counts: torch.T
     _compile("exchange", R, E)(peer_ctrl, ctrl, counts.view(-1), rank, _timeout_ns(timeout_s))
 
 
-def compile_all_for_check(configs=((2, 96), (8, 384), (64, 2048))) -> None:
-    """Compile the sync kernels for each (R, E) without a GPU (see csrc_cute/compile_check.py)."""
+def compile_all_for_check(configs=((2, 96), (8, 384), (64, 2048)), kinds=("barrier", "exchange")) -> None:
+    """Compile the sync kernels of `kinds` (see _compile) for each (R, E) without a GPU (see
+    csrc_cute/compile_check.py)."""
     from csrc_cute.compile_check import compile_and_report
 
     for R, E in configs:
-        for kind in ("barrier", "exchange"):
+        for kind in kinds:
             compile_and_report(f"{kind} R={R} E={E}", lambda: _compile(kind, R, E))

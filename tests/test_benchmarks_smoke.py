@@ -214,7 +214,8 @@ def test_plot_of_a_smoke_result(request, smoke, plot):
 
 
 @pytest.mark.parametrize("name, plot", [("bench_cold_start.json", "plot_cold_start"),
-                                        ("hf_qwen3_gpu.json", "plot_hf_qwen3")])
+                                        ("hf_qwen3_gpu.json", "plot_hf_qwen3"),
+                                        ("bench_op_overhead.json", "plot_op_overhead")])
 def test_plot_of_a_committed_gpu_result(tmp_path, name, plot):
     """The plotters of results that only a GPU run fills in draw the committed H200 JSON (a copy: the PNG
     is written beside it)."""
