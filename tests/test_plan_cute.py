@@ -44,31 +44,6 @@ def test_planner_kernels_compile_sm90a():
                           files_per_config=3)
 
 
-def test_sync_kernels_compile_sm90a():
-    """The barrier and the count exchange (csrc_cute/sync.py) compile for sm_90a without spills."""
-    configs = [[2, 96], [8, 384], [64, 2048]]
-    check_module_compiles("csrc_cute.sync:compile_all_for_check", ("_barrier_kernel", "_exchange_counts_kernel"),
-                          len(configs), kwargs={"configs": configs})
-
-
-def test_unchecked_barrier_drops_only_the_op_id_check(tmp_path):
-    """bench_op_overhead times the barrier against itself compiled without the op-id check: that variant
-    lacks exactly the mismatch branch (one atomic OR and the MISMATCH_WORD store), the rest is the same."""
-    from csrc_cute import compile_check
-
-    if compile_check.find_ptxas() is None:
-        pytest.skip("ptxas not found")
-    ptx = {}
-    for kind in ("barrier", "barrier_unchecked"):
-        res = compile_check.run_compile_check("csrc_cute.sync:compile_all_for_check", str(tmp_path / kind),
-                                              kwargs={"configs": [[1, 48]], "kinds": [kind]})
-        (path,) = res.ptx
-        ptx[kind] = open(path).read()
-    atomics = {k: p.count("atom.global.or") + p.count("red.global.or") for k, p in ptx.items()}
-    assert atomics == {"barrier": 2, "barrier_unchecked": 1}, atomics  # timeout + mismatch vs timeout only
-    assert ptx["barrier"].count("st.global") == ptx["barrier_unchecked"].count("st.global") + 1
-
-
 def test_host_validation_errors():
     from csrc_cute import plan as P
 
