@@ -19,21 +19,9 @@ _SESSION_CACHE: list[str] = []
 def pytest_configure(config):
     """One kernel disk cache per test session (unless the caller chose one): every test process and the
     rank processes they spawn (which inherit the environment) load what another one compiled."""
-    # Inductor compiles in a pool of one subprocess per core by default: every test process and every rank
-    # process of a multi-process test would start its own pool on a machine whose cores the parallel test
-    # workers already share.
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if not os.environ.get(CACHE_DIR_ENV):
         _SESSION_CACHE.append(tempfile.mkdtemp(prefix="moonep_cute_cache_"))
         os.environ[CACHE_DIR_ENV] = _SESSION_CACHE[0]
-
-
-def pytest_collection_modifyitems(config, items):
-    """The tests of tests/long_tests.txt first, in its order (longest first); the rest keep pytest's order."""
-    with open(os.path.join(ROOT, "tests", "long_tests.txt")) as f:
-        listed = [ln.split("#")[0].strip() for ln in f]
-    rank = {name: i for i, name in enumerate(n for n in listed if n)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))  # stable
 
 
 def pytest_unconfigure(config):
