@@ -12,6 +12,10 @@ at E/K - 1: top-K without replacement gives an expert at most one row per token)
             the reverse all_to_all, unpermute and the weighted sum over K; forward and forward+backward
             (autograd), eager (host syncs and data-dependent shapes: no CUDA graph);
   link      peer copy bandwidth (a copy into a peer's symmetric buffer) in the same run.
+  hbm       per kernel of one dispatch and one combine (profiled): GPU time, the bytes it reads and
+            writes (local HBM and, at R > 1, peers' memory) and GB/s, against the GPU's copy bandwidth
+            measured in the same run (a device-to-device copy, read + write counted); per op, the
+            op's minimum bytes (its input read once, its output rows written once) over its time.
 Remote bytes count the token rows that cross NVLink (ours: one per token and destination rank; the
 baseline: one per (token, k) on another rank). Rank 0 prints the table and writes bench_comm.json; the
 PNG comes from benchmarks/plot_results.py.
@@ -67,6 +71,66 @@ def peer_copy_gbs(rank: int, R: int, group, nbytes: int = 1 << 30) -> float:
     return nbytes / ms / 1e6
 
 
+def copy_roof_gbs(nbytes: int = 1 << 31) -> float:
+    """This GPU's copy bandwidth (GB/s, read + write counted) of a device-to-device copy of nbytes."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return nbytes / cuda_time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def comm_bytes(S: int, row_bytes: int, dst_rank: torch.Tensor, dst_row: torch.Tensor,
+               primary_row: torch.Tensor, row_primary: torch.Tensor) -> dict:
+    """Bytes each dispatch/combine kernel of this rank reads and writes (row data and its tables), and each
+    op's minimum (its input rows read once, its output rows written once). Send side: this rank's plan
+    tables [S, K]; receive side: dispatch's out_primary [NvS] (row_primary: -1 padding, p a chain head,
+    another row of the same token otherwise). Counts follow the kernels of csrc_cute/dispatch.py and
+    combine.py; at R > 1 some reads come from peers' memory over NVLink."""
+    nvs = row_primary.numel()
+    rows = torch.arange(nvs, device=row_primary.device)
+    real = int((row_primary >= 0).sum())           # rows that hold a token's copy
+    heads = int((row_primary == rows).sum())       # one per (token, this rank)
+    present = int((dst_rank >= 0).any(1).sum())    # this rank's tokens that go anywhere
+    carriers = int(((dst_row == primary_row) & (dst_rank >= 0)).sum())  # one per (token, destination)
+    entries = int((dst_rank >= 0).sum())
+    table = 4 * 4  # w, primary, next, src: 4 bytes each per row or (s, k) entry
+    return {
+        "dispatch": dict(
+            minimum=(present + real) * row_bytes,
+            meta=2 * S * row_bytes + entries * (12 + table),          # x -> send_rows; tables out
+            pull=heads * row_bytes + nvs * row_bytes + nvs * (table + 12)),  # rows in, every row out
+        "combine": dict(
+            minimum=(real + present) * row_bytes,
+            presum=real * row_bytes + heads * row_bytes + nvs * 8,    # chains in, one row per head out
+            pull=carriers * row_bytes + S * row_bytes + entries * 12),  # carriers' presums in, out[s]
+    }
+
+
+# kernel name pieces (CuTe DSL names a kernel after its function) of each op's GPU work
+OP_KERNELS = {"dispatch": ("meta", "pull", "barrier"), "combine": ("presum", "pull", "barrier")}
+
+
+def hbm_rows(op: str, fn, nbytes: dict, roof_gbs: float) -> list[dict]:
+    """One profiled call of op `fn`: per kernel of OP_KERNELS[op] its ms, bytes and GB/s; then the op."""
+    from benchmarks.common import kernel_breakdown
+
+    fn()
+    torch.cuda.synchronize()
+    kernels = kernel_breakdown(fn, show=False, top=None)
+    out, total = [], 0.0
+    for part in OP_KERNELS[op]:
+        ms = sum(t for n, t in kernels if f"_{part}_kernel" in n)
+        total += ms
+        b = nbytes[op].get(part, 0)
+        out.append(dict(op=op, kernel=part, ms=ms, bytes=b, gbs=b / ms / 1e6 if ms > 0 and b else None))
+    other = sum(t for _, t in kernels) - total  # anything else the op launched
+    b = nbytes[op]["minimum"]
+    out.append(dict(op=op, kernel="whole op (minimum bytes)", ms=total + other, bytes=b,
+                    gbs=b / (total + other) / 1e6, other_ms=other))
+    for r in out:
+        r["of_copy_roof"] = None if r["gbs"] is None else r["gbs"] / roof_gbs
+    return out
+
+
 def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
     from benchmarks.baseline_ep import baseline_combine, baseline_dispatch
     from moonep_ops import EPConfig, EPGroup, planning
@@ -79,6 +143,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
     ep = EPGroup(cfg, device="cuda", comm_sms=opts["sms"])
     group = ep.group
     link = peer_copy_gbs(rank, R, group) if R > 1 else float("nan")
+    roof = copy_roof_gbs()
     x = (torch.randn(S, H, device="cuda") / 4).to(torch.bfloat16)
     g_out = (torch.randn(S, H, device="cuda") / 4).to(torch.bfloat16)
     rows = []
@@ -125,6 +190,8 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
         for name, fn in (("plan", do_plan), ("dispatch", do_dispatch), ("combine", do_combine),
                          ("forward", do_forward), ("backward", do_backward)):
             ours[name] = (cuda_time_ms(fn), graph_time_ms(fn))
+        nbytes = comm_bytes(S, H * x.element_size(), dst_rank, dst_row, primary_row, d_primary)
+        hbm = hbm_rows("dispatch", do_dispatch, nbytes, roof) + hbm_rows("combine", do_combine, nbytes, roof)
         ep.check("bench_comm")
 
         def base_forward():
@@ -151,7 +218,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
         rows.append(dict(
             maxvio_target=target, maxvio=realized, rank_imbalance=planning.rank_imbalance(counts),
             logical_bytes=logical, ours_remote_bytes=ours_remote, baseline_remote_bytes=base_remote,
-            peer_copy_gbs=link,
+            peer_copy_gbs=link, copy_roof_gbs=roof, comm_sms=ep.comm_sms, hbm=hbm,
             **{f"ours_{k}_ms": v[0] for k, v in ours.items()},
             **{f"ours_{k}_graph_ms": v[1] for k, v in ours.items()},
             **{f"baseline_{k}_ms": v for k, v in base.items()}))
@@ -175,6 +242,14 @@ def print_table(rows: list[dict]) -> None:
               f"{r['baseline_forward_ms'] / r['ours_forward_ms']:6.2f}", flush=True)
 
 
+def print_hbm(rows: list[dict]) -> None:
+    r = rows[0]
+    print(f"HBM, rank 0, maxvio {r['maxvio']:.2f} (copy roof {r['copy_roof_gbs']:.0f} GB/s, read + write):")
+    for k in r["hbm"]:
+        gbs = "" if k["gbs"] is None else f"{k['gbs']:8.0f} GB/s {100 * k['of_copy_roof']:5.1f}% of the copy roof"
+        print(f"  {k['op']:9s} {k['kernel']:26s} {k['ms'] * 1e3:8.1f} us {k['bytes'] / 1e6:9.1f} MB {gbs}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -182,7 +257,8 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=7168)
     ap.add_argument("--K", type=int, default=8)
     ap.add_argument("--epn", type=int, default=48)
-    ap.add_argument("--sms", type=int, default=32, help="CTAs of the dispatch/combine kernels")
+    ap.add_argument("--sms", type=int, default=None,
+                    help="CTAs of the dispatch/combine kernels (default: the EP group's, all SMs at R = 1)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     opts = vars(args)
@@ -199,7 +275,8 @@ def main() -> None:
         rank, rows = 0, run_ranks(bench_rank, R, opts, backend="nccl")[0]
     if rank == 0:
         print_table(rows)
-        info = dict(run_info(), R=R, S=args.S, H=args.H, K=args.K, epn=args.epn, comm_sms=args.sms)
+        print_hbm(rows)
+        info = dict(run_info(), R=R, S=args.S, H=args.H, K=args.K, epn=args.epn, comm_sms=rows[0]["comm_sms"])
         print("wrote", write_json("bench_comm.json", dict(info, results=rows), args.out))
 
 

@@ -385,3 +385,30 @@ def test_bench_op_overhead_smoke_measures_the_cpu_agreement(tmp_path_factory):
     assert d["summary"]["cpu_exchange_us_R2"] == {op: rows[(2, op)]["exchange_us"] for op in ("plan", "dispatch",
                                                                                             "combine")}
     assert "agree alone" in stdout
+
+
+def test_bench_comm_bytes_on_a_cpu_plan(gloo1):
+    """bench_comm's HBM accounting on a real R = 1 plan (CPU reference) with 3 absent tokens: at R = 1 every
+    present token has one chain of K rows here, so heads = present tokens, real rows = their S*K
+    entries, carriers = heads; padding rows count in dispatch's pull (it writes zeros there)."""
+    from benchmarks.bench_comm import comm_bytes
+    from moonep_ops import EPConfig, EPGroup
+    from moonep_ops.handles import Dispatch, Plan
+
+    S, H, K, E = 16, 8, 2, 4
+    ep = EPGroup(EPConfig(R=1, S=S, H=H, K=K, E=E, F=8), device="cpu")
+    ids = torch.rand(S, E).topk(K, dim=1).indices
+    ids[[2, 7, 11]] = -1  # absent tokens: nothing to move
+    x, route_w = torch.randn(S, H), torch.softmax(torch.randn(S, K), 1)
+    p = Plan(*torch.ops.moonep.plan(ids, E, ep.cfg.B, ep.cfg.P, 1, ep.ctrl, ep.group_name))
+    d = Dispatch(*torch.ops.moonep.dispatch(x, route_w, p.dst_rank, p.dst_row, p.primary_row, p.cu_seqlens,
+                                            p.group_rows, *ep.dispatch_buffers, ep.ctrl, ep.group_name))
+    rb, nvs, present = H * 4, ep.cfg.NvS, S - 3
+    real = present * K
+    got = comm_bytes(S, rb, p.dst_rank, p.dst_row, p.primary_row, d.row_primary)
+    assert nvs > real  # the plan pads each group to a multiple of P
+    assert got["dispatch"] == dict(minimum=(present + real) * rb, meta=2 * S * rb + real * 28,
+                                   pull=present * rb + nvs * rb + nvs * 28)
+    assert got["combine"] == dict(minimum=(real + present) * rb, presum=(real + present) * rb + nvs * 8,
+                                  pull=present * rb + S * rb + real * 12)
+    ep.destroy()
