@@ -75,7 +75,8 @@ def _child(args) -> dict:
     out["second_step_ms"] = 1e3 * sum(second)
     out["first_step_after_import_s"] = out["init_s"] + out["first_forward_s"] + out["first_backward_s"]
     cache = os.environ.get("MOONEP_CUTE_CACHE_DIR", "")
-    out["cache_entries"] = sum(len(files) for _, _, files in os.walk(cache)) if os.path.isdir(cache) else 0
+    out["cache_entries"] = sum(f.endswith(".o") for _, _, files in os.walk(cache) for f in files) \
+        if os.path.isdir(cache) else 0  # compiled kernels (not their .lock files)
     return out
 
 

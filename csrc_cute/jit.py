@@ -19,12 +19,18 @@ version), so a change to any of them selects a new entry. ``root`` is ``$MOONEP_
 (``0``/``off`` disables the disk cache), else ``$XDG_CACHE_HOME/moonep_ops/cute``, else
 ``~/.cache/moonep_ops/cute``. Entries are written to a temporary file and renamed into place, so
 ranks compiling the same kernel at once each leave a complete file and the last rename wins; an
-entry that is not a well-formed object or does not load is ignored and rewritten.
+entry that is not a well-formed object or does not load is ignored and rewritten. A process compiling
+an entry holds an exclusive ``flock`` on ``<sha256>.lock`` beside it, so the other processes that need
+the same kernel at the same time (the ranks of one job, parallel test workers) wait and load the entry
+instead of compiling it again; the lock dies with its holder, and one held past
+``COMPILE_LOCK_TIMEOUT_S`` (a stuck compile, a filesystem without locks) is not waited for.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -33,6 +39,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -46,6 +53,9 @@ _DISABLED = ("0", "off")
 _FORMAT = 1
 # Static values must print the same in every process: their repr is hashed into the disk key.
 _STATIC_TYPES = (bool, int, float, str, type(None), torch.dtype)
+
+# How long a process waits for another one compiling the same entry (a big GEMM compiles in ~10-60 s).
+COMPILE_LOCK_TIMEOUT_S = 600.0
 
 _MEMORY: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
@@ -272,6 +282,36 @@ def _store(path: Path, symbol: str, fn) -> None:
         _warn_once(f"cannot write the kernel cache under {path.parent}", exc)
 
 
+@contextlib.contextmanager
+def _entry_lock(path: Path):
+    """Hold an exclusive flock on `path`'s lock file (waiting at most COMPILE_LOCK_TIMEOUT_S for another
+    process's); without one (no lock file, no flock, the wait ran out) the body runs unlocked."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        _warn_once(f"cannot create a compile lock under {path.parent}", exc)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + COMPILE_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    warnings.warn(f"csrc_cute.jit: {path.name} has been locked by another process for over "
+                                  f"{COMPILE_LOCK_TIMEOUT_S:.0f} s; compiling it here too", stacklevel=4)
+                    break
+                time.sleep(0.05)
+            except OSError:  # this filesystem has no flock: compile as if unlocked
+                break
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
 # ------------------------------------------------------------------------------------------------
 # the cache
 # ------------------------------------------------------------------------------------------------
@@ -309,11 +349,14 @@ class KernelFamily:
             if fn is not None:
                 return fn
             entry = self.entry(key)
-            fn = _load(*entry) if entry else None
-            if fn is None:
+            if entry is None:
                 fn = build()
-                if entry:
-                    _store(*entry, fn)
+            else:
+                with _entry_lock(entry[0]):  # a process compiling this key now: wait, then load its entry
+                    fn = _load(*entry)
+                    if fn is None:
+                        fn = build()
+                        _store(*entry, fn)
             _MEMORY[key] = fn
             return fn
 

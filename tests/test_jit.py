@@ -61,6 +61,8 @@ def run():
     fn = kern.compiled(builds)
     return {"builds": len(builds), "type": type(fn).__name__, "seconds": time.perf_counter() - t}
 
+if sys.argv[1] == "short-lock-wait":
+    jit.COMPILE_LOCK_TIMEOUT_S = 1.0
 out = [run()]
 if sys.argv[1] == "then-corrupt":  # break the entry, forget the loaded kernel, and ask again
     path = kern.FAMILY.entry(jit.compile_key("probe", ("scale", 128)))[0]
@@ -100,8 +102,24 @@ def _finish(proc) -> list[dict]:
 
 
 def _entries(cache) -> list:
+    """The files of the probe family's cache dir but the compile locks."""
     d = cache / "probe"
-    return sorted(d.iterdir()) if d.exists() else []
+    return sorted(p for p in d.iterdir() if p.suffix != ".lock") if d.exists() else []
+
+
+def _probe_entry(base, cache):
+    """(path, symbol) of the probe kernel's disk entry, computed here (the family hashes its sources)."""
+    sys.path.insert(0, str(base))
+    old = os.environ.get(jit.CACHE_DIR_ENV)
+    os.environ[jit.CACHE_DIR_ENV] = str(cache)
+    try:
+        return jit.KernelFamily("probe", ("jitprobe.kern",)).entry(("probe", "scale", 128, "sm_90a"))
+    finally:
+        sys.path.remove(str(base))
+        if old is None:
+            del os.environ[jit.CACHE_DIR_ENV]
+        else:
+            os.environ[jit.CACHE_DIR_ENV] = old
 
 
 def _is_sealed_object(path) -> bool:
@@ -217,15 +235,38 @@ def test_disk_round_trip_and_corrupt_entries(tmp_path):
     assert _entries(cache) == [entry] and _is_sealed_object(entry)  # and rewritten
 
 
-def test_concurrent_compiles_leave_one_valid_entry(monkeypatch, tmp_path):
+def test_concurrent_compiles_build_once_and_leave_one_valid_entry(tmp_path):
+    """Three processes asking for the same kernel at once: one compiles it under the entry's lock, the
+    others wait for that lock and load the entry."""
     _write_probe(tmp_path)
     cache = tmp_path / "cache"
-    procs = [_start(tmp_path, cache) for _ in range(2)]
+    procs = [_start(tmp_path, cache) for _ in range(3)]
     results = [_finish(p)[0] for p in procs]
-    assert sum(r["builds"] for r in results) >= 1, results
+    assert sorted(r["builds"] for r in results) == [0, 0, 1], results
     (entry,) = _entries(cache)  # no temporary file left behind either
     assert _is_sealed_object(entry)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache))
-    path, symbol = jit.KernelFamily("probe", ("jitprobe.kern",)).entry(("probe", "scale", 128, "sm_90a"))
+    path, symbol = _probe_entry(tmp_path, cache)
     assert path == entry and jit._load(path, symbol) is not None  # it loads, here too
+
+
+def test_a_lock_held_too_long_is_not_waited_for(tmp_path):
+    """Another process holding the entry's lock past COMPILE_LOCK_TIMEOUT_S (here 1 s): the child warns
+    and compiles the kernel itself; the lock is not broken (its holder still has it)."""
+    import fcntl
+
+    _write_probe(tmp_path)
+    cache = tmp_path / "cache"
+    path, _ = _probe_entry(tmp_path, cache)
+    path.parent.mkdir(parents=True)
+    with open(path.with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = _start(tmp_path, cache, "short-lock-wait")
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        (res,) = json.loads(out.strip().splitlines()[-1])
+        assert res["builds"] == 1 and res["seconds"] >= 1.0, res
+        assert "locked by another process for over 1 s; compiling it here too" in err, err[-2000:]
+        with pytest.raises(BlockingIOError):  # still ours
+            with open(path.with_suffix(".lock")) as other:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert _entries(cache) == [path]
