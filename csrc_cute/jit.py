@@ -24,16 +24,22 @@ an entry holds an exclusive ``flock`` on ``<sha256>.lock`` beside it, so the oth
 the same kernel at the same time (the ranks of one job, parallel test workers) wait and load the entry
 instead of compiling it again; the lock dies with its holder, and one held past
 ``COMPILE_LOCK_TIMEOUT_S`` (a stuck compile, a filesystem without locks) is not waited for.
+
+``$MOONEP_CUTE_COMPILE_LOG`` (a file path) appends one JSON line per kernel this process compiled or
+loaded from disk: family, key, ``built``/``loaded``, seconds (lock wait included), pid, and the pytest
+test that asked for it. ``python -m csrc_cute.jit LOG`` sums it per family, per test and per key.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import struct
 import sys
@@ -48,6 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 CACHE_DIR_ENV = "MOONEP_CUTE_CACHE_DIR"
+COMPILE_LOG_ENV = "MOONEP_CUTE_COMPILE_LOG"
 _DISABLED = ("0", "off")
 # Bump when the entry layout or the way entries are exported/loaded changes.
 _FORMAT = 1
@@ -312,6 +319,38 @@ def _entry_lock(path: Path):
         os.close(fd)  # drops the lock
 
 
+def _log_compile(family: str, key: tuple, event: str, seconds: float) -> None:
+    """One line of $MOONEP_CUTE_COMPILE_LOG (if set); a line of one write() so processes can share a file."""
+    path = os.environ.get(COMPILE_LOG_ENV)
+    if not path:
+        return
+    line = json.dumps(dict(family=family, key=repr(key), event=event, seconds=round(seconds, 4), pid=os.getpid(),
+                           test=os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]))
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as exc:
+        _warn_once(f"cannot append to the compile log {path}", exc)
+
+
+def summarize_compile_log(path: str, top: int = 15) -> str:
+    """The log's seconds and counts per (family, event), per test and per key (largest first)."""
+    rows = [json.loads(ln) for ln in open(path) if ln.strip()]
+    out = [f"{len(rows)} kernels, {sum(r['seconds'] for r in rows):.1f} s, "
+           f"{sum(r['event'] == 'built' for r in rows)} built"]
+    for what, field in (("family/event", lambda r: f"{r['family']} {r['event']}"), ("test", lambda r: r["test"]),
+                        ("key (built)", lambda r: f"{r['family']} {r['key']}" if r["event"] == "built" else None)):
+        seconds, count = collections.Counter(), collections.Counter()
+        for r in rows:
+            name = field(r)
+            if name is not None:
+                seconds[name] += r["seconds"]
+                count[name] += 1
+        out.append(f"per {what}:")
+        out += [f"  {t:8.1f} s {count[n]:4d}x  {n or '(not in a test)'}" for n, t in seconds.most_common(top)]
+    return "\n".join(out)
+
+
 # ------------------------------------------------------------------------------------------------
 # the cache
 # ------------------------------------------------------------------------------------------------
@@ -348,7 +387,9 @@ class KernelFamily:
             fn = _MEMORY.get(key)
             if fn is not None:
                 return fn
+            t0 = time.perf_counter()
             entry = self.entry(key)
+            event = "built"
             if entry is None:
                 fn = build()
             else:
@@ -357,9 +398,16 @@ class KernelFamily:
                     if fn is None:
                         fn = build()
                         _store(*entry, fn)
+                    else:
+                        event = "loaded"
+            _log_compile(self.name, key, event, time.perf_counter() - t0)
             _MEMORY[key] = fn
             return fn
 
 
-__all__ = ["CACHE_DIR_ENV", "KernelFamily", "cache_root", "compile_key", "dsl_versions", "fingerprint",
-           "source_files", "target_arch"]
+__all__ = ["CACHE_DIR_ENV", "COMPILE_LOG_ENV", "KernelFamily", "cache_root", "compile_key", "dsl_versions",
+           "fingerprint", "source_files", "summarize_compile_log", "target_arch"]
+
+
+if __name__ == "__main__":
+    print(summarize_compile_log(sys.argv[1]))

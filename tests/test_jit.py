@@ -219,9 +219,11 @@ def test_kernel_modules_hash_what_they_import():
 # ------------------------------------------------------------------------------------------------
 # a real kernel through the disk cache, across processes
 # ------------------------------------------------------------------------------------------------
-def test_disk_round_trip_and_corrupt_entries(tmp_path):
+def test_disk_round_trip_and_corrupt_entries(tmp_path, monkeypatch):
     _write_probe(tmp_path)
     cache = tmp_path / "cache"
+    log = tmp_path / "compiles.jsonl"
+    monkeypatch.setenv(jit.COMPILE_LOG_ENV, str(log))  # the children inherit it
     (cold,) = _finish(_start(tmp_path, cache))
     assert cold["builds"] == 1, cold
     (entry,) = _entries(cache)
@@ -233,6 +235,14 @@ def test_disk_round_trip_and_corrupt_entries(tmp_path):
     print(f"compile {cold['seconds']:.3f} s, load {warm['seconds']:.4f} s")
     assert [r["builds"] for r in after_corruption] == [1, 1], after_corruption  # ignored, rebuilt
     assert _entries(cache) == [entry] and _is_sealed_object(entry)  # and rewritten
+    # the compile log: one line per kernel a process compiled or loaded, from both children
+    lines = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert [(r["family"], r["event"]) for r in lines] == [("probe", "built"), ("probe", "loaded"),
+                                                         ("probe", "built"), ("probe", "built")], lines
+    assert len({r["pid"] for r in lines}) == 2 and all(r["key"] == repr(("probe", "scale", 128, "sm_90a"))
+                                                       for r in lines)
+    summary = jit.summarize_compile_log(str(log))
+    assert summary.startswith("4 kernels,") and "3 built" in summary and "probe loaded" in summary, summary
 
 
 def test_concurrent_compiles_build_once_and_leave_one_valid_entry(tmp_path):
