@@ -19,16 +19,24 @@ import torch.multiprocessing as mp
 
 
 COLLECTIVE_TIMEOUT_S = 300  # a rank that never arrives fails the others instead of hanging them
-START_METHOD = "forkserver"
+START_METHOD_ENV = "MOONEP_START_METHOD"  # "forkserver" (default) or "spawn"
+
+
+def _start_method() -> str:
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV} must be 'forkserver' or 'spawn', got {method!r}")
+    return method
 
 
 def _context():
     """Rank processes start as forks of a server process that has imported torch and moonep_ops (Python's
     forkserver, started once per parent), not as fresh interpreters importing torch each (2-3 s of CPU
     per rank). The server never touches CUDA, so a rank may still pick its GPU; it starts with the
-    parent's environment at that moment."""
-    ctx = mp.get_context(START_METHOD)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "moonep_ops"])
+    parent's environment and output at that moment. MOONEP_START_METHOD=spawn starts fresh interpreters."""
+    ctx = mp.get_context(_start_method())
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "moonep_ops"])
     return ctx
 
 
@@ -88,7 +96,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     `fn` must be importable (a module-level function); results travel through torch.save.
     """
     with tempfile.TemporaryDirectory() as workdir:
-        _context()
         mp.start_processes(_entry, args=(world_size, workdir, backend, fn, args), nprocs=world_size, join=True,
-                           start_method=START_METHOD)
+                           start_method=_context().get_start_method())
         return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]

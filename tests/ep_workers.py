@@ -368,3 +368,10 @@ def too_many_tokens(rank: int, R: int, cfg_kwargs: dict) -> list[str]:
         except ValueError as e:
             msgs.append(str(e))
     return msgs
+
+
+def process_facts(rank: int, R: int) -> dict:
+    """What a rank process sees of itself: its rank, world size, pid and parent pid."""
+    import os
+
+    return dict(rank=rank, R=R, pid=os.getpid(), parent=os.getppid())

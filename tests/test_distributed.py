@@ -188,3 +188,22 @@ def test_too_many_tokens_and_bad_n_tokens():
     assert "MoELayer: with n_tokens, x must hold the capacity EPConfig.S=12 tokens" in msgs[1]
     assert "moe_experts: n_tokens must be in [0, EPConfig.S=12], got 13" in msgs[2]  # MoELayer runs moe_experts
     assert "moe_experts: n_tokens must be an int32/int64 tensor [1]" in msgs[3]
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_run_ranks_start_methods(monkeypatch, method):
+    """MOONEP_START_METHOD picks how rank processes start (forkserver by default); both give every rank its
+    own process with its rank and world size; another value is refused, naming the variable."""
+    import os
+
+    monkeypatch.setenv("MOONEP_START_METHOD", method)
+    res = run_ranks(ep_workers.process_facts, 2)
+    assert [(r["rank"], r["R"]) for r in res] == [(0, 2), (1, 2)]
+    assert len({r["pid"] for r in res} | {os.getpid()}) == 3
+    if method == "forkserver":  # forks of one server process, not children of this one
+        assert res[0]["parent"] == res[1]["parent"] != os.getpid()
+    else:
+        assert res[0]["parent"] == res[1]["parent"] == os.getpid()
+    monkeypatch.setenv("MOONEP_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="MOONEP_START_METHOD must be 'forkserver' or 'spawn'"):
+        run_ranks(ep_workers.process_facts, 1)
