@@ -107,19 +107,11 @@ def _entries(cache) -> list:
     return sorted(p for p in d.iterdir() if p.suffix != ".lock") if d.exists() else []
 
 
-def _probe_entry(base, cache):
+def _probe_entry(monkeypatch, base, cache):
     """(path, symbol) of the probe kernel's disk entry, computed here (the family hashes its sources)."""
-    sys.path.insert(0, str(base))
-    old = os.environ.get(jit.CACHE_DIR_ENV)
-    os.environ[jit.CACHE_DIR_ENV] = str(cache)
-    try:
-        return jit.KernelFamily("probe", ("jitprobe.kern",)).entry(("probe", "scale", 128, "sm_90a"))
-    finally:
-        sys.path.remove(str(base))
-        if old is None:
-            del os.environ[jit.CACHE_DIR_ENV]
-        else:
-            os.environ[jit.CACHE_DIR_ENV] = old
+    monkeypatch.syspath_prepend(str(base))
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache))
+    return jit.KernelFamily("probe", ("jitprobe.kern",)).entry(("probe", "scale", 128, "sm_90a"))
 
 
 def _is_sealed_object(path) -> bool:
@@ -245,7 +237,7 @@ def test_disk_round_trip_and_corrupt_entries(tmp_path, monkeypatch):
     assert summary.startswith("4 kernels,") and "3 built" in summary and "probe loaded" in summary, summary
 
 
-def test_concurrent_compiles_build_once_and_leave_one_valid_entry(tmp_path):
+def test_concurrent_compiles_build_once_and_leave_one_valid_entry(monkeypatch, tmp_path):
     """Three processes asking for the same kernel at once: one compiles it under the entry's lock, the
     others wait for that lock and load the entry."""
     _write_probe(tmp_path)
@@ -255,18 +247,18 @@ def test_concurrent_compiles_build_once_and_leave_one_valid_entry(tmp_path):
     assert sorted(r["builds"] for r in results) == [0, 0, 1], results
     (entry,) = _entries(cache)  # no temporary file left behind either
     assert _is_sealed_object(entry)
-    path, symbol = _probe_entry(tmp_path, cache)
+    path, symbol = _probe_entry(monkeypatch, tmp_path, cache)
     assert path == entry and jit._load(path, symbol) is not None  # it loads, here too
 
 
-def test_a_lock_held_too_long_is_not_waited_for(tmp_path):
+def test_a_lock_held_too_long_is_not_waited_for(monkeypatch, tmp_path):
     """Another process holding the entry's lock past COMPILE_LOCK_TIMEOUT_S (here 1 s): the child warns
     and compiles the kernel itself; the lock is not broken (its holder still has it)."""
     import fcntl
 
     _write_probe(tmp_path)
     cache = tmp_path / "cache"
-    path, _ = _probe_entry(tmp_path, cache)
+    path, _ = _probe_entry(monkeypatch, tmp_path, cache)
     path.parent.mkdir(parents=True)
     with open(path.with_suffix(".lock"), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
