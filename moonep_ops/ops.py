@@ -169,7 +169,7 @@ def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group
     out = (torch.empty((recv_w.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),) + tuple(
         torch.empty_like(t) for t in tables[:3])
     kd.dispatch_pull(peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0], ep.status,
-                     num_ctas=ep.comm_sms)
+                     num_ctas=ep.comm_sms, x=x)  # x: read directly at R = 1
     _debug_check(ep, "dispatch")
     return out
 

@@ -141,6 +141,11 @@ def test_host_validation_errors():
         D.dispatch_pull(**dict(q, peer_send_rows=cuda(R, dtype=i32)))
     with pytest.raises(ValueError, match="S must be >= 1"):
         D.dispatch_pull(**dict(q, S=0))
+    one_rank = dict(q, peer_send_rows=cuda(1, dtype=i64))
+    with pytest.raises(ValueError, match="with R = 1 the rows are read from x"):
+        D.dispatch_pull(**one_rank)
+    with pytest.raises(ValueError, match="x must have shape"):
+        D.dispatch_pull(**dict(one_rank, x=cuda(S + 1, H, dtype=bf)))
     with pytest.raises(ValueError, match="out must have dtype"):
         C.gather_pull(cuda(R, dtype=i64), cuda(S, K, dtype=i32), cuda(S, K, dtype=i32),
                       cuda(S, K, dtype=bf), cuda(1, dtype=i32))
@@ -382,7 +387,7 @@ class Sim:
         for r in range(self.c.R):
             dispatch_pull(self.p_send, self.recv_w[r], self.recv_pr[r], self.recv_nx[r], self.recv_src[r],
                           self.out_rows[r], self.out_w[r], self.out_pr[r], self.out_nx[r], self.c.S,
-                          self.status[r], self.ncta)
+                          self.status[r], self.ncta, x=self.x[r])  # read at R = 1 (nothing staged)
 
     def presum_all(self):
         from csrc_cute.combine import combine_presum
@@ -422,7 +427,8 @@ class Sim:
             _eq(self.recv_pr[d].cpu(), pr, f"rank {d} primary")
             _eq(self.recv_nx[d].cpu(), nx, f"rank {d} next")
             _eq(self.recv_src[d].cpu(), sv, f"rank {d} src")
-            _eq(self.send_rows[d].cpu(), self.x[d].cpu(), f"rank {d} send_rows")
+            staged = self.x[d].cpu() if self.c.R > 1 else torch.full_like(self.x[d].cpu(), GARBAGE_ROW)
+            _eq(self.send_rows[d].cpu(), staged, f"rank {d} send_rows (R = 1: nothing staged)")
             got = self.out_rows[d].cpu()
             _eq(got, torch.full_like(got, GARBAGE_ROW), f"rank {d} out rows untouched by meta")
 
