@@ -452,6 +452,34 @@ def inference_small_B(rank: int, R: int, cfg_kwargs: dict, B: int, skews: tuple[
 
 
 # ------------------------------------------------------------------------- MoEModel: compiler contract
+def _with_nan_filled_empty(fn):
+    """fn() with torch.empty and its kin filling what they allocate (NaN for floats, the largest value
+    for integers: torch.utils.deterministic.fill_uninitialized_memory, active in deterministic mode;
+    warn_only, so ops without a deterministic variant only warn). The previous modes are restored."""
+    import torch.utils.deterministic as det
+
+    modes = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        return fn()
+    finally:
+        torch.use_deterministic_algorithms(modes[0], warn_only=modes[1])
+        det.fill_uninitialized_memory = modes[2]
+
+
+def _differing(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str]) -> dict[str, dict]:
+    """The tensors of `got` that are not bitwise equal to `want`'s, by name: how many elements differ
+    and the largest absolute difference."""
+    out = {}
+    for name, a, b in zip(names, got, want, strict=True):
+        if not torch.equal(a, b):
+            d = (a.float() - b.float()).abs()
+            out[name] = dict(n=int((a != b).sum()), max=float(d.max()), of=a.numel())
+    return out
+
+
 def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, steps: int):
     """A MoEModel of n_layers blocks (bf16, one EPGroup) on the GPU:
     eager      output and every gradient (the test checks them against the dense fp32 model);
@@ -540,9 +568,28 @@ def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, 
     plain = [step(compiled, x) for x in xs[:2]]
     graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     replays = [step(graphed, xs[i % 2]) for i in range(6)]  # warm-up, record, then replays
+    names = ["y", "x.grad"] + [f"{n}.grad" for n, _ in model.named_parameters()]
     out["graphs_bitwise"] = [all(torch.equal(a, b) for a, b in zip(r, plain[i % 2])) for i, r in enumerate(replays)]
     out["graphs_diff"] = max(float((a.float() - b.float()).abs().max()) for i, r in enumerate(replays)
                              for a, b in zip(r, plain[i % 2]))
+    # what tells the causes of a mismatch apart: which tensors differ per replay; whether the replays
+    # of one input agree with each other (graph vs plain compile) and whether the plain compiled and the
+    # eager step each repeat themselves bitwise on the skewed input (a nondeterministic kernel)
+    out["graphs_differing"] = [_differing(r, plain[i % 2], names) for i, r in enumerate(replays)]
+    out["replays_vs_first_replay"] = [_differing(r, replays[i % 2], names) for i, r in enumerate(replays)]
+    out["compiled_repeat_differing"] = _differing(step(compiled, xs[1]), step(compiled, xs[1]), names)
+    eager_skewed = step(model, xs[1])
+    out["eager_repeat_differing"] = _differing(step(model, xs[1]), eager_skewed, names)
+    # the same eager step with every torch.empty NaN-filled (the ops' outputs among them): a kernel that
+    # reads an element nobody wrote (a padding row, an empty group) turns it into NaN there
+    status_before = int(ep.status.item())
+    filled = _with_nan_filled_empty(lambda: step(model, xs[1]))
+    out["eager_nan_filled_nonfinite"] = [n for n, t in zip(names, filled) if not bool(t.isfinite().all())]
+    out["eager_nan_filled_differing"] = _differing(filled, eager_skewed, names)
+    # a table entry nobody wrote (the largest int32) is flagged by the next kernel that reads it
+    out["eager_nan_filled_status"] = int(ep.status.item())
+    if not status_before:
+        ep.status.zero_()  # reported above; ep.check below reports on the rest of the contract
 
     exported = torch.export.export(model, (xs[2],))
     with torch.no_grad():

@@ -3,6 +3,7 @@
 import torch
 
 from moonep_ops import EPConfig, EPGroup, MoELayer
+from moonep_ops.launch import COLLECTIVE_TIMEOUT_S
 
 
 def global_weights(cfg: EPConfig, skew: str, seed: int = 1):
@@ -21,8 +22,20 @@ def global_weights(cfg: EPConfig, skew: str, seed: int = 1):
     return x_all, router, w_gate, w_up, w_down, grad_out
 
 
-def build_layer(cfg: EPConfig, rank: int, skew: str, dtype=torch.float32):
-    ep = EPGroup(cfg, dtype=dtype)
+def compiling_group(cfg: EPConfig, **kwargs) -> EPGroup:
+    """The EPGroup of a worker that torch.compiles on several ranks. A rank compiles in its first
+    compiled call (Inductor: tens of seconds, each rank at its own speed on a loaded machine) and only
+    then meets its peers in the first op's agreement, where the ranks that compiled sooner wait for it:
+    they wait as long as the process group itself does (launch.COLLECTIVE_TIMEOUT_S), not the default
+    30 s, so a test does not depend on the compile-time skew between ranks. The timeout path itself is
+    tested with short timeouts in tests/test_faults.py."""
+    return EPGroup(cfg, timeout_s=COLLECTIVE_TIMEOUT_S, **kwargs)
+
+
+def build_layer(cfg: EPConfig, rank: int, skew: str, dtype=torch.float32, compiled: bool = False):
+    """A MoELayer with the weights of `global_weights` (this rank's home experts), this rank's inputs and
+    output gradient; `compiled`: the layer will run under torch.compile (see compiling_group)."""
+    ep = compiling_group(cfg, dtype=dtype) if compiled else EPGroup(cfg, dtype=dtype)
     layer = MoELayer(ep)
     x_all, router, w_gate, w_up, w_down, grad_out = global_weights(cfg, skew)
     mine = slice(rank * cfg.epn, (rank + 1) * cfg.epn)
@@ -59,7 +72,7 @@ def inference_forward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...
     cfg = EPConfig(R=R, **cfg_kwargs)
     out = {}
     for skew in skews:
-        layer, x, _ = build_layer(cfg, rank, skew)
+        layer, x, _ = build_layer(cfg, rank, skew, compiled=skew in compiled_skews)
         with torch.no_grad():
             y = layer(x)
             ids = torch.topk(layer.router(x), cfg.K).indices
@@ -98,7 +111,7 @@ def compile_and_export(rank: int, R: int, cfg_kwargs: dict, steps: int):
     from torch._dynamo.utils import counters
 
     cfg = EPConfig(R=R, **cfg_kwargs)
-    layer, _, _ = build_layer(cfg, rank, "uniform")
+    layer, _, _ = build_layer(cfg, rank, "uniform", compiled=True)
     xs = [torch.randn(cfg.S, cfg.H, generator=torch.Generator().manual_seed(100 * rank + i)) * (1 + 3 * i)
           for i in range(steps)]
 
@@ -307,7 +320,7 @@ def compiled_token_counts(rank: int, R: int, cfg_kwargs: dict, steps: int):
     from torch._dynamo.utils import counters
 
     cfg = EPConfig(R=R, **cfg_kwargs)
-    layer, x_full, _ = build_layer(cfg, rank, "uniform")
+    layer, x_full, _ = build_layer(cfg, rank, "uniform", compiled=True)
 
     def loss_count(x, n):
         y = layer(x, n_tokens=n)
