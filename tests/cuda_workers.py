@@ -299,7 +299,7 @@ def _layer_with_global_weights(rank: int, cfg: EPConfig, skew: str):
     x_all, router, w_gate, w_up, w_down, grad_out = ep_workers.global_weights(cfg, skew)
     bf = torch.bfloat16
     router, w_gate, w_up, w_down = (t.to(bf) for t in (router, w_gate, w_up, w_down))
-    ep = EPGroup(cfg, device="cuda")
+    ep = ep_workers.compiling_group(cfg, device="cuda")  # its callers torch.compile the layer
     layer = MoELayer(ep)
     mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
     with torch.no_grad():
@@ -409,7 +409,7 @@ def inference_small_B(rank: int, R: int, cfg_kwargs: dict, B: int, skews: tuple[
     layers = {}
     for b in (B, None):
         cfg = EPConfig(R=R, B=b, **cfg_kwargs)
-        layers[b] = MoELayer(EPGroup(cfg, device="cuda"))
+        layers[b] = MoELayer(ep_workers.compiling_group(cfg, device="cuda"))  # layers[B] runs compiled
     cfg = layers[B].ep.cfg
     mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
     out = {}
@@ -498,7 +498,7 @@ def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, 
 
     cfg = EPConfig(R=R, **cfg_kwargs)
     bf = torch.bfloat16
-    ep = EPGroup(cfg, device="cuda")
+    ep = ep_workers.compiling_group(cfg, device="cuda")
     model = MoEModel(ep, n_layers)
     x_all, grad_out = ep_workers.load_model_weights(model, cfg, rank)
     tokens = slice(rank * cfg.S, (rank + 1) * cfg.S)
