@@ -32,16 +32,22 @@ class GroupGemmSm90Base:
     tile_k = 64
     buffer_align = 1024
 
-    def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int):
+    def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int,
+                     pingpong: bool = False):
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_sms = config.num_sms
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
-        # Each consumer warp group owns 64 rows of the tile.
-        self.num_mma_wg = self.tile_m // 64
-        self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
+        # Cooperative: the consumer warp groups share each tile, 64 rows each. Pingpong: two consumer
+        # warp groups take alternate tiles, each a whole tile, so that one's epilogue runs while the
+        # other's wgmma keeps the tensor cores busy (for epilogues too heavy to hide otherwise).
+        self.pingpong = pingpong
+        self.num_mma_wg = 2 if pingpong else self.tile_m // 64
+        self.atom_layout_mnk = (1, 1, 1) if pingpong else (self.num_mma_wg, 1, 1)
         self.num_threads = (1 + self.num_mma_wg) * self.threads_per_wg
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+        # the consumer threads that compute one tile (and release its ring stages)
+        self.tile_mma_threads = self.threads_per_wg if pingpong else self.num_mma_threads
         self.load_regs = 40
         self.mma_regs = 232 if self.num_mma_wg == 2 else 240
         self.a_layout = a_layout
@@ -207,9 +213,13 @@ class GroupGemmSm90Base:
         """Consumer warp groups: raise the register budget, then (consumer thread index, the warp
         group's MMA slice, A fragment, [B fragment per ring], read and release pipeline states)."""
         cute.arch.setmaxregister_increase(self.mma_regs)
-        mma_tidx = tidx - self.threads_per_wg
-        wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-        thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+        if cutlass.const_expr(self.pingpong):
+            mma_tidx = (tidx - self.threads_per_wg) % self.threads_per_wg  # each warp group: a whole tile
+            thr_mma = tiled_mma.get_slice(0)
+        else:
+            mma_tidx = tidx - self.threads_per_wg
+            wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+            thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB)) for sB in sBs]
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled per tile
@@ -293,7 +303,7 @@ class GroupGemmSm90Base:
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mma_wg * 4
+                pipeline.Agent.Thread, self.tile_mma_threads // 32  # one arrival per consumer warp
             ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -419,11 +429,41 @@ class GroupGemmSm90Base:
             )
             c = self.consumer_setup(p, mma_tidx, thr_mma, sC)
             epi_count = cutlass.Int32(0)
-            for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
-                read_state, release_state, epi_count = self.consume_tile(
-                    p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, epi_count
-                )
+            if cutlass.const_expr(self.pingpong):
+                self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, read_state, release_state,
+                                             tCrA, tCrBs, bidx, gdim)
+            else:
+                for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
+                    read_state, release_state, epi_count = self.consume_tile(
+                        p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, epi_count
+                    )
             self.consumer_tail(c, warp_idx)
+
+    @cute.jit
+    def consume_alternate_tiles(self, p, c, warp_idx, wg, mainloop, read_state, release_state, tCrA: cute.Tensor,
+                                tCrBs, bidx, gdim):
+        """Pingpong consumers: warp group ``wg`` (0 or 1) computes every other tile of this CTA (the
+        CTA's tiles are bidx, bidx + gdim, ...; the producer loads them in that order into the one
+        ring). A warp group passes over the other's ring stages without waiting on or releasing
+        them, so the ring's order alone makes the two mainloops take turns: the next tile's stages
+        arrive as the current one's are released, while the warp group that finished runs its
+        epilogue."""
+        epi_count = cutlass.Int32(0)
+        read_state, release_state = self.skip_stages(read_state, release_state, self.row_work(p, bidx)[2] * wg)
+        for tile in cutlass.range(bidx + wg * gdim, p.num_tiles, 2 * gdim, unroll=1):
+            read_state, release_state, epi_count = self.consume_tile(
+                p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, epi_count
+            )
+            read_state, release_state = self.skip_stages(read_state, release_state,
+                                                         self.row_work(p, tile + gdim)[2])
+
+    @cute.jit
+    def skip_stages(self, read_state, release_state, n: cutlass.Int32):
+        """Advance both consumer pipeline states past ``n`` ring stages that another warp group consumes."""
+        for _ in cutlass.range(n, unroll=1):
+            read_state.advance()
+            release_state.advance()
+        return read_state, release_state
 
     @cute.jit
     def produce(self, warp_idx, mainloop, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):

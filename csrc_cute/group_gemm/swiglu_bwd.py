@@ -17,17 +17,21 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
     """Down-projection dgrad with the SwiGLU backward in the epilogue (see ``group_gemm_swiglu_bwd``).
 
     Mainloop: the dgrad GEMM ``d = g_y @ W_down_g^T`` (A = g_y K-major, B = ``W_down_g`` viewed
-    (F, H), K-major), a 128 x 128 fp32 tile of d per CTA tile, persistent with the device-side tile
-    -> group lookup of the forward. After the main loop each consumer thread loads the saved bf16
-    gate/up at its accumulator elements' (row, column)s into registers in one batch (vectorised,
-    all in flight together, before any store: one memory latency per tile; holding them across the
-    main loop instead made ptxas spill). Epilogue, per accumulator element (row r, column f), in
-    registers, then stored straight to global memory (vectorised on full tiles): with ``row_w[r]``,
-    recomputes ``s = sigmoid(gate)``, ``h = gate * s * up`` in fp32 and writes
-    ``g_gate = row_w * d * up * s * (1 + gate * (1 - s))``, ``g_up = row_w * d * gate * s``,
-    ``h_w = row_w * h`` (bf16; the down wgrad's A operand: dW_down = h_w^T g_y) and the partial dot
-    product ``sum_f d * h`` of its rows over the tile's columns into ``part[r, n tile]`` (fp32; the
-    route-weight gradient is ``part.sum(1)``: no atomics, deterministic).
+    (F, H), K-major), persistent with the device-side tile -> group lookup of the forward. Pingpong:
+    each of the two consumer warp groups computes whole tile_m x 128 tiles of d (fp32, 128
+    accumulators per thread at tile_m = 128), taking every other tile of its CTA, so that one warp
+    group's epilogue (which reads two and writes three [N, F] bf16 tensors) runs while the other's
+    wgmma keeps the tensor cores busy; cooperative warp groups (both on one tile, then both in the
+    epilogue) left the tensor cores idle for the whole epilogue (0.72x QuACK's TFLOP/s at 128 x 128).
+    Epilogue, per batch of 8-column accumulator chunks (see ``swiglu_bwd_batch``): the saved bf16
+    gate/up at the accumulator elements' (row, column)s loaded into registers in one vectorised batch
+    (all in flight before any store; a whole tile's gate/up next to its accumulators would not fit the
+    registers), then per element, in registers, with ``row_w[r]``: ``s = sigmoid(gate)``,
+    ``h = gate * s * up`` in fp32 and ``g_gate = row_w * d * up * s * (1 + gate * (1 - s))``,
+    ``g_up = row_w * d * gate * s``, ``h_w = row_w * h`` (bf16; the down wgrad's A operand:
+    dW_down = h_w^T g_y), stored straight to global memory (vectorised on full tiles), and the
+    partial dot product ``sum_f d * h`` of its rows over the tile's columns into ``part[r, n tile]``
+    (fp32; the route-weight gradient is ``part.sum(1)``: no atomics, deterministic).
     Row reduction: an accumulator element's row offset within the thread's rows is static (the
     layout of the thread's slice of an identity tile), and the four lanes of a quad share their rows
     (checked on the CPU by the tests): per static row offset a register sum, then two xor shuffles.
@@ -39,8 +43,12 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
             LayoutEnum.ROW_MAJOR,  # A = g_y [N, H]: K-major
             LayoutEnum.ROW_MAJOR,  # B = W_down [F, H] per group: K-major (reduction over H)
             0,
+            pingpong=True,
         )
         self.b_modes = [1, 2, 0]  # W_down (E, F, H) -> (F, H, E)
+        # 8-column accumulator chunks per epilogue batch: a batch's gate/up registers next to a whole
+        # 128 x 128 tile's accumulators (128 per thread) must fit the consumers' 232 registers
+        self.epi_batch_chunks = 8
 
     def _row_slots(self):
         """Trace time: the static row offset of each accumulator element within a thread's rows (the
@@ -83,54 +91,90 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         )
 
     @cute.jit
-    def swiglu_bwd_element(self, i: cutlass.Constexpr, acc: cute.Tensor, gate: cute.Tensor, up: cute.Tensor,
-                           g_gate: cute.Tensor, g_up: cute.Tensor, h_w: cute.Tensor, rw, j: cutlass.Constexpr,
-                           part_sums: cute.Tensor):
-        """Element i: from d = acc[i] and the bf16 gate[i], up[i], writes g_gate[i], g_up[i] (bf16) and
-        h_w[i] (in h_w's type) and adds d * h to part_sums[j]. A full tile passes registers (g_gate,
-        g_up over gate, up; h_w over acc, fp32), an edge tile its global memory."""
+    def swiglu_bwd_values(self, d, gate, up, rw):
+        """One element: from d (fp32) and the bf16 gate, up -> (g_gate, g_up, h_w) in fp32 and d * h."""
         one = cutlass.Float32(1.0)
-        gt = gate[i].to(cutlass.Float32)
-        ut = up[i].to(cutlass.Float32)
-        d = acc[i]
+        gt = gate.to(cutlass.Float32)
+        ut = up.to(cutlass.Float32)
         s = cute.arch.rcp_approx(one + cute.math.exp2(gt * cutlass.Float32(-1.4426950408889634), fastmath=True))
         silu = gt * s
         h = silu * ut
         gh = d * rw
-        g_gate[i] = (gh * ut * s * (one + gt * (one - s))).to(cutlass.BFloat16)
-        g_up[i] = (gh * silu).to(cutlass.BFloat16)
-        h_w[i] = (h * rw).to(h_w.element_type)
-        part_sums[j] = part_sums[j] + d * h
+        return gh * ut * s * (one + gt * (one - s)), gh * silu, h * rw, d * h
 
     @cute.jit
     def swiglu_bwd_epilogue(self, acc: cute.Tensor, coords: cute.Tensor, rG: cute.Tensor, rU: cute.Tensor,
                             tCgG: cute.Tensor, tCgU: cute.Tensor, tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor,
                             row_w: cute.Tensor, last_row, dims, full: cutlass.Constexpr,
                             part_sums: cute.Tensor):
-        """The epilogue (see the class docstring) on registers, then the stores: a full tile's gate/up
-        are in ``rG``/``rU`` (results overwrite them) and its stores are vectorised; an edge tile reads
-        and writes per element, predicated. ``part_sums[row_slot[i]]`` collects d * h of the
-        thread's rows of that static slot (elements outside the bounds are skipped)."""
+        """The epilogue (see the class docstring). A full tile, per 64-row block of the warp group's
+        tile (the accumulator's MMA_M mode): one batch of vectorised loads of its gate/up into
+        ``rG``/``rU``, the math in registers (results overwrite them; h_w over ``acc``), vectorised
+        stores. An edge tile reads and writes per element, predicated. ``part_sums[row_slot[i]]``
+        collects d * h of the thread's rows of that static slot (elements outside the bounds are
+        skipped)."""
         # the route weight of each of the thread's rows, read once (clamped: rows past N are never stored)
         rws = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
         for j in cutlass.range_constexpr(len(self.row_first)):
             rws[j] = row_w[cutlass.min(coords[self.row_first[j]][0], last_row)]
-        if cutlass.const_expr(full):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                self.swiglu_bwd_element(
-                    i, acc, rG, rU, rG, rU, acc, rws[self.row_slot[i]], self.row_slot[i], part_sums
-                )
-            cute.autovec_copy(rG, tCgGG)
-            cute.autovec_copy(rU, tCgGU)
-            rG.store(acc.load().to(cutlass.BFloat16))  # h_w, in gate's registers (fewer live registers)
-            cute.autovec_copy(rG, tCgHW)
-        else:
-            # an edge tile (rare): gate/up read from global memory one element at a time, every
-            # access predicated on the bounds
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if cute.elem_less(coords[i], dims):
-                    self.swiglu_bwd_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rws[self.row_slot[i]],
-                                            self.row_slot[i], part_sums)
+        blocks = cute.size(acc, mode=[1])
+        per_block = cute.size(acc) // blocks  # element e of block m is acc[m * per_block + e]
+        for m in cutlass.range_constexpr(blocks):
+            if cutlass.const_expr(full):
+                for b in cutlass.range_constexpr(cute.size(acc.shape[0][2]) // self.epi_batch_chunks):
+                    self.swiglu_bwd_batch(acc, m, b, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rws, part_sums)
+            else:
+                # an edge tile (rare): gate/up read from global memory one element at a time, every
+                # access predicated on the bounds
+                for e in cutlass.range_constexpr(per_block):
+                    i = m * per_block + e
+                    if cute.elem_less(coords[i], dims):
+                        self.swiglu_bwd_edge_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rws, part_sums)
+
+    @cute.jit
+    def swiglu_bwd_batch(self, acc: cute.Tensor, m: cutlass.Constexpr, b: cutlass.Constexpr, rG: cute.Tensor,
+                         rU: cute.Tensor, tCgG: cute.Tensor, tCgU: cute.Tensor, tCgGG: cute.Tensor, tCgGU: cute.Tensor,
+                         tCgHW: cute.Tensor, rws: cute.Tensor, part_sums: cute.Tensor):
+        """Batch ``b`` of a full tile's 64-row block ``m``: ``epi_batch_chunks`` of the accumulator's 8-column
+        chunks (a wgmma C fragment is ((2, 2, tile_n / 8), MMA_M, MMA_N): chunk j of block m holds
+        elements 64 m + 4 j + (0..3), two rows x two adjacent columns). One batch of vectorised
+        gate/up loads (all in flight before any store), the math in registers, vectorised stores of
+        g_gate, g_up, h_w."""
+        per_block = cute.size(acc) // cute.size(acc, mode=[1])
+        chunks = range(b * self.epi_batch_chunks, (b + 1) * self.epi_batch_chunks)
+        for c, j in enumerate(chunks):
+            cute.autovec_copy(tCgG[((None, None, j), m, None)], rG[(None, None, c, None)])
+            cute.autovec_copy(tCgU[((None, None, j), m, None)], rU[(None, None, c, None)])
+        for c, j in enumerate(chunks):
+            for e in cutlass.range_constexpr(4):
+                i = m * per_block + 4 * j + e
+                slot = self.row_slot[i]
+                g_gate, g_up, h_w, dh = self.swiglu_bwd_values(acc[i], rG[4 * c + e], rU[4 * c + e], rws[slot])
+                rG[4 * c + e] = g_gate.to(cutlass.BFloat16)
+                rU[4 * c + e] = g_up.to(cutlass.BFloat16)
+                acc[i] = h_w
+                part_sums[slot] = part_sums[slot] + dh
+        for c, j in enumerate(chunks):
+            cute.autovec_copy(rG[(None, None, c, None)], tCgGG[((None, None, j), m, None)])
+            cute.autovec_copy(rU[(None, None, c, None)], tCgGU[((None, None, j), m, None)])
+        for c, j in enumerate(chunks):
+            for e in cutlass.range_constexpr(4):
+                rG[4 * c + e] = acc[m * per_block + 4 * j + e].to(cutlass.BFloat16)  # h_w, in gate's registers
+            cute.autovec_copy(rG[(None, None, c, None)], tCgHW[((None, None, j), m, None)])
+
+    @cute.jit
+    def swiglu_bwd_edge_element(self, i: cutlass.Constexpr, acc: cute.Tensor, tCgG: cute.Tensor, tCgU: cute.Tensor,
+                                tCgGG: cute.Tensor, tCgGU: cute.Tensor, tCgHW: cute.Tensor, rws: cute.Tensor,
+                                part_sums: cute.Tensor):
+        """Element i of an edge tile, inside the bounds: gate/up read from and results written to global
+        memory (a function of its own: a dynamic branch may not bind new values)."""
+        slot = self.row_slot[i]
+        g_gate, g_up, h_w, dh = self.swiglu_bwd_values(acc[i], tCgG[i], tCgU[i], rws[slot])
+        tCgGG[i] = g_gate.to(cutlass.BFloat16)
+        tCgGU[i] = g_up.to(cutlass.BFloat16)
+        tCgHW[i] = h_w.to(tCgHW.element_type)
+        part_sums[slot] = part_sums[slot] + dh
+
     @cute.kernel
     def kernel(
         self,
@@ -171,8 +215,9 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         cC = cute.local_tile(cute.make_identity_tensor(dims), tile_c, (None, None))
         acc = cute.make_rmem_tensor(thr_c.partition_C(gGate[(None, None, 0, 0)]).shape, self.acc_dtype)
         part_sums = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
-        rG = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)  # gate, then g_gate
-        rU = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)  # up, then g_up
+        batch = (2, 2, self.epi_batch_chunks, 1)  # one epilogue batch of 8-column chunks (swiglu_bwd_batch)
+        rG = cute.make_rmem_tensor(batch, cutlass.BFloat16)  # gate, then g_gate, then h_w
+        rU = cute.make_rmem_tensor(batch, cutlass.BFloat16)  # up, then g_up
         return KernelParams(thr_c=thr_c, n_rows=n_rows, dims=dims, gGate=gGate, gUp=gUp, gGG=gGG, gGU=gGU, gHW=gHW,
                             cC=cC, acc=acc, part_sums=part_sums, rG=rG, rU=rU, last_row=n_rows - 1)
 
@@ -196,8 +241,6 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
 
         part_sums.fill(0.0)
         if full:
-            cute.autovec_copy(tCgG, rG)  # one batch of loads, before any store of this tile
-            cute.autovec_copy(tCgU, rU)
             self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, p.row_w,
                                      c.last_row, c.dims, True, part_sums)
         else:
@@ -241,7 +284,7 @@ def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
         kernel._row_slots()
         tile = cute.make_identity_tensor((tile_m, tile_n))
         per_thread.extend(partition_coords(lambda t: kernel.tiled_mma.get_slice(t).partition_C(tile),
-                                           kernel.num_mma_threads))
+                                           kernel.tile_mma_threads))
 
     with expect_no_driver():
         cute.compile(probe)
