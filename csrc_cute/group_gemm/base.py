@@ -430,8 +430,7 @@ class GroupGemmSm90Base:
             c = self.consumer_setup(p, mma_tidx, thr_mma, sC)
             epi_count = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
-                self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, read_state, release_state,
-                                             tCrA, tCrBs, bidx, gdim)
+                self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, tCrA, tCrBs, bidx, gdim)
             else:
                 for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
                     read_state, release_state, epi_count = self.consume_tile(
@@ -440,30 +439,28 @@ class GroupGemmSm90Base:
             self.consumer_tail(c, warp_idx)
 
     @cute.jit
-    def consume_alternate_tiles(self, p, c, warp_idx, wg, mainloop, read_state, release_state, tCrA: cute.Tensor,
-                                tCrBs, bidx, gdim):
+    def consume_alternate_tiles(self, p, c, warp_idx, wg, mainloop, tCrA: cute.Tensor, tCrBs, bidx, gdim):
         """Pingpong consumers: warp group ``wg`` (0 or 1) computes every other tile of this CTA (the
         CTA's tiles are bidx, bidx + gdim, ...; the producer loads them in that order into the one
         ring). A warp group passes over the other's ring stages without waiting on or releasing
         them, so the ring's order alone makes the two mainloops take turns: the next tile's stages
         arrive as the current one's are released, while the warp group that finished runs its
-        epilogue."""
+        epilogue. ``passed`` counts the ring stages before a tile (the k tiles of every earlier tile
+        of the CTA, the row scheduler's ``row_work``); each tile starts from the pipeline state that
+        many stages in."""
         epi_count = cutlass.Int32(0)
-        read_state, release_state = self.skip_stages(read_state, release_state, self.row_work(p, bidx)[2] * wg)
+        passed = self.row_work(p, bidx)[2] * wg
         for tile in cutlass.range(bidx + wg * gdim, p.num_tiles, 2 * gdim, unroll=1):
-            read_state, release_state, epi_count = self.consume_tile(
-                p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, epi_count
+            _, _, epi_count = self.consume_tile(
+                p, c, warp_idx, mainloop, self.consumer_state_at(passed), self.consumer_state_at(passed), tCrA,
+                tCrBs, tile, epi_count
             )
-            read_state, release_state = self.skip_stages(read_state, release_state,
-                                                         self.row_work(p, tile + gdim)[2])
+            passed = passed + self.row_work(p, tile)[2] + self.row_work(p, tile + gdim)[2]
 
     @cute.jit
-    def skip_stages(self, read_state, release_state, n: cutlass.Int32):
-        """Advance both consumer pipeline states past ``n`` ring stages that another warp group consumes."""
-        for _ in cutlass.range(n, unroll=1):
-            read_state.advance()
-            release_state.advance()
-        return read_state, release_state
+    def consumer_state_at(self, stages: cutlass.Int32):
+        """The consumer pipeline state ``stages`` ring stages in (as that many ``advance()`` from the start)."""
+        return pipeline.PipelineState(self.ab_stage, stages, stages % self.ab_stage, (stages // self.ab_stage) % 2)
 
     @cute.jit
     def produce(self, warp_idx, mainloop, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
