@@ -458,6 +458,32 @@ class GroupGemmSm90Base:
             passed = passed + self.row_work(p, tile)[2] + self.row_work(p, tile + gdim)[2]
 
     @cute.jit
+    def wait_mainloop_turn(self, p, tile: cutlass.Int32):
+        """Pingpong, before the mainloop of ``tile``: wait until the other warp group has finished the
+        mainloop of the CTA's previous tile. Without it a warp group would wait on ring stages more than
+        one ring pass ahead of the loads, and an mbarrier wait sees only the phase parity: it would take
+        the slot's previous pass for this one (on the H200: hangs and faults once a CTA had two tiles)."""
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        if tile != bidx:
+            cute.arch.barrier(barrier_id=self.turn_barrier_id(tile, bidx, gdim),
+                              number_of_threads=2 * self.threads_per_wg)
+
+    @cute.jit
+    def pass_mainloop_turn(self, p, tile: cutlass.Int32):
+        """Pingpong, after the mainloop of ``tile``: let the other warp group start the CTA's next tile."""
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        if tile + gdim < p.num_tiles:
+            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(tile + gdim, bidx, gdim),
+                                     number_of_threads=2 * self.threads_per_wg)
+
+    @cute.jit
+    def turn_barrier_id(self, tile: cutlass.Int32, bidx, gdim):
+        """The named barrier (2 or 3; 1 is the TMA-store epilogue's) the warp group of ``tile`` waits on."""
+        return 2 + ((tile - bidx) // gdim) % 2
+
+    @cute.jit
     def consumer_state_at(self, stages: cutlass.Int32):
         """The consumer pipeline state ``stages`` ring stages in (as that many ``advance()`` from the start)."""
         return pipeline.PipelineState(self.ab_stage, stages, stages % self.ab_stage, (stages // self.ab_stage) % 2)

@@ -228,9 +228,11 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         (``epi_count`` passes through: no TMA stores)."""
         m_idx, n_idx, k_count = self.row_work(p, tile)  # past the last group: d = 0
         full = self.is_full_tile(m_idx, n_idx, c.dims)
+        self.wait_mainloop_turn(p, tile)
         read_state, release_state = self.mma_k_tiles(
             mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
         )
+        self.pass_mainloop_turn(p, tile)  # the other warp group's mainloop runs under this epilogue
         thr_c, acc, rG, rU, part_sums = c.thr_c, c.acc, c.rG, c.rU, c.part_sums
         coords = thr_c.partition_C(c.cC[(None, None, m_idx, n_idx)])
         tCgG = thr_c.partition_C(c.gGate[(None, None, m_idx, n_idx)])
