@@ -80,8 +80,10 @@ def _child(args) -> dict:
     return out
 
 
-def _spawn(argv: list[str], cache: str) -> dict:
+def _spawn(argv: list[str], cache: str, pycache: str | None) -> dict:
     env = dict(os.environ, MOONEP_CUTE_CACHE_DIR=cache)
+    if pycache is not None:
+        env["PYTHONPYCACHEPREFIX"] = pycache
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *argv], env=env, cwd=ROOT,
                           capture_output=True, text=True)
@@ -99,6 +101,12 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny CPU shape (options given still win)")
     p.add_argument("--out", default=None, help="output folder (default benchmarks/results/)")
+    p.add_argument("--pycache", default="shared", choices=["shared", "as-installed"],
+                   help="shared (default): both processes write and read Python bytecode in one temporary "
+                        "PYTHONPYCACHEPREFIX, so the second finds what the first compiled, as on a byte-compiled "
+                        "install (the H200 machine's torch ships no .pyc in a read-only site-packages: every "
+                        "process there compiles ~800 torch sources again, ~3 s); as-installed: leave it to the "
+                        "installation")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
@@ -112,9 +120,10 @@ def main(argv=None) -> None:
     from benchmarks.common import run_info, write_json
 
     with tempfile.TemporaryDirectory(prefix="moonep_cold_") as cache:
-        runs = {"first_process": _spawn(shape, cache), "second_process": _spawn(shape, cache)}
+        pycache = os.path.join(cache, "pycache") if args.pycache == "shared" else None
+        runs = {"first_process": _spawn(shape, cache, pycache), "second_process": _spawn(shape, cache, pycache)}
     payload = dict(run_info(), shape={k: getattr(args, k) for k in ("S", "H", "F", "E", "K")}, device=args.device,
-                   **runs)
+                   pycache=args.pycache, **runs)
     path = write_json("bench_cold_start.json", payload, args.out)
     keys = ("import_s", "device_init_s", "ep_group_s", "cute_import_s", "init_s", "first_forward_s",
             "first_backward_s", "first_step_after_import_s", "second_step_ms", "cache_entries")

@@ -277,6 +277,7 @@ def test_bench_cold_start_smoke_measures_two_processes(tmp_path_factory):
     (on the CPU nothing is compiled, so only the plumbing is checked here)."""
     stdout, res, _ = run_smoke(tmp_path_factory, "bench_cold_start")
     assert res["shape"] == dict(S=16, H=32, F=16, E=8, K=2) and res["device"] == "cpu", res
+    assert res["pycache"] == "shared", res  # both processes share one bytecode cache (see --pycache)
     for name in ("first_process", "second_process"):
         r = res[name]
         assert all(r[k] > 0 for k in ("import_s", "init_s", "first_forward_s", "first_backward_s",
