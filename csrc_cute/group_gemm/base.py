@@ -3,7 +3,9 @@ budgets, the TMA -> mbarrier ring feeding ``wgmma`` (A and B from shared memory,
 the producer's and the consumers' k-tile loops, the bf16 registers -> shared (stmatrix) -> global (TMA
 store) epilogue, and ``warp_specialized``: the one producer/consumer skeleton each kernel's
 ``kernel`` body runs, with the kernel family's hooks (``load_tiles``, ``consumer_setup``,
-``consume_tile``, ``consumer_tail``).
+``consume_tile``, ``consumer_tail``). Consumers are cooperative (the warp groups share each tile) or,
+for a family that asks for it, pingpong (each warp group computes whole tiles, every other one, the
+mainloops taking turns: ``consume_alternate_tiles``).
 
 Warp group 0 is the producer (its warp 0 issues the TMA loads of the A and B tiles into a multi-stage
 shared-memory ring guarded by mbarriers); warp groups 1.. are consumers (``wgmma`` bf16 x bf16 ->
@@ -443,11 +445,11 @@ class GroupGemmSm90Base:
         """Pingpong consumers: warp group ``wg`` (0 or 1) computes every other tile of this CTA (the
         CTA's tiles are bidx, bidx + gdim, ...; the producer loads them in that order into the one
         ring). A warp group passes over the other's ring stages without waiting on or releasing
-        them, so the ring's order alone makes the two mainloops take turns: the next tile's stages
-        arrive as the current one's are released, while the warp group that finished runs its
-        epilogue. ``passed`` counts the ring stages before a tile (the k tiles of every earlier tile
-        of the CTA, the row scheduler's ``row_work``); each tile starts from the pipeline state that
-        many stages in."""
+        them: ``passed`` counts the ring stages before a tile (the k tiles of every earlier tile of
+        the CTA, the row scheduler's ``row_work``) and each tile starts from the pipeline state that
+        many stages in. The family's ``consume_tile`` brackets its mainloop with
+        ``wait_mainloop_turn`` / ``pass_mainloop_turn``, so the mainloops take turns and each
+        epilogue runs under the other warp group's mainloop."""
         epi_count = cutlass.Int32(0)
         passed = self.row_work(p, bidx)[2] * wg
         for tile in cutlass.range(bidx + wg * gdim, p.num_tiles, 2 * gdim, unroll=1):
@@ -458,7 +460,7 @@ class GroupGemmSm90Base:
             passed = passed + self.row_work(p, tile)[2] + self.row_work(p, tile + gdim)[2]
 
     @cute.jit
-    def wait_mainloop_turn(self, p, tile: cutlass.Int32):
+    def wait_mainloop_turn(self, tile: cutlass.Int32):
         """Pingpong, before the mainloop of ``tile``: wait until the other warp group has finished the
         mainloop of the CTA's previous tile. Without it a warp group would wait on ring stages more than
         one ring pass ahead of the loads, and an mbarrier wait sees only the phase parity: it would take

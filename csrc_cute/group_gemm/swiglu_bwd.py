@@ -228,7 +228,7 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         (``epi_count`` passes through: no TMA stores)."""
         m_idx, n_idx, k_count = self.row_work(p, tile)  # past the last group: d = 0
         full = self.is_full_tile(m_idx, n_idx, c.dims)
-        self.wait_mainloop_turn(p, tile)
+        self.wait_mainloop_turn(tile)
         read_state, release_state = self.mma_k_tiles(
             mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
         )
