@@ -264,6 +264,15 @@ class _CompileChild:
     def request(self, target: str, kwargs: dict, dump_dir: str | None, timeout: float) -> tuple[Any, str]:
         """(return value of ``target(**kwargs)`` in the child, what the child printed meanwhile); raises
         RuntimeError naming the target and arch, with that output, if it raised, died or timed out."""
+        try:
+            return self._request(target, kwargs, dump_dir, timeout)
+        except BaseException:
+            # also an interrupt while waiting (pytest-timeout, Ctrl-C): the child may still be working on
+            # this request, and its late answer must not be taken for the next one's
+            self.close(kill=True)
+            raise
+
+    def _request(self, target: str, kwargs: dict, dump_dir: str | None, timeout: float) -> tuple[Any, str]:
         start = os.fstat(self.log.fileno()).st_size
         env = {"PYTEST_CURRENT_TEST": os.environ.get("PYTEST_CURRENT_TEST", "")}
         line = json.dumps(dict(target=target, kwargs=kwargs, dump_dir=dump_dir, env=env)) + "\n"
@@ -288,7 +297,6 @@ class _CompileChild:
             failure = "" if reply["ok"] else reply["error"]
         output = self._output_since(start)
         if failure:
-            self.close()
             raise RuntimeError(f"compile of {target} for {self.arch} failed: {failure}\noutput:\n{output}")
         return reply["value"], output
 
@@ -296,20 +304,25 @@ class _CompileChild:
         end = os.fstat(self.log.fileno()).st_size
         return os.pread(self.log.fileno(), end - start, start).decode(errors="replace")
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # end of requests: the child's loop ends
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        os.close(self.reply_fd)
-        self.log.close()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+    def close(self, kill: bool = False) -> None:
+        """End the child: at the end of its requests (closed stdin ends its loop), or with ``kill`` at once."""
         if _CHILDREN.get(self.arch) is self:
             del _CHILDREN[self.arch]
+        if self.reply_fd < 0:
+            return
+        if kill:
+            self.proc.kill()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.reply_fd)
+        self.reply_fd = -1
+        self.log.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 _CHILDREN: dict[str, _CompileChild] = {}

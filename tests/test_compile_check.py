@@ -3,6 +3,7 @@ in turn; each request compiles what it asks for again (kernels in memory forgott
 artifacts and output; a failed request names its target and cause, and the next one gets a new child."""
 
 import os
+import time
 
 import pytest
 
@@ -38,3 +39,18 @@ def test_a_failed_request_names_its_cause_and_the_next_gets_a_new_child():
         compile_check.run_in_compile_child("csrc_cute.no_such_module:f")
     new_pid, _ = compile_check.run_in_compile_child("os:getpid")
     assert new_pid != pid
+
+
+def sleep_for(seconds: float) -> None:
+    """A request that outlasts its timeout (the child imports this module)."""
+    time.sleep(seconds)
+
+
+def test_a_request_past_its_timeout_ends_the_child():
+    pid, _ = compile_check.run_in_compile_child("os:getpid")
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"compile of tests\.test_compile_check:sleep_for for sm_90a failed: "
+                                           r"timed out after 1 s"):
+        compile_check.run_in_compile_child("tests.test_compile_check:sleep_for", dict(seconds=60), timeout=1)
+    assert time.monotonic() - t < 30  # killed, not waited for
+    assert compile_check.run_in_compile_child("os:getpid")[0] != pid
