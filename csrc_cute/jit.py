@@ -354,6 +354,14 @@ def summarize_compile_log(path: str, top: int = 15) -> str:
 # ------------------------------------------------------------------------------------------------
 # the cache
 # ------------------------------------------------------------------------------------------------
+def forget_compiled() -> None:
+    """Drop every kernel this process holds in memory, so that the next request of each compiles (or loads)
+    it again: the compile checks' child (csrc_cute/compile_check.py) serves many requests, and each must
+    write the PTX of every kernel it asks for."""
+    with _LOCK:
+        _MEMORY.clear()
+
+
 class KernelFamily:
     """The kernels of `modules` (module or package names; what they import from their top-level
     package counts as their source too), cached under the name `name`."""
@@ -406,7 +414,7 @@ class KernelFamily:
 
 
 __all__ = ["CACHE_DIR_ENV", "COMPILE_LOG_ENV", "KernelFamily", "cache_root", "compile_key", "dsl_versions",
-           "fingerprint", "source_files", "summarize_compile_log", "target_arch"]
+           "fingerprint", "forget_compiled", "source_files", "summarize_compile_log", "target_arch"]
 
 
 if __name__ == "__main__":

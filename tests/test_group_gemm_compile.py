@@ -31,21 +31,10 @@ def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int) 
 
 def layout_probe(module: str, probe: str, tile_m: int, tile_n: int) -> dict:
     """Run layout probe `probe` of csrc_cute/group_gemm/<module>.py (CuTe layout algebra at trace time,
-    no GPU) in a child process with CUTE_DSL_ARCH=sm_90a; returns the dict it prints."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    code = (f"import json\nfrom csrc_cute.group_gemm.{module} import {probe} as f\n"
-            f"print('RESULT', json.dumps(f({tile_m}, {tile_n})))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    no GPU) in the sm_90a compile child (csrc_cute/compile_check.py); returns the dict it returns."""
+    value, _ = compile_check.run_in_compile_child(f"csrc_cute.group_gemm.{module}:{probe}",
+                                                  dict(tile_m=tile_m, tile_n=tile_n), timeout=600)
+    return value
 
 
 def test_parse_ptxas_verbose():
