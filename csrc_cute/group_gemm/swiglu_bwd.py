@@ -21,8 +21,8 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
     each of the two consumer warp groups computes whole tile_m x 128 tiles of d (fp32, 128
     accumulators per thread at tile_m = 128), taking every other tile of its CTA, so that one warp
     group's epilogue (which reads two and writes three [N, F] bf16 tensors) runs while the other's
-    wgmma keeps the tensor cores busy; cooperative warp groups (both on one tile, then both in the
-    epilogue) left the tensor cores idle for the whole epilogue (0.72x QuACK's TFLOP/s at 128 x 128).
+    wgmma keeps the tensor cores busy (cooperative warp groups, both on one tile and then both in the
+    epilogue, left them idle meanwhile; measured gain 2-9%, docs/design-notes.md).
     Epilogue, per batch of 8-column accumulator chunks (see ``swiglu_bwd_batch``): the saved bf16
     gate/up at the accumulator elements' (row, column)s loaded into registers in one vectorised batch
     (all in flight before any store; a whole tile's gate/up next to its accumulators would not fit the
@@ -108,9 +108,9 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
                             row_w: cute.Tensor, last_row, dims, full: cutlass.Constexpr,
                             part_sums: cute.Tensor):
         """The epilogue (see the class docstring). A full tile, per 64-row block of the warp group's
-        tile (the accumulator's MMA_M mode): one batch of vectorised loads of its gate/up into
-        ``rG``/``rU``, the math in registers (results overwrite them; h_w over ``acc``), vectorised
-        stores. An edge tile reads and writes per element, predicated. ``part_sums[row_slot[i]]``
+        tile (the accumulator's MMA_M mode) and batch of its 8-column chunks (``swiglu_bwd_batch``):
+        vectorised loads of gate/up into ``rG``/``rU``, the math in registers, vectorised stores. An
+        edge tile reads and writes per element, predicated. ``part_sums[row_slot[i]]``
         collects d * h of the thread's rows of that static slot (elements outside the bounds are
         skipped)."""
         # the route weight of each of the thread's rows, read once (clamped: rows past N are never stored)
