@@ -480,6 +480,28 @@ def _differing(got: list[torch.Tensor], want: list[torch.Tensor], names: list[st
     return out
 
 
+def _replay_mismatch(step, model, compiled, skewed, plain, replays, names, ep) -> dict:
+    """What tells the causes of a CUDA-graph replay mismatch apart: which tensors differ per replay;
+    whether the replays of one input agree with each other (graph vs plain compile); whether the plain
+    compiled and the eager step each repeat themselves bitwise on the skewed input (a nondeterministic
+    kernel); and the eager step with every torch.empty NaN-filled (the ops' outputs among them: a kernel
+    that reads an element nobody wrote, a padding row or an empty group, turns it into NaN there)."""
+    out = dict(graphs_differing=[_differing(r, plain[i % 2], names) for i, r in enumerate(replays)],
+               replays_vs_first_replay=[_differing(r, replays[i % 2], names) for i, r in enumerate(replays)],
+               compiled_repeat_differing=_differing(step(compiled, skewed), step(compiled, skewed), names))
+    eager_skewed = step(model, skewed)
+    out["eager_repeat_differing"] = _differing(step(model, skewed), eager_skewed, names)
+    status_before = int(ep.status.item())
+    filled = _with_nan_filled_empty(lambda: step(model, skewed))
+    out["eager_nan_filled_nonfinite"] = [n for n, t in zip(names, filled) if not bool(t.isfinite().all())]
+    out["eager_nan_filled_differing"] = _differing(filled, eager_skewed, names)
+    # a table entry nobody wrote (the largest int32) is flagged by the next kernel that reads it
+    out["eager_nan_filled_status"] = int(ep.status.item())
+    if not status_before:
+        ep.status.zero_()  # reported above; the caller's ep.check reports on the rest of the contract
+    return out
+
+
 def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, steps: int):
     """A MoEModel of n_layers blocks (bf16, one EPGroup) on the GPU:
     eager      output and every gradient (the test checks them against the dense fp32 model);
@@ -572,24 +594,8 @@ def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, 
     out["graphs_bitwise"] = [all(torch.equal(a, b) for a, b in zip(r, plain[i % 2])) for i, r in enumerate(replays)]
     out["graphs_diff"] = max(float((a.float() - b.float()).abs().max()) for i, r in enumerate(replays)
                              for a, b in zip(r, plain[i % 2]))
-    # what tells the causes of a mismatch apart: which tensors differ per replay; whether the replays
-    # of one input agree with each other (graph vs plain compile) and whether the plain compiled and the
-    # eager step each repeat themselves bitwise on the skewed input (a nondeterministic kernel)
-    out["graphs_differing"] = [_differing(r, plain[i % 2], names) for i, r in enumerate(replays)]
-    out["replays_vs_first_replay"] = [_differing(r, replays[i % 2], names) for i, r in enumerate(replays)]
-    out["compiled_repeat_differing"] = _differing(step(compiled, xs[1]), step(compiled, xs[1]), names)
-    eager_skewed = step(model, xs[1])
-    out["eager_repeat_differing"] = _differing(step(model, xs[1]), eager_skewed, names)
-    # the same eager step with every torch.empty NaN-filled (the ops' outputs among them): a kernel that
-    # reads an element nobody wrote (a padding row, an empty group) turns it into NaN there
-    status_before = int(ep.status.item())
-    filled = _with_nan_filled_empty(lambda: step(model, xs[1]))
-    out["eager_nan_filled_nonfinite"] = [n for n, t in zip(names, filled) if not bool(t.isfinite().all())]
-    out["eager_nan_filled_differing"] = _differing(filled, eager_skewed, names)
-    # a table entry nobody wrote (the largest int32) is flagged by the next kernel that reads it
-    out["eager_nan_filled_status"] = int(ep.status.item())
-    if not status_before:
-        ep.status.zero_()  # reported above; ep.check below reports on the rest of the contract
+    if not all(out["graphs_bitwise"]):  # only a mismatch needs telling apart (extra steps)
+        out.update(_replay_mismatch(step, model, compiled, xs[1], plain, replays, names, ep))
 
     exported = torch.export.export(model, (xs[2],))
     with torch.no_grad():
