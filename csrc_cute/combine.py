@@ -14,6 +14,9 @@ Semantics (S tokens, K top-k, R ranks, NvS rows; plan tables [S, K] int32 `dst_r
                   (remote reads: one row per (token, destination rank) crosses the link).
   gather_pull     out[s, k] = vals[dst_row[s, k]] on rank dst_rank[s, k] (vals f32 [NvS] per rank);
                   0 for entries outside the plan.
+  combine_local   one rank (R = 1), one pass: out[s] = the row dtype of the fp32 sum, in k order, of
+                  rows[dst_row[s, k]] -- bitwise combine_presum + combine_pull there (a token's chain
+                  is its rows in k order), without writing the presums and reading them back.
 
 Every sum is a fixed-order fp32 sum (no atomics): deterministic. Chains are followed for at most 32
 rows (K <= 32) and stop at a row outside [0, NvS); plan entries with a rank outside [0, R) or a row
@@ -38,7 +41,8 @@ static key):
           head's chain one pointer load per iteration, overlapped with the copies.
   pull    one warp per token: lanes < K hold the token's entries, a ballot of the carriers, then per
           segment the carriers' rows are read from the peers in k order (NB at a time) and summed in
-          fp32.
+          fp32. combine_local's variant (LOCAL): every valid entry is a carrier and its row is read
+          from `rows` itself, 4 rows' loads in flight.
   gather  one thread per (s, k), 4 independent reads in flight per thread.
 """
 
@@ -80,6 +84,7 @@ _NT_GATHER = 256
 # (blocks of NB, then of 2, then 1 row; every load of a block is issued before its adds)
 _U_PRESUM, _D_PRESUM = 4, 6   # 16 warps * 6 slots * 2 KiB = 192 KiB of shared memory per CTA
 _U_PULL, _NB_PULL = 8, 1
+_NB_LOCAL = 4  # the one-pass combine of one rank reads a token's K rows: 4 rows' loads in flight
 _CHAIN_MAX = 32
 _NO_NVS = 2 ** 31 - 64  # row bound when the caller gives no nvs
 
@@ -269,10 +274,13 @@ def _pull_segment(acc: cute.Tensor, src: Int64, car: Int32, ncar: Int32, dst: In
 
 
 @cute.kernel
-def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+def _pull_kernel(source: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
                  primary_row: cute.Tensor, out: cute.Tensor, status: cute.Tensor, S: Constexpr[int], K: Constexpr[int],
                  R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int], dtype: Constexpr,
-                 NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], NB: Constexpr[int]):
+                 NCTA: Constexpr[int], NT: Constexpr[int], U: Constexpr[int], NB: Constexpr[int],
+                 LOCAL: Constexpr[bool]):
+    """`source`: every rank's presum address (int64 [R]); LOCAL (one rank): the rows themselves, every
+    row of a token a carrier (its chain, in k order: what presum summed)."""
     NW = NT // 32
     W = NCTA * NW
     VEC = 16 * 8 // dtype.width
@@ -288,10 +296,13 @@ def _pull_kernel(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
         pr = primary_row[idx]
         ok = (lane < K) & (d >= 0) & (d < R) & (r >= 0) & (r < NVS)
         flag_bad_table(status, (lane < K) & (d != -1) & ((ok == False) | (pr < 0) | (pr >= NVS)))  # noqa: E712
-        car = cute.arch.vote_ballot_sync(ok & (r == pr))
+        car = cute.arch.vote_ballot_sync(ok if cutlass.const_expr(LOCAL) else ok & (r == pr))
         ncar = cute.arch.popc(car)
-        src = (peer_presum[cutlass.select_(ok, d, Int32(0))]
-               + Int64(cutlass.select_(ok, r, Int32(0))) * ROWB)
+        if cutlass.const_expr(LOCAL):
+            src = addr_of(source) + Int64(cutlass.select_(ok, r, Int32(0))) * ROWB
+        else:
+            src = (source[cutlass.select_(ok, d, Int32(0))]
+                   + Int64(cutlass.select_(ok, r, Int32(0))) * ROWB)
         dst = oa + Int64(s) * ROWB
         for seg in cutlass.range(nfull):
             _pull_segment(acc, src, car, ncar, dst, seg * (32 * U), lane, U, NC, False, dtype, VEC, NB)
@@ -338,12 +349,13 @@ def _presum_launch(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
 
 
 @cute.jit
-def _pull_launch(peer_presum: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
+def _pull_launch(source: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
                  primary_row: cute.Tensor, out: cute.Tensor, status: cute.Tensor, stream, S: Constexpr[int],
                  K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
-                 dtype: Constexpr, NCTA: Constexpr[int]):
-    _pull_kernel(peer_presum, dst_rank, dst_row, primary_row, out, status, S, K, R, NVS, ROWB, dtype, NCTA,
-                 _NT_PULL, _U_PULL, _NB_PULL).launch(grid=(NCTA, 1, 1), block=(_NT_PULL, 1, 1), stream=stream)
+                 dtype: Constexpr, NCTA: Constexpr[int], LOCAL: Constexpr[bool]):
+    _pull_kernel(source, dst_rank, dst_row, primary_row, out, status, S, K, R, NVS, ROWB, dtype, NCTA,
+                 _NT_PULL, _U_PULL, _NB_LOCAL if LOCAL else _NB_PULL, LOCAL).launch(
+        grid=(NCTA, 1, 1), block=(_NT_PULL, 1, 1), stream=stream)
 
 
 @cute.jit
@@ -371,15 +383,16 @@ def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _
     return _JIT.compiled(("presum", NVS, H, dtype, ncta, nt, u, d), build)
 
 
-def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int):
+def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, local: bool = False):
     dt = ROW_DTYPES[dtype]
 
     def build():
-        return cute.compile(_pull_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),
+        source = fake(dt, NVS * H) if local else fake(Int64, R, 8)
+        return cute.compile(_pull_launch, source, fake(Int32, S * K, 4),
                             fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(dt, S * H), fake(Int32, 1, 4),
                             fake_stream(),
-                            S, K, R, NVS, H * dtype.itemsize, dt, ncta, options="--enable-tvm-ffi")
-    return _JIT.compiled(("pull", S, H, K, R, NVS, dtype, ncta), build)
+                            S, K, R, NVS, H * dtype.itemsize, dt, ncta, local, options="--enable-tvm-ffi")
+    return _JIT.compiled(("pull", S, H, K, R, NVS, dtype, ncta) + (("local",) if local else ()), build)
 
 
 def _compile_gather(S: int, K: int, R: int, NVS: int, ncta: int):
@@ -431,6 +444,26 @@ def combine_pull(peer_presum: torch.Tensor, dst_rank: torch.Tensor, dst_row: tor
     fn(peer_presum, dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1), out.view(-1), status)
 
 
+def combine_local(rows: torch.Tensor, dst_rank: torch.Tensor, dst_row: torch.Tensor, primary_row: torch.Tensor,
+                  out: torch.Tensor, status: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
+    """One rank, one pass: out[s] = row dtype of the fp32 sum, in k order, of rows[dst_row[s, k]] over the
+    valid entries (dst_rank 0, dst_row in [0, NvS)) -- bitwise what combine_presum + combine_pull give
+    with R = 1 (a token's chain is its rows in k order, summed in fp32 and rounded once either way),
+    without writing and re-reading the presums. rows [NvS, H] and out [S, H] bf16/fp16/fp32 (one dtype);
+    plan tables int32 [S, K]; status as combine_pull's (an entry with a rank other than 0 or -1, or a row
+    outside [0, NvS), is skipped and flagged)."""
+    dev, S, H, K = need_rows_and_plan("out", out, dst_rank, dst_row, primary_row)
+    need_rows("rows", rows, out.dtype, device=dev)
+    if rows.shape[1] != H:
+        raise ValueError(f"combine_local: rows has {rows.shape[1]} columns, out {H}: they must match")
+    need_status(status, dev)
+    num_ctas = need_int("num_ctas", num_ctas)
+    NVS = rows.shape[0]
+    check_fits(S, K, NVS)
+    fn = _compile_pull(S, H, K, 1, NVS, out.dtype, num_ctas, local=True)
+    fn(rows.view(-1), dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1), out.view(-1), status)
+
+
 def gather_pull(peer_vals: torch.Tensor, dst_rank: torch.Tensor, dst_row: torch.Tensor,
                 out: torch.Tensor, status: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS,
                 nvs: int | None = None) -> None:
@@ -457,18 +490,24 @@ DEFAULT_CHECK_CONFIGS = [
     dict(S=7, H=64, K=6, R=2, NVS=align_up(7 * 6 + 15 * 6, 16), dtype="bfloat16"),
     dict(S=7, H=72, K=6, R=4, NVS=align_up(7 * 6 + 15 * 6, 16), dtype="float32"),
     dict(S=9, H=200, K=5, R=4, NVS=align_up(9 * 5 + 15 * 6, 16), dtype="float16"),
+    # one rank (also the one-pass combine_local): S=8192, H=7168, K=8, E=48, P=128
+    dict(S=8192, H=7168, K=8, R=1, NVS=align_up(8192 * 8 + 127 * 48, 128), dtype="bfloat16"),
 ]
 
 
 def compile_all_for_check(configs: list[dict] | None = None, num_ctas: int = DEFAULT_NUM_CTAS) -> None:
-    """Compile presum, pull and gather for each config; on a machine without a CUDA driver each
-    compile stops at loading (caught: exactly DSLRuntimeError from CudaDriverDependencyError)."""
+    """Compile presum, pull and gather for each config, and at R = 1 also the one-pass pull of
+    combine_local; on a machine without a CUDA driver each compile stops at loading (caught: exactly
+    DSLRuntimeError from CudaDriverDependencyError)."""
     from csrc_cute.compile_check import compile_and_report
 
     for cfg in configs or DEFAULT_CHECK_CONFIGS:
         S, H, K, R, NVS = (cfg[k] for k in ("S", "H", "K", "R", "NVS"))
         dt = getattr(torch, cfg.get("dtype", "bfloat16"))
-        for name, build in (("presum", lambda: _compile_presum(NVS, H, dt, num_ctas)),
-                            ("pull", lambda: _compile_pull(S, H, K, R, NVS, dt, num_ctas)),
-                            ("gather", lambda: _compile_gather(S, K, R, NVS, num_ctas))):
+        builds = [("presum", lambda: _compile_presum(NVS, H, dt, num_ctas)),
+                  ("pull", lambda: _compile_pull(S, H, K, R, NVS, dt, num_ctas)),
+                  ("gather", lambda: _compile_gather(S, K, R, NVS, num_ctas))]
+        if R == 1:
+            builds.append(("pull_local", lambda: _compile_pull(S, H, K, R, NVS, dt, num_ctas, local=True)))
+        for name, build in builds:
             compile_and_report(f"{name} S={S} H={H} K={K} R={R} NvS={NVS} {dt}", build)

@@ -151,6 +151,9 @@ def _combine_variants() -> list[tuple[str, Callable[[], None]]]:
                             ncta=COMM_NUM_CTAS))
         out.append(_variant("combine", "combine", "gather", "_compile_gather", s=s, k=k, r=r, nvs=nvs,
                             ncta=COMM_NUM_CTAS))
+    # the one-pass pull of combine_local (R = 1): the benchmark shape at E = 48
+    out.append(_variant("combine", "combine", "pull", "_compile_pull", s=8192, h=7168, k=8, r=1, nvs=71680,
+                        dtype="bfloat16", ncta=COMM_NUM_CTAS, local=True))
     return out
 
 

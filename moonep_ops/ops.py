@@ -218,6 +218,13 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
     from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("combine", ctrl)
+    if ep.cfg.R == 1:
+        # one rank: nobody reads a presum but this rank's own pull, so one pass sums each token's rows
+        # straight from `rows` (bitwise the presum + pull result; combine_local)
+        out = rows.new_empty((dst_rank.shape[0], rows.shape[1]))
+        kc.combine_local(rows, dst_rank, dst_row, primary_row, out, ep.status, num_ctas=ep.comm_sms)
+        _debug_check(ep, "combine")
+        return out
     _barrier(ep, ctrl, "combine")  # every peer is done reading the previous combine's presum
     kc.combine_presum(rows, row_primary, row_next, presum, ep.status, num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "combine")  # every rank's presum is complete

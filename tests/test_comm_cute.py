@@ -44,8 +44,11 @@ GARBAGE_I = -99
 def test_comm_kernels_compile_sm90a(module, kernels):
     import importlib
 
-    n = len(importlib.import_module(f"csrc_cute.{module}").DEFAULT_CHECK_CONFIGS)
-    check_module_compiles(f"csrc_cute.{module}:compile_all_for_check", kernels, n, files_per_config=len(kernels))
+    configs = importlib.import_module(f"csrc_cute.{module}").DEFAULT_CHECK_CONFIGS
+    # combine: each R = 1 config also compiles the one-pass pull of combine_local
+    extra = {"_pull_kernel": sum(c["R"] == 1 for c in configs)} if module == "combine" else {}
+    check_module_compiles(f"csrc_cute.{module}:compile_all_for_check", kernels, len(configs),
+                          files_per_config=len(kernels), extra=extra)
 
 
 def test_host_validation_errors():
@@ -102,8 +105,17 @@ def test_host_validation_errors():
     with pytest.raises(ValueError, match="dst_rank must have dtype"):
         C.gather_pull(torch.zeros(R, dtype=i64), torch.zeros(S, K, dtype=i64),
                       torch.zeros(S, K, dtype=i32), torch.zeros(S, K, dtype=f32), torch.zeros(1, dtype=i32))
+    plan = [torch.zeros(S, K, dtype=i32) for _ in range(3)]
+    with pytest.raises(ValueError, match="out must have dtype"):
+        C.combine_local(torch.zeros(N, H, dtype=bf), *plan, torch.zeros(S, H, dtype=i32), torch.zeros(1, dtype=i32))
     if not HAS_CUDA:
         return
+    with pytest.raises(ValueError, match="rows must have dtype"):
+        C.combine_local(torch.zeros(N, H, dtype=f32, device=DEV), *(t.to(DEV) for t in plan),
+                        torch.zeros(S, H, dtype=bf, device=DEV), torch.zeros(1, dtype=i32, device=DEV))
+    with pytest.raises(ValueError, match="combine_local: rows has 72 columns, out 64"):
+        C.combine_local(torch.zeros(N, 72, dtype=bf, device=DEV), *(t.to(DEV) for t in plan),
+                        torch.zeros(S, H, dtype=bf, device=DEV), torch.zeros(1, dtype=i32, device=DEV))
     a = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in meta_args().items()}
     q = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in pull_args().items()}
     cuda = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=DEV)  # noqa: E731
@@ -402,6 +414,14 @@ class Sim:
             combine_pull(self.p_presum, self.dst_rank[r], self.dst_row[r], self.primary[r], self.comb[r],
                          self.status[r], self.ncta, nvs=self.c.NVS)
 
+    def combine_local(self):
+        """R = 1: the one-pass combine (combine_local) into comb[0]; nothing else is written."""
+        from csrc_cute.combine import combine_local
+
+        assert self.c.R == 1
+        combine_local(self.y[0], self.dst_rank[0], self.dst_row[0], self.primary[0], self.comb[0], self.status[0],
+                      self.ncta)
+
     def gather_all(self):
         from csrc_cute.combine import gather_pull
 
@@ -551,6 +571,14 @@ def test_dispatch_combine_simulated(cfg):
             sim.combine()
             torch.cuda.synchronize()
             sim.check_combine(exact)
+            if R == 1:  # the one-pass combine of one rank: bitwise the presum + pull result
+                two_pass = sim.comb[0].clone()
+                sim.comb[0].fill_(GARBAGE_ROW)
+                sim.combine_local()
+                torch.cuda.synchronize()
+                sim.check_combine(exact)
+                _eq(sim.comb[0], two_pass, f"{kind}: combine_local against presum + pull")
+                assert sim.status_words() == [0], kind
 
 
 def _bad_table_sim():
