@@ -84,6 +84,7 @@ def _spawn(argv: list[str], cache: str, pycache: str | None) -> dict:
     env = dict(os.environ, MOONEP_CUTE_CACHE_DIR=cache)
     if pycache is not None:
         env["PYTHONPYCACHEPREFIX"] = pycache
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # set on some machines: the first process must write
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *argv], env=env, cwd=ROOT,
                           capture_output=True, text=True)
@@ -91,6 +92,8 @@ def _spawn(argv: list[str], cache: str, pycache: str | None) -> dict:
         raise RuntimeError(f"bench_cold_start: the measured process failed:\n{proc.stderr[-4000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     res["process_wall_s"] = time.perf_counter() - t
+    if pycache is not None:  # the bytecode the shared prefix holds after this process (proof it is used)
+        res["pycache_files"] = sum(f.endswith(".pyc") for _, _, files in os.walk(pycache) for f in files)
     return res
 
 

@@ -78,13 +78,14 @@ def copy_roof_gbs(nbytes: int = 1 << 31) -> float:
     return nbytes / cuda_time_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def comm_bytes(S: int, row_bytes: int, dst_rank: torch.Tensor, dst_row: torch.Tensor,
+def comm_bytes(S: int, R: int, row_bytes: int, dst_rank: torch.Tensor, dst_row: torch.Tensor,
                primary_row: torch.Tensor, row_primary: torch.Tensor) -> dict:
     """Bytes each dispatch/combine kernel of this rank reads and writes (row data and its tables), and each
     op's minimum (its input rows read once, its output rows written once). Send side: this rank's plan
     tables [S, K]; receive side: dispatch's out_primary [NvS] (row_primary: -1 padding, p a chain head,
     another row of the same token otherwise). Counts follow the kernels of csrc_cute/dispatch.py and
-    combine.py; at R > 1 some reads come from peers' memory over NVLink."""
+    combine.py; at R > 1 some reads come from peers' memory over NVLink. At R = 1 meta stages no rows (the
+    pull reads x itself) and combine is one pass (combine_local: each token's rows in, out[s]; no presum)."""
     nvs = row_primary.numel()
     rows = torch.arange(nvs, device=row_primary.device)
     real = int((row_primary >= 0).sum())           # rows that hold a token's copy
@@ -93,15 +94,16 @@ def comm_bytes(S: int, row_bytes: int, dst_rank: torch.Tensor, dst_row: torch.Te
     carriers = int(((dst_row == primary_row) & (dst_rank >= 0)).sum())  # one per (token, destination)
     entries = int((dst_rank >= 0).sum())
     table = 4 * 4  # w, primary, next, src: 4 bytes each per row or (s, k) entry
+    staged = 0 if R == 1 else 2 * S * row_bytes                      # x -> send_rows (R > 1 only)
+    combine = dict(pull=real * row_bytes + S * row_bytes + entries * 12) if R == 1 else dict(
+        presum=real * row_bytes + heads * row_bytes + nvs * 8,        # chains in, one row per head out
+        pull=carriers * row_bytes + S * row_bytes + entries * 12)     # carriers' presums in, out[s]
     return {
         "dispatch": dict(
             minimum=(present + real) * row_bytes,
-            meta=2 * S * row_bytes + entries * (12 + table),          # x -> send_rows; tables out
+            meta=staged + entries * (12 + table),                       # tables out
             pull=heads * row_bytes + nvs * row_bytes + nvs * (table + 12)),  # rows in, every row out
-        "combine": dict(
-            minimum=(real + present) * row_bytes,
-            presum=real * row_bytes + heads * row_bytes + nvs * 8,    # chains in, one row per head out
-            pull=carriers * row_bytes + S * row_bytes + entries * 12),  # carriers' presums in, out[s]
+        "combine": dict(minimum=(real + present) * row_bytes, **combine),
     }
 
 
@@ -119,8 +121,10 @@ def hbm_rows(op: str, fn, nbytes: dict, roof_gbs: float) -> list[dict]:
     out, total = [], 0.0
     for part in OP_KERNELS[op]:
         ms = sum(t for n, t in kernels if f"_{part}_kernel" in n)
-        total += ms
         b = nbytes[op].get(part, 0)
+        if not ms and not b:
+            continue  # a kernel this R does not run (R = 1: combine's presum)
+        total += ms
         out.append(dict(op=op, kernel=part, ms=ms, bytes=b, gbs=b / ms / 1e6 if ms > 0 and b else None))
     other = sum(t for _, t in kernels) - total  # anything else the op launched
     b = nbytes[op]["minimum"]
@@ -190,7 +194,7 @@ def bench_rank(rank: int, R: int, opts: dict) -> list[dict]:
         for name, fn in (("plan", do_plan), ("dispatch", do_dispatch), ("combine", do_combine),
                          ("forward", do_forward), ("backward", do_backward)):
             ours[name] = (cuda_time_ms(fn), graph_time_ms(fn))
-        nbytes = comm_bytes(S, H * x.element_size(), dst_rank, dst_row, primary_row, d_primary)
+        nbytes = comm_bytes(S, R, H * x.element_size(), dst_rank, dst_row, primary_row, d_primary)
         hbm = hbm_rows("dispatch", do_dispatch, nbytes, roof) + hbm_rows("combine", do_combine, nbytes, roof)
         ep.check("bench_comm")
 

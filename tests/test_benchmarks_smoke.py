@@ -278,6 +278,9 @@ def test_bench_cold_start_smoke_measures_two_processes(tmp_path_factory):
     stdout, res, _ = run_smoke(tmp_path_factory, "bench_cold_start")
     assert res["shape"] == dict(S=16, H=32, F=16, E=8, K=2) and res["device"] == "cpu", res
     assert res["pycache"] == "shared", res  # both processes share one bytecode cache (see --pycache)
+    # the first process wrote its bytecode there, the second found all of it (it compiled no source)
+    first, second = res["first_process"]["pycache_files"], res["second_process"]["pycache_files"]
+    assert second == first > 100, (first, second)
     for name in ("first_process", "second_process"):
         r = res[name]
         assert all(r[k] > 0 for k in ("import_s", "init_s", "first_forward_s", "first_backward_s",
@@ -391,7 +394,9 @@ def test_bench_op_overhead_smoke_measures_the_cpu_agreement(tmp_path_factory):
 def test_bench_comm_bytes_on_a_cpu_plan(gloo1):
     """bench_comm's HBM accounting on a real R = 1 plan (CPU reference) with 3 absent tokens: at R = 1 every
     present token has one chain of K rows here, so heads = present tokens, real rows = their S*K
-    entries, carriers = heads; padding rows count in dispatch's pull (it writes zeros there)."""
+    entries, carriers = heads; padding rows count in dispatch's pull (it writes zeros there). With R = 1
+    meta stages no rows and combine is one pass (no presum); the same tables under R > 1's kernels
+    (R = 2) count the staging copy and the presum round trip."""
     from benchmarks.bench_comm import comm_bytes
     from moonep_ops import EPConfig, EPGroup
     from moonep_ops.handles import Dispatch, Plan
@@ -406,10 +411,13 @@ def test_bench_comm_bytes_on_a_cpu_plan(gloo1):
                                             p.group_rows, *ep.dispatch_buffers, ep.ctrl, ep.group_name))
     rb, nvs, present = H * 4, ep.cfg.NvS, S - 3
     real = present * K
-    got = comm_bytes(S, rb, p.dst_rank, p.dst_row, p.primary_row, d.row_primary)
+    tables = (p.dst_rank, p.dst_row, p.primary_row, d.row_primary)
+    one, two = comm_bytes(S, 1, rb, *tables), comm_bytes(S, 2, rb, *tables)
     assert nvs > real  # the plan pads each group to a multiple of P
-    assert got["dispatch"] == dict(minimum=(present + real) * rb, meta=2 * S * rb + real * 28,
-                                   pull=present * rb + nvs * rb + nvs * 28)
-    assert got["combine"] == dict(minimum=(real + present) * rb, presum=(real + present) * rb + nvs * 8,
+    pull = present * rb + nvs * rb + nvs * 28
+    assert one["dispatch"] == dict(minimum=(present + real) * rb, meta=real * 28, pull=pull)
+    assert two["dispatch"] == dict(minimum=(present + real) * rb, meta=2 * S * rb + real * 28, pull=pull)
+    assert one["combine"] == dict(minimum=(real + present) * rb, pull=real * rb + S * rb + real * 12)
+    assert two["combine"] == dict(minimum=(real + present) * rb, presum=(real + present) * rb + nvs * 8,
                                   pull=present * rb + S * rb + real * 12)
     ep.destroy()
