@@ -41,9 +41,12 @@ class EPGroup:
     timeout_s: how long a cross-rank wait lasts before it fails: on CUDA a barrier sets STATUS_TIMEOUT;
       on the CPU an op raises MoEStatusError (the ops' agreement exchange and their collectives).
     Building it is collective: the ranks' EPConfig, dtype and device type must agree (moonep_ops/agreement.py).
-    comm_sms: CTAs (one per SM) the dispatch/combine/weight kernels use (CUDA). Default: 32 with R > 1,
-      leaving the other SMs to compute a framework may overlap with the link traffic; every SM with
-      R = 1, where those kernels are local HBM passes with nothing beside them (bench_peers.py).
+    comm_sms: CTAs the dispatch/combine/weight kernels launch (CUDA). Default: 32 with R > 1 (one per
+      SM), leaving the other SMs to compute a framework may overlap with the link traffic; two per SM
+      with R = 1, where those kernels are local HBM passes with nothing beside them: dispatch's pull keeps
+      one 512-thread CTA per SM resident (its registers), and a second wave evens out the rows' uneven
+      work (an H200 at the DESIGN shape: dispatch 464 us with 132 CTAs, 428 with 264, no better with
+      396 or 528; combine the same with each).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
@@ -69,7 +72,7 @@ class EPGroup:
             raise ValueError(f"EPGroup: timeout_s must be > 0, got {timeout_s}")
         if comm_sms is None:
             one_rank_gpu = device.type == "cuda" and cfg.R == 1
-            comm_sms = torch.cuda.get_device_properties(device).multi_processor_count if one_rank_gpu \
+            comm_sms = 2 * torch.cuda.get_device_properties(device).multi_processor_count if one_rank_gpu \
                 else DEFAULT_COMM_SMS
         if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 1:
             raise ValueError(f"EPGroup: comm_sms must be an int >= 1, got {comm_sms!r}")
