@@ -411,3 +411,37 @@ def test_backward_op_with_a_dead_group_key(gloo1):
     ep.destroy()
     with pytest.raises(ValueError, match=r"moonep.combine_backward: ep_key='0/\d+' names no live EPGroup"):
         op(*args)
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node.name() in seen:
+            continue
+        seen.add(node.name())
+        todo.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def test_eager_full_batch_neither_pads_nor_slices(gloo1):
+    """An eager MoELayer call with s = S tokens runs no pad and no slice (each a copy of x's size, with a
+    backward twin); with s < S it pads to S and slices the output back, and both give the dense result."""
+    from moonep_ops import MoELayer
+
+    ep = EPGroup(CFG, dtype=torch.float32)
+    layer = MoELayer(ep)
+    copies = {"ConstantPadNdBackward0", "SliceBackward0"}
+    for s in (CFG.S, CFG.S - 2):
+        x = torch.randn(s, CFG.H, requires_grad=True)
+        y = layer(x)
+        nodes = _autograd_nodes(y)
+        assert (copies & nodes) == (set() if s == CFG.S else copies), (s, sorted(nodes))
+        w, ids = torch.softmax(layer.router(x), 1).topk(CFG.K, dim=1)
+        w = w / w.sum(1, keepdim=True)
+        ex = layer.experts
+        dense = sum(w[:, k, None] * torch.stack([
+            (torch.nn.functional.silu(x[i] @ ex.w_gate[e]) * (x[i] @ ex.w_up[e])) @ ex.w_down[e]
+            for i, e in enumerate(ids[:, k].tolist())]) for k in range(CFG.K))
+        torch.testing.assert_close(y, dense, rtol=1e-4, atol=1e-5)
+    ep.destroy()
