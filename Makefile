@@ -16,9 +16,11 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/python -m moonep_ops.demo
 
 # Two pytest workers (pytest-xdist): the multi-process gloo tests rendezvous through their own temp dirs,
-# so they run side by side; CI's 2 cores finish the suite in ~7 minutes instead of ~10.
+# so they run side by side. --dist loadgroup hands the tests out one at a time, except that the tests
+# sharing a module fixture (xdist_group marks: a compile, a benchmark's smoke run) go to one worker
+# together, so that fixture runs once.
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
 # On a GPU machine (its own python3 and CUDA torch, CuTe DSL importable): the whole suite, the GPU tests
 # included, with the 25 slowest tests listed. All test processes share one kernel disk cache (see

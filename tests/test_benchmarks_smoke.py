@@ -41,11 +41,18 @@ def run_smoke(tmp_path_factory, name: str):
     return proc.stdout, json.load(open(out / f"{name}.json")), out / f"{name}.json"
 
 
+# the tests of one smoke run (a module fixture) run on one pytest-xdist worker (`make test`: --dist
+# loadgroup), so each benchmark's smoke run runs once, not once per worker
+def on_smoke(fixture: str):
+    return pytest.mark.xdist_group(fixture)
+
+
 @pytest.fixture(scope="module")
 def e2e_smoke(tmp_path_factory):
     return run_smoke(tmp_path_factory, "bench_e2e")
 
 
+@on_smoke("e2e_smoke")
 def test_bench_e2e_smoke_runs_every_cpu_variant(e2e_smoke):
     stdout, d, _ = e2e_smoke
     assert d["smoke"] and d["device"] == "cpu" and d["R"] == 2
@@ -78,6 +85,7 @@ def inference_smoke(tmp_path_factory):
     return run_smoke(tmp_path_factory, "bench_inference")
 
 
+@on_smoke("inference_smoke")
 def test_bench_inference_smoke_runs_every_cpu_variant(inference_smoke):
     import math
 
@@ -176,6 +184,7 @@ def peers_smoke(tmp_path_factory):
     return run_smoke(tmp_path_factory, "bench_peers")
 
 
+@on_smoke("peers_smoke")
 def test_bench_peers_smoke_without_peers(peers_smoke):
     stdout, d, _ = peers_smoke
     assert d["smoke"] and d["device"] == "cpu" and d["R"] == 1
@@ -201,8 +210,8 @@ def test_bench_peers_smoke_without_peers(peers_smoke):
     assert any(ln.startswith("GEMM TFLOP/s") for ln in lines)
 
 
-@pytest.mark.parametrize("smoke, plot", [("e2e_smoke", "plot_e2e"), ("inference_smoke", "plot_inference"),
-                                         ("peers_smoke", "plot_peers")])
+@pytest.mark.parametrize("smoke, plot", [pytest.param(smoke, plot, marks=on_smoke(smoke)) for smoke, plot in (
+    ("e2e_smoke", "plot_e2e"), ("inference_smoke", "plot_inference"), ("peers_smoke", "plot_peers"))])
 def test_plot_of_a_smoke_result(request, smoke, plot):
     """Each benchmark's plotter draws its smoke run's JSON into a PNG beside it."""
     pytest.importorskip("matplotlib")

@@ -18,6 +18,12 @@ def compiled_r2():
     return run_ranks(ep_workers.compile_and_export, 2, dict(SHAPE, E=8), 5)
 
 
+# the tests of one module fixture run on one pytest-xdist worker (`make test`: --dist loadgroup), so the
+# fixture's compile runs once, not once per worker
+on_compiled_r2 = pytest.mark.xdist_group("compiled_r2")
+
+
+@on_compiled_r2
 def test_fullgraph_no_breaks_no_recompiles(compiled_r2):
     for res in compiled_r2:
         assert res["graph_breaks"] == 0 and res["graphs"] == 1
@@ -27,12 +33,15 @@ def test_fullgraph_no_breaks_no_recompiles(compiled_r2):
         assert res["max_rel_diff"] < 1e-5  # compiled forward and every gradient equal eager (fp32)
 
 
+@on_compiled_r2
 def test_export_runs_and_matches_eager(compiled_r2):
     for res in compiled_r2:
         assert res["export_diff"] < 1e-5
 
 
+@on_compiled_r2
 def test_compiled_graph_ops(compiled_r2):
+    assert compiled_r2[0]["n_inductor_graphs"] == 2  # one forward, one backward over the 5 steps
     ops = compiled_r2[0]["graph_ops"]
     text = "\n".join(f"{graph}:\n" + "\n".join(f"  {op}" for op in calls) for graph, calls in ops.items())
     assert_expected_inline(text, """\
