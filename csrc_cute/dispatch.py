@@ -49,7 +49,12 @@ static key):
           ballot finds the padding rows (zero stores only) and the chain heads; the lanes walk the
           heads' chains in lockstep into a per-warp node table in shared memory (32 x 32 int32),
           then per head and segment of U chunks per lane the source row is loaded once (32 * U * 16
-          bytes in flight per warp) and stored to every row of its chain.
+          bytes in flight per warp) and stored to every row of its chain. At R = 1 the rows move by
+          bulk copies (csrc_cute/bulk.py) instead, issued by each warp's lane 0: a row in pieces of
+          _BULK_PIECE bytes, each loaded once into one of the warp's _BULK_SLOTS shared-memory slots
+          (the next pieces load while one is stored) and stored to every row of its chain; padding
+          rows get a zero piece. The vector form spent 43% of its stalls on a full load/store queue
+          at 55% of HBM bandwidth (ncu, H200); one bulk store replaces 256 vector stores per 4 KiB.
 
 Host wrappers: `dispatch_meta`, `dispatch_pull`; `compile_all_for_check` for CI (see compile_check).
 """
@@ -67,12 +72,18 @@ from moonep_ops.checks import need_int, need_peers, need_placement, need_rank, n
 from .jit import KernelFamily
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 from .status import STATUS_BAD_TABLE
+from .bulk import bulk_load, bulk_store, commit_stores, wait_stores_done, wait_stores_read
 from .warp import ctz, lanemask_lt, match_any, ptr
 
 _NT = 512          # threads per CTA (16 warps), both kernels
 _U_META = 8        # 16-byte chunks per thread in flight in meta's x copy
 _U_PULL = 16       # 16-byte chunks per lane per segment in pull (8 KiB per warp in flight)
 _CM = 32           # longest chain followed (a token has at most K <= 32 rows on a rank)
+# R = 1 pull by bulk copies (csrc_cute/bulk.py): one lane per warp loads a piece of a token row into a
+# shared-memory slot and stores it to each of the token's rows; the warp's other lanes only do the tables
+_NT_BULK = 256     # threads per CTA
+_BULK_SLOTS = 4    # pieces in flight per warp (shared-memory slots; 3 loading while one is stored)
+_BULK_PIECE = 4096  # bytes per bulk copy (a row moves in pieces of at most this)
 _U = 8             # default chunks per lane per segment of the shared row helpers
 
 ROW_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
@@ -164,6 +175,87 @@ def warp_coords(NW: int):
     warp = tidx // 32
     lane = cute.arch.lane_idx()
     return tidx, bx, warp, lane, bx * NW + warp
+
+
+def bulk_pieces(rowb: int) -> int:
+    """Bulk copies per row of `rowb` bytes: pieces of _BULK_PIECE bytes, the last one shorter."""
+    return (rowb + _BULK_PIECE - 1) // _BULK_PIECE
+
+
+@cute.jit
+def _bulk_init(zeros: cute.Tensor, mbars: cute.Tensor, warp, lane, tidx, NT: Constexpr[int],
+               SLOTS: Constexpr[int]):
+    """Zero the CTA's zero piece (the padding rows' source) and arm each warp's slot mbarriers; the
+    zeros are made visible to the copy engine (async proxy) before any warp stores them."""
+    for i in cutlass.range(tidx, cute.size(zeros) // 4, NT):
+        vec_smem(zeros, i * 4).store(cute.full((4,), 0, Int32))
+    if lane == 0:
+        for s in cutlass.range_constexpr(SLOTS):
+            cute.arch.mbarrier_init(mbars.iterator + warp * SLOTS + s, 1)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_threads()
+
+
+def vec_smem(t: cute.Tensor, i):
+    """Four Int32 of shared tensor t from element i (16-byte aligned)."""
+    return cute.make_tensor(t.iterator + i, cute.make_layout(4))
+
+
+@cute.jit
+def _bulk_zero_rows(pm, i0, oa, zeros: cute.Tensor, ROWB: Constexpr[int]):
+    """Lane 0: the padding rows of the batch at i0 (mask pm) get zeros, one bulk store per piece."""
+    za = zeros.iterator.toint()
+    for _j in cutlass.range(cute.arch.popc(pm)):
+        lj = ctz(pm)
+        pm = pm & (pm - 1)
+        dst = oa + Int64(i0 + lj) * ROWB
+        for p in cutlass.range_constexpr(bulk_pieces(ROWB)):
+            bulk_store(dst + p * _BULK_PIECE, za, min(_BULK_PIECE, ROWB - p * _BULK_PIECE))
+    commit_stores()
+
+
+@cute.jit
+def _bulk_load_piece(u, used, heads, srcs, slots: cute.Tensor, mbars: cute.Tensor, warp,
+                     ROWB: Constexpr[int], SLOTS: Constexpr[int], PIECE: Constexpr[int]):
+    """Lane 0: piece u of the batch (head u // pieces, piece u % pieces) into its slot."""
+    npc = bulk_pieces(ROWB)
+    h = u // npc
+    off = (u - h * npc) * PIECE
+    n = cutlass.min(Int32(PIECE), Int32(ROWB) - off)
+    slot = (warp * SLOTS + (used + u) % SLOTS)
+    mbar = mbars.iterator + slot
+    cute.arch.mbarrier_arrive_and_expect_tx(mbar, n)
+    bulk_load(slots.iterator.toint() + slot * PIECE, srcs[warp * 32 + heads[warp * 64 + h]] + Int64(off), n,
+              mbar.toint())
+
+
+@cute.jit
+def _bulk_copy_chains(nh, used, oa, nodes: cute.Tensor, heads, srcs, slots: cute.Tensor, mbars: cute.Tensor,
+                      warp, nb, ROWB: Constexpr[int], SLOTS: Constexpr[int], PIECE: Constexpr[int]):
+    """Lane 0: the batch's nh chain heads, piece by piece: SLOTS - 1 pieces load while one is stored to
+    every row of its chain (heads [64] per warp: the head lanes in order, then each lane's chain
+    length; srcs: each lane's source row address; `used`: pieces the warp moved before this batch,
+    which fixes each slot's mbarrier phase)."""
+    npc = bulk_pieces(ROWB)
+    n = nh * npc
+    wait_stores_read(0)  # the previous batch's stores have read every slot
+    for u in cutlass.range(cutlass.min(n, Int32(SLOTS - 1))):
+        _bulk_load_piece(u, used, heads, srcs, slots, mbars, warp, ROWB, SLOTS, PIECE)
+    for u in cutlass.range(n):
+        if u + (SLOTS - 1) < n:
+            wait_stores_read(0)  # piece u - 1's stores have read the slot piece u + SLOTS - 1 takes
+            _bulk_load_piece(u + (SLOTS - 1), used, heads, srcs, slots, mbars, warp, ROWB, SLOTS, PIECE)
+        slot = warp * SLOTS + (used + u) % SLOTS
+        cute.arch.mbarrier_wait(mbars.iterator + slot, ((used + u) // SLOTS) % 2)
+        h = u // npc
+        off = (u - h * npc) * PIECE
+        nbytes = cutlass.min(Int32(PIECE), Int32(ROWB) - off)
+        lj = heads[warp * 64 + h]
+        sa = slots.iterator.toint() + slot * PIECE
+        for j in cutlass.range(heads[warp * 64 + 32 + lj]):
+            bulk_store(oa + Int64(nodes[nb + j * 32 + lj]) * ROWB + Int64(off), sa, nbytes)
+        commit_stores()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,11 +356,20 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
     NW = NT // 32
     W = NCTA * NW
     NC, nfull, UT, clamp = row_geometry(ROWB, U)
-    _, _, warp, lane, gw = warp_coords(NW)
+    tidx, _, warp, lane, gw = warp_coords(NW)
     smem = cutlass.utils.SmemAllocator()
     nodes = smem.allocate_tensor(Int32, cute.make_layout(NW * CM * 32), byte_alignment=16)
     nb = warp * (CM * 32)
     oa = addr_of(out_rows)
+    if cutlass.const_expr(R == 1):  # bulk copies (module docstring)
+        heads = smem.allocate_tensor(Int32, cute.make_layout(NW * 64), byte_alignment=16)
+        srcs = smem.allocate_tensor(Int64, cute.make_layout(NW * 32), byte_alignment=16)
+        mbars = smem.allocate_tensor(Int64, cute.make_layout(NW * _BULK_SLOTS), byte_alignment=8)
+        slots = smem.allocate_tensor(Int32, cute.make_layout(NW * _BULK_SLOTS * _BULK_PIECE // 4),
+                                     byte_alignment=128)
+        zeros = smem.allocate_tensor(Int32, cute.make_layout(_BULK_PIECE // 4), byte_alignment=128)
+        _bulk_init(zeros, mbars, warp, lane, tidx, NT, _BULK_SLOTS)
+        used = Int32(0)
     for i0 in cutlass.range(gw * 32, NVS, W * 32):
         i = i0 + lane
         inb = i < NVS
@@ -294,14 +395,18 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
         pad = inb & ((p < 0) | (p >= NVS) | ((p == i) & ((sv < 0) | (sv >= R * S))))
         # padding rows: zeros (stores only)
         pm = cute.arch.vote_ballot_sync(pad)
-        for _j in cutlass.range(cute.arch.popc(pm)):
-            lj = ctz(pm)
-            pm = pm & (pm - 1)
-            dst = oa + Int64(i0 + lj) * ROWB
-            for seg in cutlass.range(nfull):
-                zero_segment(dst, seg * (32 * U), lane, U, NC, False)
-            if cutlass.const_expr(UT > 0):
-                zero_segment(dst, Int32(nfull * 32 * U), lane, UT, NC, clamp)
+        if cutlass.const_expr(R == 1):
+            if lane == 0:
+                _bulk_zero_rows(pm, i0, oa, zeros, ROWB)
+        else:
+            for _j in cutlass.range(cute.arch.popc(pm)):
+                lj = ctz(pm)
+                pm = pm & (pm - 1)
+                dst = oa + Int64(i0 + lj) * ROWB
+                for seg in cutlass.range(nfull):
+                    zero_segment(dst, seg * (32 * U), lane, U, NC, False)
+                if cutlass.const_expr(UT > 0):
+                    zero_segment(dst, Int32(nfull * 32 * U), lane, UT, NC, clamp)
         # chain heads: walk all chains of this batch in lockstep (lane j: head j's chain; its row c
         # goes to the warp's node table at c*32 + j), then one head at a time: per segment the
         # source row's U chunks per lane are loaded once and stored to every row of the chain
@@ -321,24 +426,38 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
                 cur = cutlass.select_(more & (c + 1 < CM), nx, Int32(-1))
             c = c + 1
             act = cute.arch.vote_ballot_sync(cur >= 0)
-        cute.arch.sync_warp()
-        for _j in cutlass.range(cute.arch.popc(hm)):
-            lj = ctz(hm)
-            hm = hm & (hm - 1)
-            lenj = cute.arch.shuffle_sync(ln, lj)
-            sa = cute.arch.shuffle_sync(srca, lj)
-            for seg in cutlass.range(nfull):
-                offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
-                v = load_chunks(sa, offs)
-                for j in cutlass.range(lenj):
-                    store_chunks(oa + Int64(nodes[nb + j * 32 + lj]) * ROWB, offs, v)
-            if cutlass.const_expr(UT > 0):
-                offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
-                v = load_chunks(sa, offs)
-                for j in cutlass.range(lenj):
-                    store_chunks(oa + Int64(nodes[nb + j * 32 + lj]) * ROWB, offs, v)
-        cute.arch.sync_warp()
-
+        if cutlass.const_expr(R == 1):
+            if head:
+                heads[warp * 64 + cute.arch.popc(hm & lanemask_lt())] = lane
+            heads[warp * 64 + 32 + lane] = ln
+            srcs[warp * 32 + lane] = srca
+            cute.arch.sync_warp()
+            if lane == 0:
+                _bulk_copy_chains(cute.arch.popc(hm), used, oa, nodes, heads, srcs, slots, mbars, warp, nb,
+                                  ROWB, _BULK_SLOTS, _BULK_PIECE)
+            used = used + cute.arch.popc(hm) * bulk_pieces(ROWB)
+            cute.arch.sync_warp()  # lane 0 has read the tables before the next batch rewrites them
+        else:
+            cute.arch.sync_warp()
+            for _j in cutlass.range(cute.arch.popc(hm)):
+                lj = ctz(hm)
+                hm = hm & (hm - 1)
+                lenj = cute.arch.shuffle_sync(ln, lj)
+                sa = cute.arch.shuffle_sync(srca, lj)
+                for seg in cutlass.range(nfull):
+                    offs = chunk_offsets(seg * (32 * U), lane, U, NC, False)
+                    v = load_chunks(sa, offs)
+                    for j in cutlass.range(lenj):
+                        store_chunks(oa + Int64(nodes[nb + j * 32 + lj]) * ROWB, offs, v)
+                if cutlass.const_expr(UT > 0):
+                    offs = chunk_offsets(Int32(nfull * 32 * U), lane, UT, NC, clamp)
+                    v = load_chunks(sa, offs)
+                    for j in cutlass.range(lenj):
+                        store_chunks(oa + Int64(nodes[nb + j * 32 + lj]) * ROWB, offs, v)
+            cute.arch.sync_warp()
+    if cutlass.const_expr(R == 1):
+        if lane == 0:
+            wait_stores_done()  # every row written (and the slots read) before the CTA's memory goes
 
 @cute.jit
 def _meta_launch(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
@@ -396,10 +515,11 @@ def _compile_meta(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch
     return _JIT.compiled(("meta", S, H, K, R, NVS, G, dtype, ncta, nt, u), build)
 
 
-def _compile_pull(S: int, H: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, nt: int = _NT,
+def _compile_pull(S: int, H: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, nt: int | None = None,
                   u: int = _U_PULL):
     dt = ROW_DTYPES[dtype]
     rowb = H * dtype.itemsize
+    nt = nt or (_NT_BULK if R == 1 else _NT)
 
     def build():
         source = fake(dt, S * H) if R == 1 else fake(Int64, R, 8)  # x itself, or the peers' send_rows

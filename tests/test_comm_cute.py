@@ -523,6 +523,10 @@ def _eq(got, want, what):
 # (R, S, K, E, B, P, H, dtype, num_ctas)
 CONFIGS = [
     (1, 64, 4, 8, 8, 16, 64, torch.bfloat16, 32),
+    # R = 1 pulls rows by bulk copies of 4 KiB pieces: 7168 bf16 = 3 pieces + 2 KiB; 2056 bf16 = one piece
+    # + 16 bytes, on 3 CTAs (many batches per warp: the slots' mbarrier phases carry across batches)
+    (1, 96, 8, 48, 48, 16, 7168, torch.bfloat16, 32),
+    (1, 150, 6, 16, 16, 32, 2056, torch.bfloat16, 3),
     (2, 200, 8, 16, 8, 16, 200, torch.bfloat16, 3),       # K > R: duplicates; partial tail chunks
     (4, 150, 6, 16, 4, 32, 136, torch.bfloat16, 32),
     (2, 96, 8, 96, 48, 16, 7168, torch.bfloat16, 32),     # the benchmark's H, E, B (P=16 keeps NvS small)
