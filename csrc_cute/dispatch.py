@@ -55,6 +55,8 @@ static key):
           (the next pieces load while one is stored) and stored to every row of its chain; padding
           rows get a zero piece. The vector form spent 43% of its stalls on a full load/store queue
           at 55% of HBM bandwidth (ncu, H200); one bulk store replaces 256 vector stores per 4 KiB.
+          Measured: 428 -> 416 us at the DESIGN shape with 264 CTAs (benchmarks/results/
+          dispatch_ctas_h200.txt): the queue was not the main limit.
 
 Host wrappers: `dispatch_meta`, `dispatch_pull`; `compile_all_for_check` for CI (see compile_check).
 """
