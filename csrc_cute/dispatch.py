@@ -71,10 +71,10 @@ from cutlass import Constexpr, Float32, Int32, Int64
 
 from moonep_ops.checks import need_int, need_peers, need_placement, need_rank, need_status, need_tensor
 
+from .bulk import bulk_load, bulk_store, commit_stores, wait_stores_done, wait_stores_read
 from .jit import KernelFamily
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 from .status import STATUS_BAD_TABLE
-from .bulk import bulk_load, bulk_store, commit_stores, wait_stores_done, wait_stores_read
 from .warp import ctz, lanemask_lt, match_any, ptr
 
 _NT = 512          # threads per CTA (16 warps), both kernels
@@ -184,6 +184,11 @@ def bulk_pieces(rowb: int) -> int:
     return (rowb + _BULK_PIECE - 1) // _BULK_PIECE
 
 
+def vec_smem(t: cute.Tensor, i):
+    """Four Int32 of shared tensor t from element i (16-byte aligned)."""
+    return cute.make_tensor(t.iterator + i, cute.make_layout(4))
+
+
 @cute.jit
 def _bulk_init(zeros: cute.Tensor, mbars: cute.Tensor, warp, lane, tidx, NT: Constexpr[int],
                SLOTS: Constexpr[int]):
@@ -197,11 +202,6 @@ def _bulk_init(zeros: cute.Tensor, mbars: cute.Tensor, warp, lane, tidx, NT: Con
     cute.arch.mbarrier_init_fence()
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.sync_threads()
-
-
-def vec_smem(t: cute.Tensor, i):
-    """Four Int32 of shared tensor t from element i (16-byte aligned)."""
-    return cute.make_tensor(t.iterator + i, cute.make_layout(4))
 
 
 @cute.jit
@@ -225,7 +225,7 @@ def _bulk_load_piece(u, used, heads, srcs, slots: cute.Tensor, mbars: cute.Tenso
     h = u // npc
     off = (u - h * npc) * PIECE
     n = cutlass.min(Int32(PIECE), Int32(ROWB) - off)
-    slot = (warp * SLOTS + (used + u) % SLOTS)
+    slot = warp * SLOTS + (used + u) % SLOTS
     mbar = mbars.iterator + slot
     cute.arch.mbarrier_arrive_and_expect_tx(mbar, n)
     bulk_load(slots.iterator.toint() + slot * PIECE, srcs[warp * 32 + heads[warp * 64 + h]] + Int64(off), n,
@@ -460,6 +460,7 @@ def _pull_kernel(peer_send: cute.Tensor, recv_w: cute.Tensor, recv_primary: cute
     if cutlass.const_expr(R == 1):
         if lane == 0:
             wait_stores_done()  # every row written (and the slots read) before the CTA's memory goes
+
 
 @cute.jit
 def _meta_launch(x: cute.Tensor, route_w: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
