@@ -44,9 +44,9 @@ class EPGroup:
     comm_sms: CTAs the dispatch/combine/weight kernels launch (CUDA). Default: 32 with R > 1 (one per
       SM), leaving the other SMs to compute a framework may overlap with the link traffic; two per SM
       with R = 1, where those kernels are local HBM passes with nothing beside them: dispatch's pull keeps
-      one 512-thread CTA per SM resident (its registers), and a second wave evens out the rows' uneven
-      work (an H200 at the DESIGN shape: dispatch 464 us with 132 CTAs, 428 with 264, no better with
-      396 or 528; combine the same with each).
+      one CTA per SM resident (its shared-memory slots), and a second wave evens out the rows' uneven
+      work (an H200 at the DESIGN shape: 432 -> 416 us from 132 to 264 CTAs; the earlier vector pull
+      464 -> 428 us, no better with 396 or 528; combine the same with each).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
