@@ -57,7 +57,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from moonep_ops.checks import need_int, need_peers, need_status, need_tensor
 
-from .jit import KernelFamily
+from .jit import KernelFamily, compiler
 from .dispatch import (
     DEFAULT_NUM_CTAS,
     ROW_DTYPES,
@@ -372,6 +372,7 @@ def _gather_launch(peer_vals: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.
 _JIT = KernelFamily("combine", (__name__,))
 
 
+@compiler
 def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _NT_PRESUM,
                     u: int = _U_PRESUM, d: int = _D_PRESUM):
     dt = ROW_DTYPES[dtype]
@@ -383,6 +384,7 @@ def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _
     return _JIT.compiled(("presum", NVS, H, dtype, ncta, nt, u, d), build)
 
 
+@compiler
 def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, local: bool = False):
     dt = ROW_DTYPES[dtype]
 
@@ -395,6 +397,7 @@ def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, 
     return _JIT.compiled(("pull", S, H, K, R, NVS, dtype, ncta) + (("local",) if local else ()), build)
 
 
+@compiler
 def _compile_gather(S: int, K: int, R: int, NVS: int, ncta: int):
     def build():
         return cute.compile(_gather_launch, fake(Int64, R, 8), fake(Int32, S * K, 4),

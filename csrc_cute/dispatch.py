@@ -72,7 +72,7 @@ from cutlass import Constexpr, Float32, Int32, Int64
 from moonep_ops.checks import need_int, need_peers, need_placement, need_rank, need_status, need_tensor
 
 from .bulk import bulk_load, bulk_store, commit_stores, wait_stores_done, wait_stores_read
-from .jit import KernelFamily
+from .jit import KernelFamily, compiler
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 from .status import STATUS_BAD_TABLE
 from .warp import ctz, lanemask_lt, match_any, ptr
@@ -502,6 +502,7 @@ def fake_stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+@compiler
 def _compile_meta(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch.dtype, ncta: int,
                   nt: int = _NT, u: int = _U_META):
     dt = ROW_DTYPES[dtype]
@@ -518,6 +519,7 @@ def _compile_meta(S: int, H: int, K: int, R: int, NVS: int, G: int, dtype: torch
     return _JIT.compiled(("meta", S, H, K, R, NVS, G, dtype, ncta, nt, u), build)
 
 
+@compiler
 def _compile_pull(S: int, H: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, nt: int | None = None,
                   u: int = _U_PULL):
     dt = ROW_DTYPES[dtype]

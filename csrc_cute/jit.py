@@ -25,6 +25,14 @@ the same kernel at the same time (the ranks of one job, parallel test workers) w
 instead of compiling it again; the lock dies with its holder, and one held past
 ``COMPILE_LOCK_TIMEOUT_S`` (a stuck compile, a filesystem without locks) is not waited for.
 
+Compiling ahead: a fresh process's first MoE step needs ~15 kernels that take 2-12 s each to compile
+(~33 s one after another on an H200). ``dry_run()`` runs a step's host code with every launch replaced
+by nothing and records the kernels it would compile (each as the call of a ``@compiler`` function: a
+module-level function of static values, so another process can repeat it); ``compile_ahead(calls)``
+then compiles them side by side in this process and child processes, which write the disk cache, and
+the real step loads them. The workers share one list and take its entries in turn: an entry another
+process holds the lock of is skipped, not waited for, so no kernel is compiled twice.
+
 ``$MOONEP_CUTE_COMPILE_LOG`` (a file path) appends one JSON line per kernel this process compiled or
 loaded from disk: family, key, ``built``/``loaded``, seconds (lock wait included), pid, and the pytest
 test that asked for it. ``python -m csrc_cute.jit LOG`` sums it per family, per test and per key.
@@ -35,13 +43,17 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
+import contextvars
+import dataclasses
 import fcntl
 import functools
 import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,6 +67,7 @@ import torch
 
 CACHE_DIR_ENV = "MOONEP_CUTE_CACHE_DIR"
 COMPILE_LOG_ENV = "MOONEP_CUTE_COMPILE_LOG"
+COMPILE_WORKERS_ENV = "MOONEP_COMPILE_WORKERS"
 _DISABLED = ("0", "off")
 # Bump when the entry layout or the way entries are exported/loaded changes.
 _FORMAT = 1
@@ -298,15 +311,17 @@ def _store(path: Path, symbol: str, fn) -> None:
 
 
 @contextlib.contextmanager
-def _entry_lock(path: Path):
+def _entry_lock(path: Path, wait: bool = True):
     """Hold an exclusive flock on `path`'s lock file (waiting at most COMPILE_LOCK_TIMEOUT_S for another
-    process's); without one (no lock file, no flock, the wait ran out) the body runs unlocked."""
+    process's); without one (no lock file, no flock, the wait ran out) the body runs unlocked. Yields
+    True, or False when `wait` is False and another process holds the lock (the body must then leave
+    the entry to it)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         _warn_once(f"cannot create a compile lock under {path.parent}", exc)
-        yield
+        yield True
         return
     try:
         deadline = time.monotonic() + COMPILE_LOCK_TIMEOUT_S
@@ -315,6 +330,9 @@ def _entry_lock(path: Path):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not wait:
+                    yield False
+                    return
                 if time.monotonic() > deadline:
                     warnings.warn(f"csrc_cute.jit: {path.name} has been locked by another process for over "
                                   f"{COMPILE_LOCK_TIMEOUT_S:.0f} s; compiling it here too", stacklevel=4)
@@ -322,7 +340,7 @@ def _entry_lock(path: Path):
                 time.sleep(0.05)
             except OSError:  # this filesystem has no flock: compile as if unlocked
                 break
-        yield
+        yield True
     finally:
         os.close(fd)  # drops the lock
 
@@ -394,11 +412,20 @@ class KernelFamily:
 
     def compiled(self, static: tuple, build: Callable[[], Any]):
         """The compiled function for `static` (and the target arch): from memory, else from the disk
-        cache, else ``build()`` (one ``cute.compile``), then kept in both."""
+        cache, else ``build()`` (one ``cute.compile``), then kept in both. In a dry run: a stand-in that
+        launches nothing, with the kernel recorded if it must still be compiled."""
         fn = _MEMORY.get((self.name, *static, target_arch()))  # the hot path: a kernel launch's lookup
         if fn is not None:
-            return fn
+            return fn if getattr(_MODE, "dry", None) is None else _no_launch
         key = compile_key(self.name, static)
+        dry = getattr(_MODE, "dry", None)
+        if dry is not None:
+            return self._record(key, build, dry)
+        return self._get(key, build, wait=not getattr(_MODE, "ahead", False))
+
+    def _get(self, key: tuple, build: Callable[[], Any], wait: bool = True):
+        """From memory, else from disk, else built (and stored); None if not `wait` and another process
+        holds the entry's lock (compiling it now)."""
         with _LOCK:
             fn = _MEMORY.get(key)
             if fn is not None:
@@ -409,7 +436,9 @@ class KernelFamily:
             if entry is None:
                 fn = build()
             else:
-                with _entry_lock(entry[0]):  # a process compiling this key now: wait, then load its entry
+                with _entry_lock(entry[0], wait) as ours:  # another process compiling it: wait, then load
+                    if not ours:
+                        return None
                     fn = _load(*entry)
                     if fn is None:
                         fn = build()
@@ -420,8 +449,174 @@ class KernelFamily:
             _MEMORY[key] = fn
             return fn
 
+    def _record(self, key: tuple, build: Callable[[], Any], calls: list[CompileCall]):
+        """A dry run's request: nothing to do for a kernel on disk; else the `@compiler` call that compiles
+        it joins `calls`, or (no disk cache to hand it over, or no such call) it is compiled here now."""
+        entry = self.entry(key)
+        call = _CALL.get()
+        if entry is not None and entry[0].is_file():
+            pass  # the step loads it
+        elif entry is None or call is None:
+            self._get(key, build)
+        elif call not in calls:
+            calls.append(call)
+        return _no_launch
 
-__all__ = ["CACHE_DIR_ENV", "COMPILE_LOG_ENV", "KernelFamily", "cache_root", "compile_key", "dsl_versions",
+
+# ------------------------------------------------------------------------------------------------
+# compiling ahead
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CompileCall:
+    """One call of a `@compiler` function (module, qualified name, static arguments): repeatable in any
+    process, where it compiles (or loads) its kernel."""
+
+    module: str
+    name: str
+    args: tuple
+    kwargs: tuple = ()  # (name, value) pairs, sorted
+
+    def __call__(self):
+        return getattr(importlib.import_module(self.module), self.name)(*self.args, **dict(self.kwargs))
+
+
+_CALL: contextvars.ContextVar[CompileCall | None] = contextvars.ContextVar("moonep_compile_call", default=None)
+# per thread: .dry, the calls a dry run records (None outside one); .ahead, True while compiling ahead
+_MODE = threading.local()
+
+
+def compiler(fn: Callable) -> Callable:
+    """Mark `fn`, a module-level function of static values (hashable, picklable) that compiles its
+    kernel through ``KernelFamily.compiled``: a dry run can then hand the call to another process."""
+    if "<locals>" in fn.__qualname__:
+        raise TypeError(f"csrc_cute.jit.compiler: {fn.__qualname__} must be a module-level function")
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        token = _CALL.set(CompileCall(fn.__module__, fn.__qualname__, args, tuple(sorted(kwargs.items()))))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CALL.reset(token)
+    return call
+
+
+def _no_launch(*args, **kwargs) -> None:
+    """What a dry run launches in place of a kernel."""
+
+
+def dry_running() -> bool:
+    return getattr(_MODE, "dry", None) is not None
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Run host code with every kernel launch of this thread replaced by nothing; yields the list of the
+    `CompileCall`s of the kernels it asked for that are neither in memory nor on disk (filled as it
+    runs). The code's results are garbage (no kernel wrote them): only its requests count, so it must
+    not read device values on the host."""
+    if dry_running():
+        raise RuntimeError("csrc_cute.jit.dry_run: already in a dry run")
+    calls: list[CompileCall] = []
+    _MODE.dry = calls
+    try:
+        yield calls
+    finally:
+        _MODE.dry = None
+
+
+def compile_workers() -> int:
+    """Processes that compile ahead at once: ``$MOONEP_COMPILE_WORKERS``, else this process's share of the
+    cores (the ``$LOCAL_WORLD_SIZE`` ranks of a torchrun job share a machine), at most 16."""
+    value = os.environ.get(COMPILE_WORKERS_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{COMPILE_WORKERS_ENV} must be an integer >= 1, got {value!r}")
+        return int(value)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(16, (os.cpu_count() or 1) // ranks))
+
+
+def compile_ahead(calls: Sequence[CompileCall], workers: int | None = None) -> None:
+    """Compile the kernels of `calls` (a dry run's record) side by side: this process and up to
+    ``workers - 1`` child processes (default `compile_workers()`) go through the one list from different
+    starts, each compiling the entries no other process holds, into the disk cache. A child that fails
+    is reported (a warning with its output); what it left undone is compiled on demand."""
+    calls = list(dict.fromkeys(calls))
+    if not calls:
+        return
+    workers = min(len(calls), compile_workers() if workers is None else workers)
+    if cache_root() is None:
+        workers = 1  # a child could not hand its kernels back
+    children = [_start_child(calls, i * len(calls) // workers) for i in range(1, workers)]
+    try:
+        _compile_from(calls, 0)
+    finally:
+        for child in children:
+            _finish_child(child)
+
+
+def _compile_from(calls: list[CompileCall], start: int) -> None:
+    """Run `calls` from index `start` round, skipping each kernel another process is compiling."""
+    _MODE.ahead = True
+    try:
+        for call in calls[start:] + calls[:start]:
+            call()
+    finally:
+        _MODE.ahead = False
+
+
+# a compile-ahead child: this process's import path first, then its share of the list
+_CHILD = ("import pickle, sys; sys.path[:0] = pickle.load(sys.stdin.buffer); "
+          "from csrc_cute.jit import _compile_from; _compile_from(*pickle.load(sys.stdin.buffer))")
+
+
+def _child_device() -> str | None:
+    """CUDA_VISIBLE_DEVICES naming this process's current GPU for a child (None: CUDA not in use here)."""
+    if not torch.cuda.is_initialized():
+        return None
+    index = torch.cuda.current_device()
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return str(index)
+    return visible[index] if index < len(visible) else None
+
+
+def _start_child(calls: list[CompileCall], start: int):
+    out = tempfile.TemporaryFile()
+    env = dict(os.environ, CUTE_DSL_ARCH=target_arch(), OMP_NUM_THREADS="1")
+    env[CACHE_DIR_ENV] = str(cache_root())
+    device = _child_device()
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=out,
+                            stderr=subprocess.STDOUT, env=env)
+    path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    try:
+        proc.stdin.write(pickle.dumps(path) + pickle.dumps((calls, start)))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died first: _finish_child reports it
+    return proc, out
+
+
+def _finish_child(child) -> None:
+    proc, out = child
+    try:
+        proc.wait(timeout=COMPILE_LOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.returncode != 0:
+        out.seek(0)
+        tail = out.read()[-3000:].decode(errors="replace")
+        warnings.warn(f"csrc_cute.jit: a compile-ahead process failed (exit {proc.returncode}); the kernels "
+                      f"it left are compiled on demand. Its output:\n{tail}", stacklevel=3)
+    out.close()
+
+
+__all__ = ["CACHE_DIR_ENV", "COMPILE_LOG_ENV", "COMPILE_WORKERS_ENV", "CompileCall", "KernelFamily", "cache_root",
+           "compile_ahead", "compile_key", "compile_workers", "compiler", "dry_run", "dry_running", "dsl_versions",
            "fingerprint", "forget_compiled", "source_files", "summarize_compile_log", "target_arch"]
 
 

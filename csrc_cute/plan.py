@@ -63,7 +63,7 @@ from cutlass import Constexpr, Int32
 
 from moonep_ops.checks import need_int, need_rank, need_status, need_tensor
 
-from .jit import KernelFamily
+from .jit import KernelFamily, compiler
 from .plan_tokens import SMEM_LIMIT, checked_key, flag_bad_expert_ids, foreign_lists, tok_geometry, tok_launch
 from .status import (  # the status bits the kernels set (part of this module's API)
     STATUS_BAD_COUNTS,
@@ -545,6 +545,7 @@ def _list_arg(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.numel() else torch.empty(1, dtype=torch.int32, device=t.device)
 
 
+@compiler
 def _compile_count(RB: int, N: int, E: int, id_dtype: torch.dtype):
     def build():
         return cute.compile(_count_launch, _fake(_cute_dtype(id_dtype), RB * N), _fake(Int32, RB * E),
@@ -552,6 +553,7 @@ def _compile_count(RB: int, N: int, E: int, id_dtype: torch.dtype):
     return _JIT.compiled(("count", RB, N, E, id_dtype), build)
 
 
+@compiler
 def _compile_global(R: int, E: int, B: int, P: int, TT: int):
     def build():
         epn = E // R
@@ -563,6 +565,7 @@ def _compile_global(R: int, E: int, B: int, P: int, TT: int):
     return _JIT.compiled(("global", R, E, B, P, TT), build)
 
 
+@compiler
 def _compile_tokens(S: int, K: int, E: int, R: int, B: int, id_dtype: torch.dtype):
     def build():
         epn = E // R

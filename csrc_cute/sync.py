@@ -29,7 +29,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from moonep_ops.checks import need_peers, need_rank, need_tensor
 
-from .jit import KernelFamily
+from .jit import KernelFamily, compiler
 from .status import (DEFAULT_TIMEOUT_S, EPOCH_WORD, MISMATCH_WORD, OP_IDS, SIGNAL_BASE, STATUS_OP_MISMATCH,
                      STATUS_TIMEOUT, STATUS_WORD, control_words, counts_base)
 from .warp import ptr
@@ -130,6 +130,7 @@ def _exchange_counts_launch(peer_ctrl: cute.Tensor, ctrl: cute.Tensor, counts: c
 _JIT = KernelFamily("sync", (__name__,))
 
 
+@compiler
 def _compile(kind: str, R: int, E: int):
     """kind: "barrier", "exchange", or "barrier_unchecked" (the barrier without the op-id check: only
     bench_op_overhead runs it)."""

@@ -41,7 +41,7 @@ from moonep_ops.checks import need_int, need_peers, need_rank, need_status, need
 
 from .dispatch import (ROW_DTYPES, addr_of, chunk_offsets, copy_segment, fake, fake_stream, flag_bad_table,
                        row_geometry, vec_tensor, zero_segment)
-from .jit import KernelFamily
+from .jit import KernelFamily, compiler
 from .warp import lanemask_lt
 from .status import DEFAULT_COMM_SMS as DEFAULT_NUM_CTAS
 
@@ -256,6 +256,7 @@ def _reduce_zero_launch(etc: cute.Tensor, red_gate: cute.Tensor, red_up: cute.Te
 _JIT = KernelFamily("weights", (__name__,))
 
 
+@compiler
 def _compile_prefetch(R, B, epn, HF, dtype, ncta):
     dt, EB = ROW_DTYPES[dtype], HF * dtype.itemsize
 
@@ -268,6 +269,7 @@ def _compile_prefetch(R, B, epn, HF, dtype, ncta):
     return _JIT.compiled(("prefetch", R, B, epn, HF, dtype, ncta), build)
 
 
+@compiler
 def _compile_reduce(R, B, epn, HF, ncta):
     EB = HF * 4  # one expert's fp32 copy gradient; the bf16 home gradient is HF * 2 bytes
 
@@ -280,6 +282,7 @@ def _compile_reduce(R, B, epn, HF, ncta):
     return _JIT.compiled(("reduce_pull", R, B, epn, HF, ncta), build)
 
 
+@compiler
 def _compile_zero(R, B, HF, ncta):
     EB = HF * 4
 

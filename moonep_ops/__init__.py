@@ -9,7 +9,7 @@
 from . import autograd, ops, planning  # noqa: F401  (registers the moonep ops and their autograd)
 from .config import EPConfig
 from .dense import dense_moe
-from .functional import moe_experts
+from .functional import moe_experts, precompile
 from .group import EPGroup
 from .layers import MoEBlock, MoEExperts, MoELayer, MoEModel
 from .routers import DeepSeekV3Router, Router, RouterOutput, SoftmaxTopKRouter, TopKSoftmaxRouter
@@ -17,5 +17,5 @@ from .routing import route
 from .shared import SharedExperts
 from .status import MoEStatusError, check_status
 
-__all__ = ["EPConfig", "EPGroup", "MoEBlock", "MoEExperts", "MoELayer", "MoEModel", "dense_moe", "moe_experts", "route", "Router", "RouterOutput", "SoftmaxTopKRouter",
+__all__ = ["EPConfig", "EPGroup", "MoEBlock", "MoEExperts", "MoELayer", "MoEModel", "dense_moe", "moe_experts", "precompile", "route", "Router", "RouterOutput", "SoftmaxTopKRouter",
            "TopKSoftmaxRouter", "DeepSeekV3Router", "SharedExperts", "check_status", "MoEStatusError", "ops", "planning", "autograd"]

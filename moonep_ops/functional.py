@@ -1,11 +1,21 @@
 """The routed-experts step as a public function: any router's top-k -> plan -> dispatch -> experts ->
 combine. `MoELayer` is this function behind a router module; a model with its own router (or the
-Hugging Face adapter, moonep_ops/hf.py) calls it directly."""
+Hugging Face adapter, moonep_ops/hf.py) calls it directly.
+
+`precompile`: a fresh process's first step needs ~15 CUDA kernels (plan, dispatch, the grouped GEMMs
+forward and backward, combine), each compiled when its op first runs, ~33 s one after another on an
+H200 at the DESIGN shape. `precompile` runs the step's host code once with no kernel launched
+(csrc_cute/jit.py, `dry_run`), which names every kernel the step would compile, then compiles them side
+by side in this process and child processes (`compile_ahead`) into the kernel disk cache, which the
+real step loads from. `moe_experts` does it by itself on its first eager call per EP group and kind of
+step; a process that finds its kernels on disk pays only the dry run (milliseconds of host time)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from csrc_cute import jit
 
 from . import autograd
 from .group import EPGroup
@@ -70,6 +80,7 @@ def moe_experts(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tensor, t
     Collective: every rank of the EP group calls it once per layer.
     """
     _check_args(ep, experts, x, topk_ids, topk_weights, at_capacity=n_tokens is not None)
+    _precompile_once(ep, experts, x, topk_ids, topk_weights)
     c = ep.cfg
     s = x.shape[0]
     # an eager full batch needs no pad in and no slice out: each is a copy of x's size, and autograd runs a
@@ -91,3 +102,52 @@ def moe_experts(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tensor, t
     out_rows = experts(dispatched, plan)
     out = autograd.combine(ep, out_rows, plan, dispatched)
     return (out if full else out[:s]).to(x.dtype), plan.counts
+
+
+_PRECOMPILED: set[tuple[str, bool, torch.dtype]] = set()  # (EPGroup key, train, ids dtype)
+
+
+def precompile(ep: EPGroup, experts, train: bool = True, ids_dtype: torch.dtype = torch.int64,
+               workers: int | None = None) -> list[jit.CompileCall]:
+    """Compile (into the kernel disk cache) every CUDA kernel that a step of `moe_experts(ep, experts,
+    ...)` runs: forward and backward when `train`, else the inference forward; `ids_dtype` is the top-k
+    ids' dtype. `workers`: processes compiling at once (default `csrc_cute.jit.compile_workers()`).
+    Returns the compile calls that were missing (none when every kernel was on disk; always none on the
+    CPU, which runs the reference ops). The dry run launches nothing and waits for no peer; every rank
+    of a group compiles the same kernels, and the disk cache's locks share the work out."""
+    if ep.device.type != "cuda":
+        return []
+    with jit.dry_run() as calls:
+        _dry_step(ep, experts, train, ids_dtype)
+    jit.compile_ahead(calls, workers)
+    _PRECOMPILED.add((ep.key, train, ids_dtype))
+    return calls
+
+
+def _precompile_once(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> None:
+    """`precompile` at the first eager call of each kind (training or not, the ids' dtype) on a CUDA
+    group; not while torch.compile traces (checked first: nothing here enters a graph) or a CUDA graph
+    captures, not inside a dry run, and not with the disk cache off (no child could hand a kernel back)."""
+    if torch.compiler.is_compiling() or ep.device.type != "cuda":
+        return
+    # what the experts' Function decides too: it keeps pre-activations only for a backward to come
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, *experts.parameters()))
+    if ((ep.key, train, topk_ids.dtype) in _PRECOMPILED or jit.dry_running()
+            or torch.cuda.is_current_stream_capturing() or jit.cache_root() is None):
+        return
+    precompile(ep, experts, train, topk_ids.dtype)
+
+
+def _dry_step(ep: EPGroup, experts, train: bool, ids_dtype: torch.dtype) -> None:
+    """One `moe_experts` step at the group's capacity on zero inputs: forward, and backward when `train`
+    (gradients through autograd.grad, so no parameter's .grad is touched)."""
+    c = ep.cfg
+    with torch.enable_grad() if train else torch.no_grad():
+        x = torch.zeros(c.S, c.H, dtype=ep.dtype, device=ep.device, requires_grad=train)
+        weights = torch.zeros(c.S, c.K, dtype=torch.float32, device=ep.device, requires_grad=train)
+        ids = torch.zeros(c.S, c.K, dtype=ids_dtype, device=ep.device)
+        out, _ = moe_experts(ep, experts, x, ids, weights)
+        if train:
+            params = [p for p in experts.parameters() if p.requires_grad]
+            torch.autograd.grad(out, [x, weights, *params], torch.zeros_like(out))

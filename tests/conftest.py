@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # benchmarks/ (the routing generator) is not an installed package
 
-from csrc_cute.jit import CACHE_DIR_ENV  # noqa: E402  (needs ROOT on the path)
+from csrc_cute.jit import CACHE_DIR_ENV, COMPILE_WORKERS_ENV  # noqa: E402  (needs ROOT on the path)
 
 _SESSION_CACHE: list[str] = []
 
@@ -22,13 +22,15 @@ def _share_the_cores() -> None:
     compiles), unless the caller set OMP_NUM_THREADS. Two workers of two intra-op threads each on 2 cores
     made small CPU ops wait milliseconds for a descheduled OpenMP thread (torch.searchsorted on a few
     hundred ints: 7 ms instead of 7 us); Inductor's compile pool (a fresh interpreter importing torch in
-    every compiling process) costs more CPU than the tests' small graphs take to compile in process."""
+    every compiling process) costs more CPU than the tests' small graphs take to compile in process.
+    The kernels a GPU test's first MoE step compiles ahead (csrc_cute/jit.py) take that share too."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers <= 1:
         return
     threads = str(max(1, (os.cpu_count() or 1) // workers))
     os.environ.setdefault("OMP_NUM_THREADS", threads)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
+    os.environ.setdefault(COMPILE_WORKERS_ENV, threads)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

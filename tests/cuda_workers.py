@@ -604,3 +604,41 @@ def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, 
     ep.check("compiled model contract")
     ep.destroy()
     return out
+
+
+def precompile_cold(rank: int, R: int, cfg_kwargs: dict, cache_dir: str, log_path: str, workers: int):
+    """`precompile` in a process whose kernel disk cache starts empty, for training and then for
+    inference: which compile calls each found missing, and the compile-log events of the steps after
+    each (a step that compiles nothing itself only loads what the compile-ahead children wrote)."""
+    import json
+    import os
+
+    from csrc_cute import jit
+    from moonep_ops import precompile
+
+    os.environ.update({jit.CACHE_DIR_ENV: cache_dir, jit.COMPILE_LOG_ENV: log_path,
+                       jit.COMPILE_WORKERS_ENV: str(workers)})
+
+    def events() -> list[tuple[str, str, bool]]:  # (family, event, logged by this process)
+        with open(log_path) as f:
+            return [(r["family"], r["event"], r["pid"] == os.getpid()) for r in map(json.loads, f)]
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    ep, layer, x0, g, _ = _layer_with_global_weights(rank, cfg, "uniform")
+    out = {}
+    for train in (True, False):
+        calls = precompile(ep, layer.experts, train=train)
+        before = len(events())
+        with torch.set_grad_enabled(train):
+            x = x0.clone().requires_grad_(train)
+            y = layer(x)
+            if train:
+                y.backward(g)
+        torch.cuda.synchronize()
+        out["train" if train else "inference"] = dict(
+            calls=[(c.module, c.name) for c in calls], step_events=events()[before:],
+            again=len(precompile(ep, layer.experts, train=train)), finite=bool(torch.isfinite(y).all()))
+    out["events"] = events()
+    ep.check("precompile")
+    ep.destroy()
+    return out

@@ -182,3 +182,28 @@ def test_compiled_model_contract(R):
         for mode in ("eager", "compiled"):
             u, s = peaks[f"{mode}/uniform"], peaks[f"{mode}/skewed"]
             assert abs(u - s) <= 0.01 * u, (mode, peaks)
+
+
+@pytest.mark.parametrize("R", world_sizes())
+def test_precompile_compiles_ahead_and_the_step_only_loads(R, tmp_path):
+    """From an empty kernel disk cache: `precompile` (training) names the kernels of every family a step
+    runs (plan, dispatch, the grouped GEMMs, combine; sync's exchange and barriers with R > 1) and compiles
+    them side by side (some in child processes); the training step after it then compiles nothing itself
+    (it only loads what the children wrote), and a second precompile finds nothing missing. Then the same
+    for inference, whose fused SwiGLU keeps no pre-activations: only that kernel is new."""
+    cfg_kwargs = dict(S=256, H=256, K=4, E=8 * R, F=128, P=64)
+    res = run_ranks(cuda_workers.precompile_cold, R, cfg_kwargs, str(tmp_path / "cache"),
+                    str(tmp_path / "compiles.jsonl"), 4, backend="nccl")
+    # every rank's dry run sees the disk as the others fill it: the ranks' records together name every kernel
+    train_calls = {c for r in res for c in r["train"]["calls"]}
+    assert {m for m, _ in train_calls} >= {"csrc_cute.plan", "csrc_cute.dispatch", "csrc_cute.combine",
+                                           "csrc_cute.group_gemm.host"}, train_calls
+    assert {c for r in res for c in r["inference"]["calls"]} == {("csrc_cute.group_gemm.host",
+                                                                  "compile_group_gemm_swiglu")}, res
+    for rank, r in enumerate(res):
+        for kind in ("train", "inference"):
+            got = r[kind]
+            assert all(e == "loaded" for _, e, _ in got["step_events"]), (rank, kind, got["step_events"])
+            assert got["again"] == 0 and got["finite"], (rank, kind, got)
+    built = [(fam, mine) for fam, e, mine in res[0]["events"] if e == "built"]
+    assert any(not mine for _, mine in built), built  # some kernels were built by compile-ahead children

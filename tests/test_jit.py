@@ -20,7 +20,7 @@ _PROBE = '''
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from csrc_cute.jit import KernelFamily
+from csrc_cute.jit import KernelFamily, compiler
 
 from .helpers import SCALE
 
@@ -47,6 +47,41 @@ def compiled(builds: list):
         return cute.compile(_scale_launch, *fake, Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                             options="--enable-tvm-ffi", no_jit_engine=True)
     return FAMILY.compiled(("scale", 128), build)
+
+
+@compiler
+def scaled(n: int):
+    """The same kernel under the key ("scaled", n): a compile call that another process can repeat."""
+    def build():
+        fake = [cute.runtime.make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=16) for _ in range(2)]
+        return cute.compile(_scale_launch, *fake, Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                            options="--enable-tvm-ffi", no_jit_engine=True)
+    return FAMILY.compiled(("scaled", n), build)
+'''
+
+# compiling ahead: a dry run records the calls, then `mode` compiles them
+_AHEAD = '''
+import json, os, sys, time, warnings
+from csrc_cute import jit
+import jitprobe.kern as kern
+
+mode, ns = sys.argv[1], (128, 256, 512)
+with jit.dry_run() as calls:
+    stand_ins = [kern.scaled(n) is jit._no_launch for n in ns] + [kern.compiled([]) is jit._no_launch]
+t = time.perf_counter()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    if mode == "child":  # a child alone, then one that fails
+        jit._finish_child(jit._start_child(calls, 0))
+        jit._finish_child(jit._start_child([jit.CompileCall("jitprobe.kern", "missing", (1,))], 0))
+    else:
+        jit.compile_ahead(calls, workers=int(mode))
+seconds = time.perf_counter() - t
+with jit.dry_run() as again:
+    for n in ns:
+        kern.scaled(n)
+print(json.dumps(dict(calls=[[c.module, c.name, list(c.args)] for c in calls], stand_ins=stand_ins, again=len(again),
+                      seconds=seconds, pid=os.getpid(), warnings=[str(w.message) for w in caught])))
 '''
 
 _CHILD = '''
@@ -90,8 +125,8 @@ def _child_env(base, cache) -> dict:
     return env
 
 
-def _start(base, cache, mode="once"):
-    return subprocess.Popen([sys.executable, "-c", _CHILD, mode], env=_child_env(base, cache), cwd=ROOT,
+def _start(base, cache, mode="once", script=_CHILD):
+    return subprocess.Popen([sys.executable, "-c", script, mode], env=_child_env(base, cache), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -272,3 +307,75 @@ def test_a_lock_held_too_long_is_not_waited_for(monkeypatch, tmp_path):
             with open(path.with_suffix(".lock")) as other:
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert _entries(cache) == [path]
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling ahead: a dry run names the kernels, several processes compile them at once
+# ------------------------------------------------------------------------------------------------
+def _built(log) -> list[tuple[str, int]]:
+    """(key, pid) of every kernel the compile log says a process built."""
+    return sorted((r["key"], r["pid"]) for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "built")
+
+
+def _scaled_key(n: int) -> str:
+    return repr(("probe", "scaled", n, "sm_90a"))
+
+
+def test_dry_run_records_the_missing_kernels_and_compile_ahead_builds_each_once(monkeypatch, tmp_path):
+    """A dry run launches nothing: each request returns a stand-in; the marked calls of kernels not on disk
+    are recorded, an unmarked one is compiled at once. compile_ahead (3 workers) then builds each recorded
+    kernel once, into the disk cache, and a second dry run finds them all there. A child on its own builds
+    the list (its pid in the log), and a child whose call fails is reported by a warning with its output."""
+    _write_probe(tmp_path)
+    for mode in ("3", "child"):
+        cache, log = tmp_path / f"cache{mode}", tmp_path / f"compiles{mode}.jsonl"
+        monkeypatch.setenv(jit.COMPILE_LOG_ENV, str(log))
+        res = _finish(_start(tmp_path, cache, mode, script=_AHEAD))
+        assert res["stand_ins"] == [True] * 4, res
+        assert res["calls"] == [["jitprobe.kern", "scaled", [n]] for n in (128, 256, 512)], res
+        assert res["again"] == 0, res  # all on disk now
+        built = _built(log)
+        assert [k for k, _ in built] == sorted([repr(("probe", "scale", 128, "sm_90a"))] +
+                                               [_scaled_key(n) for n in (128, 256, 512)]), built
+        assert len(_entries(cache)) == 4
+        if mode == "child":
+            assert {pid for k, pid in built if "scaled" in k} != {res["pid"]}, built
+            (failed,) = res["warnings"]
+            assert "compile-ahead process failed (exit 1)" in failed and "'missing'" in failed, failed
+        else:
+            assert res["warnings"] == [], res
+
+
+def test_compile_ahead_skips_a_kernel_another_process_is_compiling(monkeypatch, tmp_path):
+    """With the lock of one entry held elsewhere, compile_ahead builds the others and leaves that one to its
+    holder at once (no wait for the lock)."""
+    import fcntl
+
+    _write_probe(tmp_path)
+    cache, log = tmp_path / "cache", tmp_path / "compiles.jsonl"
+    monkeypatch.setenv(jit.COMPILE_LOG_ENV, str(log))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(cache))
+    held, _ = jit.KernelFamily("probe", ("jitprobe.kern",)).entry(("probe", "scaled", 256, "sm_90a"))
+    held.parent.mkdir(parents=True)
+    with open(held.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        res = _finish(_start(tmp_path, cache, "1", script=_AHEAD))
+    assert [k for k, _ in _built(log)] == sorted([repr(("probe", "scale", 128, "sm_90a")), _scaled_key(128),
+                                                  _scaled_key(512)]), _built(log)
+    assert not held.exists() and res["again"] == 1, res  # still missing: its holder never wrote it
+    assert res["seconds"] < jit.COMPILE_LOCK_TIMEOUT_S / 10, res
+
+
+def test_compiler_marks_module_level_functions_only():
+    def local(n):
+        return n
+
+    with pytest.raises(TypeError, match="module-level"):
+        jit.compiler(local)
+    with jit.dry_run():
+        assert jit.dry_running()
+        with pytest.raises(RuntimeError, match="already in a dry run"):
+            with jit.dry_run():
+                pass
+    assert not jit.dry_running()

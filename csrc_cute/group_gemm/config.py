@@ -9,6 +9,9 @@ class GroupGemmConfig(tuple):
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int):
         return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms)))
 
+    def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its three values
+        return tuple(self)
+
     tile_m = property(lambda self: self[0])
     tile_n = property(lambda self: self[1])
     num_sms = property(lambda self: self[2])

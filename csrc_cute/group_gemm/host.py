@@ -16,7 +16,7 @@ import torch
 
 from moonep_ops.fake import group_gemm as contracts  # the ops' contracts: the checks their fake kernels run
 
-from ..jit import KernelFamily
+from ..jit import KernelFamily, compiler
 from .config import (
     H100_H200_NUM_SMS,
     GroupGemmConfig,
@@ -66,6 +66,7 @@ def _compile_for_torch(kernel, *fakes):
     return cute.compile(kernel, *fakes, stream, options="--enable-tvm-ffi")
 
 
+@compiler
 def _compile_rows_kernel(name: str, red: int, out: int, kd: int, nd: int, b_k_major: bool,
                          config: GroupGemmConfig):
     """Row-grouped kernel ``C [N, out] = A [N, red] @ op(W_g)`` with ``W`` ``[E, kd, nd]``."""
@@ -100,6 +101,7 @@ def compile_group_gemm_dgrad(kd: int, nd: int, config: GroupGemmConfig):
     return _compile_rows_kernel("group_gemm_dgrad", nd, kd, kd, nd, True, config)
 
 
+@compiler
 def compile_group_gemm_dgrad2(kd: int, nd: int, config: GroupGemmConfig):
     """The dgrad of two operand pairs into one output: takes (dy_a [N, Nd], wa_home, wa_slot, dy_b [N, Nd],
     wb_home, wb_slot [*, Kd, Nd], cu_seqlens, dx [N, Kd]) and writes ``dy_a @ Wa_g^T + dy_b @ Wb_g^T`` per
@@ -119,6 +121,7 @@ def compile_group_gemm_dgrad2(kd: int, nd: int, config: GroupGemmConfig):
     return _compile_cached(("group_gemm_dgrad2", int(kd), int(nd), tuple(config)), build)
 
 
+@compiler
 def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
     """The varlen-K wgrad kernel: takes (x [N, Kd], dy [N, Nd], cu_seqlens, dw_home bf16, dw_slot fp32),
     writes ``x_g^T dy_g`` into the home groups' ``dw_home[g]`` (bf16) and adds it into the slot groups'
@@ -151,6 +154,7 @@ def _fake_remote(num_peer_arrays: int):
             _fake(cutlass.Int64, (ws,), _DESC_BYTES))
 
 
+@compiler
 def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_preact: bool = True,
                               remote: bool = False):
     """The fused gate/up + SwiGLU kernel: takes (x [N, H], w_gate_home, w_gate_slot, w_up_home, w_up_slot
@@ -177,6 +181,7 @@ def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_pr
     return _compile_cached((name, bool(store_preact), int(hd), int(f), tuple(config)), build)
 
 
+@compiler
 def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig, remote: bool = False):
     """Forward with the per-row scale epilogue: takes (x [N, Kd], w_home, w_slot, cu_seqlens,
     row_w [N] fp32, y [N, Nd]). ``remote``: the variant with remote groups, which also takes
@@ -200,6 +205,7 @@ def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig, remo
     return _compile_cached((name, int(kd), int(nd), tuple(config)), build)
 
 
+@compiler
 def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig):
     """The down-projection dgrad with the SwiGLU backward epilogue: takes (g_y [N, H], w_down_home
     [epn, F, H], w_down_slot [B, F, H], cu_seqlens, row_w [N] fp32, gate [N, F], up [N, F], g_gate [N, F],
