@@ -16,7 +16,7 @@ import torch
 
 from moonep_ops.fake import group_gemm as contracts  # the ops' contracts: the checks their fake kernels run
 
-from ..jit import KernelFamily, compiler
+from ..jit import KernelFamily, compiler, dry_running
 from .config import (
     H100_H200_NUM_SMS,
     GroupGemmConfig,
@@ -361,13 +361,15 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
 def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
     fast_key = (op, kd, nd, pad, device.index)
     fn = _LAUNCH_CACHE.get(fast_key)
-    if fn is None:
+    if fn is None or dry_running():
         cc, num_sms = _device_info(device)
         if cc != (9, 0):
             raise ValueError(
                 f"tensors must be on a Hopper (sm_90) GPU, got compute capability {cc[0]}.{cc[1]}"
             )
-        fn = _LAUNCH_CACHE[fast_key] = compile_op(op, kd, nd, pad, num_sms)
+        fn = compile_op(op, kd, nd, pad, num_sms)
+        if not dry_running():  # a dry run's stand-in launches nothing: it must not outlive the dry run
+            _LAUNCH_CACHE[fast_key] = fn
     return fn
 
 
