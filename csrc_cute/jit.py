@@ -416,12 +416,11 @@ class KernelFamily:
         launches nothing, with the kernel recorded if it must still be compiled."""
         fn = _MEMORY.get((self.name, *static, target_arch()))  # the hot path: a kernel launch's lookup
         if fn is not None:
-            return fn if getattr(_MODE, "dry", None) is None else _no_launch
+            return fn if _DRY_RUN is None else _no_launch
         key = compile_key(self.name, static)
-        dry = getattr(_MODE, "dry", None)
-        if dry is not None:
-            return self._record(key, build, dry)
-        return self._get(key, build, wait=not getattr(_MODE, "ahead", False))
+        if _DRY_RUN is not None:
+            return self._record(key, build, _DRY_RUN)
+        return self._get(key, build, wait=not getattr(_AHEAD, "on", False))
 
     def _get(self, key: tuple, build: Callable[[], Any], wait: bool = True):
         """From memory, else from disk, else built (and stored); None if not `wait` and another process
@@ -481,8 +480,10 @@ class CompileCall:
 
 
 _CALL: contextvars.ContextVar[CompileCall | None] = contextvars.ContextVar("moonep_compile_call", default=None)
-# per thread: .dry, the calls a dry run records (None outside one); .ahead, True while compiling ahead
-_MODE = threading.local()
+# The calls a dry run records, None outside one. For the whole process, not one thread: a backward runs
+# on autograd's device threads, and a launch there during a dry run must launch nothing either.
+_DRY_RUN: list[CompileCall] | None = None
+_AHEAD = threading.local()  # .on: this thread is compiling ahead (skips the kernels others compile)
 
 
 def compiler(fn: Callable) -> Callable:
@@ -506,23 +507,25 @@ def _no_launch(*args, **kwargs) -> None:
 
 
 def dry_running() -> bool:
-    return getattr(_MODE, "dry", None) is not None
+    return _DRY_RUN is not None
 
 
 @contextlib.contextmanager
 def dry_run():
-    """Run host code with every kernel launch of this thread replaced by nothing; yields the list of the
-    `CompileCall`s of the kernels it asked for that are neither in memory nor on disk (filled as it
-    runs). The code's results are garbage (no kernel wrote them): only its requests count, so it must
-    not read device values on the host."""
-    if dry_running():
-        raise RuntimeError("csrc_cute.jit.dry_run: already in a dry run")
-    calls: list[CompileCall] = []
-    _MODE.dry = calls
+    """Run host code with every kernel launch of the process (all threads: autograd runs a backward on its
+    own) replaced by nothing; yields the list of the `CompileCall`s of the kernels it asked for that are
+    neither in memory nor on disk (filled as it runs). The code's results are garbage (no kernel wrote
+    them): only its requests count, so it must not read device values on the host, and no other thread
+    should be running kernels meanwhile (a first step's set-up: moonep_ops/functional.py, `precompile`)."""
+    global _DRY_RUN
+    with _LOCK:
+        if _DRY_RUN is not None:
+            raise RuntimeError("csrc_cute.jit.dry_run: already in a dry run")
+        _DRY_RUN = calls = []
     try:
         yield calls
     finally:
-        _MODE.dry = None
+        _DRY_RUN = None
 
 
 def compile_workers() -> int:
@@ -558,12 +561,12 @@ def compile_ahead(calls: Sequence[CompileCall], workers: int | None = None) -> N
 
 def _compile_from(calls: list[CompileCall], start: int) -> None:
     """Run `calls` from index `start` round, skipping each kernel another process is compiling."""
-    _MODE.ahead = True
+    _AHEAD.on = True
     try:
         for call in calls[start:] + calls[:start]:
             call()
     finally:
-        _MODE.ahead = False
+        _AHEAD.on = False
 
 
 # a compile-ahead child: this process's import path first, then its share of the list

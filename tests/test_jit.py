@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -375,6 +376,11 @@ def test_compiler_marks_module_level_functions_only():
         jit.compiler(local)
     with jit.dry_run():
         assert jit.dry_running()
+        seen = []  # another thread (autograd runs a backward on its own) is in the dry run too
+        thread = threading.Thread(target=lambda: seen.append(jit.dry_running()))
+        thread.start()
+        thread.join()
+        assert seen == [True]
         with pytest.raises(RuntimeError, match="already in a dry run"):
             with jit.dry_run():
                 pass
