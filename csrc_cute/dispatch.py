@@ -594,7 +594,7 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
                   dst_row: torch.Tensor, primary_row: torch.Tensor, peer_w: torch.Tensor,
                   peer_primary: torch.Tensor, peer_next: torch.Tensor, peer_src: torch.Tensor,
                   recv_w: torch.Tensor, recv_primary: torch.Tensor, recv_next: torch.Tensor,
-                  recv_src: torch.Tensor, send_rows: torch.Tensor, cu_seqlens: torch.Tensor,
+                  recv_src: torch.Tensor, send_rows: torch.Tensor | None, cu_seqlens: torch.Tensor,
                   group_rows: torch.Tensor, rank: int, status: torch.Tensor,
                   num_ctas: int = DEFAULT_NUM_CTAS) -> None:
     """Write this rank's row metadata into every destination rank's buffers, reset this rank's own
@@ -605,7 +605,8 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
     x [S, H] bf16/fp16/fp32; route_w [S, K] f32; dst_rank, dst_row, primary_row [S, K] int32;
     peer_w / peer_primary / peer_next / peer_src int64 [R]: addresses of every rank's recv_w [NvS]
     f32 / recv_primary / recv_next / recv_src [NvS] int32; recv_* this rank's buffers; send_rows
-    [S, H] (x's dtype, this rank's symmetric staging buffer); cu_seqlens, group_rows int32 [G] (this
+    [S, H] (x's dtype, this rank's symmetric staging buffer), or None at R = 1 (nothing is staged: the
+    kernel's staging argument is then x, which it does not touch); cu_seqlens, group_rows int32 [G] (this
     rank's padded group ends and real rows per group); status int32 [1]: STATUS_BAD_TABLE is OR-ed in
     for a skipped table entry (module docstring)."""
     dev, S, H, K = need_rows_and_plan("x", x, dst_rank, dst_row, primary_row)
@@ -619,7 +620,10 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
         raise ValueError("recv_w must hold at least one row")
     for n, t in (("recv_primary", recv_primary), ("recv_next", recv_next), ("recv_src", recv_src)):
         need_tensor(n, t, (torch.int32,), shape=(NVS,), device=dev)
-    need_rows("send_rows", send_rows, x.dtype, (S, H), dev)
+    if send_rows is None and R > 1:
+        raise ValueError(f"send_rows is required with R = {R} > 1 (the peers read this rank's tokens from it); "
+                         f"only R = 1 stages nothing")
+    staged = x if send_rows is None else need_rows("send_rows", send_rows, x.dtype, (S, H), dev)
     need_tensor("cu_seqlens", cu_seqlens, (torch.int32,), ndim=1, device=dev)
     G = cu_seqlens.numel()
     if G < 1:
@@ -632,10 +636,10 @@ def dispatch_meta(x: torch.Tensor, route_w: torch.Tensor, dst_rank: torch.Tensor
     fn = _compile_meta(S, H, K, R, NVS, G, x.dtype, num_ctas)
     fn(x.view(-1), route_w.view(-1), dst_rank.view(-1), dst_row.view(-1), primary_row.view(-1),
        peer_w, peer_primary, peer_next, peer_src, recv_w, recv_primary, recv_next, recv_src,
-       send_rows.view(-1), cu_seqlens, group_rows, status, rank)
+       staged.view(-1), cu_seqlens, group_rows, status, rank)
 
 
-def dispatch_pull(peer_send_rows: torch.Tensor, recv_w: torch.Tensor, recv_primary: torch.Tensor,
+def dispatch_pull(peer_send_rows: torch.Tensor | None, recv_w: torch.Tensor, recv_primary: torch.Tensor,
                   recv_next: torch.Tensor, recv_src: torch.Tensor, out_rows: torch.Tensor,
                   out_w: torch.Tensor, out_primary: torch.Tensor, out_next: torch.Tensor, S: int,
                   status: torch.Tensor, num_ctas: int = DEFAULT_NUM_CTAS, x: torch.Tensor | None = None) -> None:
@@ -643,15 +647,16 @@ def dispatch_pull(peer_send_rows: torch.Tensor, recv_w: torch.Tensor, recv_prima
     send_rows and written to all of the token's rows here; padding rows get zeros; out_w /
     out_primary / out_next = copies of recv_w / recv_primary / recv_next (see the module docstring).
 
-    peer_send_rows int64 [R]: addresses of every rank's send_rows [S, H] (out_rows' dtype); at R = 1
-    the rows are read from `x` [S, H] (the rows dispatch_meta was given; it staged nothing), required there;
+    peer_send_rows int64 [R]: addresses of every rank's send_rows [S, H] (out_rows' dtype), or None for
+    R = 1; at R = 1 the rows are read from `x` [S, H] (the rows dispatch_meta was given; it staged
+    nothing), required there;
     recv_w f32, recv_primary / recv_next / recv_src int32 [NvS] (this rank's, filled by every rank's
     dispatch_meta); out_rows [NvS, H] bf16/fp16/fp32, out_w f32, out_primary / out_next int32 [NvS];
     S: tokens per rank; status int32 [1]: STATUS_BAD_TABLE is OR-ed in for a skipped table entry."""
     need_rows("out_rows", out_rows)
     dev = out_rows.device
     NVS, H = out_rows.shape
-    R = need_peers("peer_send_rows", peer_send_rows, device=dev)
+    R = 1 if peer_send_rows is None else need_peers("peer_send_rows", peer_send_rows, device=dev)
     for n, t, dt in (("recv_w", recv_w, torch.float32), ("recv_primary", recv_primary, torch.int32),
                      ("recv_next", recv_next, torch.int32), ("recv_src", recv_src, torch.int32),
                      ("out_w", out_w, torch.float32), ("out_primary", out_primary, torch.int32),

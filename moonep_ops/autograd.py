@@ -139,17 +139,21 @@ class _ExpertsFFN(torch.autograd.Function):
     """One layer's SwiGLU experts on this rank's rows: prefetch -> fused gate/up GEMM with the SwiGLU
     epilogue -> down GEMM with the route-weight scaling epilogue. The slot pools are shared by every
     layer, so forward reads them in place; backward (`moonep::experts_ffn_backward`) prefetches this
-    layer's copies again."""
+    layer's copies again. `copies` False (the group has no copy buffers: R = 1 on CUDA): nothing to
+    prefetch, the GEMMs get the home groups alone (`ops.gemm_groups`)."""
 
     @staticmethod
     def forward(ctx, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
-                pool_gate, pool_up, pool_down, ctrl, P, group_name, ep_key, save_preact):
-        ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name)
-        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu_seqlens, P, save_preact,
-                                                 experts_remote, group_name)
+                pool_gate, pool_up, pool_down, ctrl, P, group_name, ep_key, save_preact, copies):
+        if copies:
+            ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl,
+                                 group_name)
+        cu, remote = ops.gemm_groups(cu_seqlens, experts_remote, copies, w_gate.shape[0])
+        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu, P, save_preact, remote,
+                                                 group_name)
         ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up)
         ctx.P, ctx.ep_key = P, ep_key
-        return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu_seqlens, row_w, P, experts_remote, group_name)
+        return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu, row_w, P, remote, group_name)
 
     @staticmethod
     def backward(ctx, g_y):
@@ -177,4 +181,5 @@ def experts_ffn(ep: EPGroup, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: 
             f"MoE experts: EPConfig.B={ep.cfg.B} < epn={ep.cfg.epn} is inference only (remote weight reads "
             f"have no gradient path); run under torch.no_grad() / inference_mode, or train with B = epn")
     return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, plan.cu_seqlens, plan.experts_to_copy,
-                             plan.experts_remote, *ep.pools, ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact)
+                             plan.experts_remote, *ep.pools, ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact,
+                             ep.layout.copies)

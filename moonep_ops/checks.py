@@ -111,6 +111,23 @@ def check_ctrl(op: str, ctrl: torch.Tensor, R: int, E: int, device: torch.device
     check_tensor(op, "ctrl", ctrl, I32, (control_words(R, E),), device)
 
 
+def check_peer_buffer(op: str, name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], rows: int, tail,
+                      device) -> None:
+    """A buffer the peers read, of shape [rows, *tail], or absent: no rows ([0, *tail]), the form a 1-rank
+    CUDA group allocates (moonep_ops/buffers.py; `check_absent_buffer` holds it to R = 1)."""
+    check_tensor(op, name, t, dtypes, (None, *tail), device)
+    if t.shape[0] not in (0, rows):
+        raise ValueError(f"moonep.{op}: {name} must have shape {_shape_text((rows, *tail))} (or "
+                         f"{_shape_text((0, *tail))}, absent, with R = 1), got {list(t.shape)}")
+
+
+def check_absent_buffer(op: str, name: str, t: torch.Tensor, R: int) -> None:
+    """An absent buffer (no rows) only with R = 1: with more ranks the peers read it."""
+    if t.shape[0] == 0 and R > 1:
+        raise ValueError(f"moonep.{op}: {name} has no rows (absent), which only R = 1 allows (no peer reads "
+                         f"it); with R={R} pass the EPGroup's own {name}")
+
+
 def check_token_plan(op: str, S: int, K: int, device, **tables: torch.Tensor) -> None:
     """Per-token plan tables (dst_rank, dst_row, primary_row): int32 [S, K]."""
     for name, t in tables.items():
@@ -172,7 +189,7 @@ def check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, 
     check_tensor(op, "route_w", route_w, F32, (S, None), x.device)
     K = route_w.shape[1]
     check_token_plan(op, S, K, x.device, dst_rank=dst_rank, dst_row=dst_row, primary_row=primary_row)
-    check_tensor(op, "send_rows", send_rows, (x.dtype,), (S, H), x.device)
+    check_peer_buffer(op, "send_rows", send_rows, (x.dtype,), S, (H,), x.device)
     check_tensor(op, "recv_w", recv_w, F32, (None,), x.device)
     NvS = recv_w.shape[0]
     check_tensor(op, "recv_primary", recv_primary, I32, (NvS,), x.device)
@@ -192,7 +209,7 @@ def check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_r
     check_tensor(op, "dst_rank", dst_rank, I32, (None, None), rows.device)
     S, K = dst_rank.shape
     check_token_plan(op, S, K, rows.device, dst_row=dst_row, primary_row=primary_row)
-    check_tensor(op, "presum", presum, (rows.dtype,), (NvS, H), rows.device)
+    check_peer_buffer(op, "presum", presum, (rows.dtype,), NvS, (H,), rows.device)
     check_tensor(op, "ctrl", ctrl, I32, (None,), rows.device)
 
 

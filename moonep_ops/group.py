@@ -4,8 +4,11 @@ Buffers are allocated once and shared by every MoE layer of the process; their s
 config alone, so memory is the same whatever the routing. On the CPU they are ordinary tensors and
 the reference ops move data with gloo. On CUDA every buffer a peer reads or writes is allocated in
 symmetric memory (`torch.distributed._symmetric_memory`), and the kernels get each buffer's R peer
-addresses as an int64 tensor (`peers(buffer)`). The control block (`ctrl`, layout in
-csrc_cute/status.py) holds the status word, the barrier epoch, the signal slots and the count matrix.
+addresses as an int64 tensor (`peers(buffer)`). One rank on CUDA has no peer: its buffers are ordinary
+tensors (a buffer's peer table is its own address) and it allocates none that no kernel reads there
+(`send_rows`, `presum`, the slot pools and reduce buffers are absent; moonep_ops/buffers.py). The
+control block (`ctrl`, layout in csrc_cute/status.py) holds the status word, the barrier epoch, the
+signal slots and the count matrix.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from csrc_cute.status import DEFAULT_COMM_SMS, DEFAULT_TIMEOUT_S, STATUS_WORD, control_words
+from csrc_cute.status import DEFAULT_COMM_SMS, DEFAULT_TIMEOUT_S, STATUS_WORD
 
 from . import agreement, registry
+from .buffers import buffer_layout, group_buffer_shapes, weight_buffer_shapes
 from .config import EPConfig
 from .status import MoEStatusError, check_status
 
@@ -87,34 +91,56 @@ class EPGroup:
         self.group_name = self.group.group_name
         self.key = f"{self.group_name}/{next(_SERIAL)}"  # names this EPGroup in the backward ops' schemas
         registry.add_group(self)
-        self._symmetric = device.type == "cuda"
+        self.layout = buffer_layout(cfg, device.type)  # R = 1 on CUDA: only what the kernels read (buffers.py)
+        self._cuda = device.type == "cuda"
         self._handles = []  # symmetric-memory handles, kept alive with the buffers
-        c = cfg
+        self._allocated: list[torch.Tensor] = []  # every buffer of the group (buffer_bytes), home weights aside
 
-        self.ctrl = self._buffer(control_words(c.R, c.E), dtype=torch.int32)
+        shapes = group_buffer_shapes(cfg, self.layout)
+        self.ctrl = self._buffer(*shapes["ctrl"])
         agreement.init_ctrl(self.ctrl, self.timeout_s)
-        # dispatch: this rank's tokens staged for the peers to read, and per receive row its route
-        # weight, the row that carried its token over the link (-1 = padding), the token's next row on
-        # this rank (k order) and the token's source (rank * S + token)
-        self.send_rows = self._buffer(c.S, c.H)
-        self.recv_w = self._buffer(c.NvS, dtype=torch.float32)
-        self.recv_primary = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
-        self.recv_next = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
-        self.recv_src = self._buffer(c.NvS, dtype=torch.int32, fill=-1)
-        # combine: each token's rows on this rank pre-summed, read back by the token's rank
-        self.presum = self._buffer(c.NvS, c.H)
+        # dispatch: this rank's tokens staged for the peers to read (absent at R = 1 on CUDA), and per
+        # receive row its route weight, the row that carried its token over the link (-1 = padding), the
+        # token's next row on this rank (k order) and the token's source (rank * S + token)
+        self.send_rows = self._buffer(*shapes["send_rows"])
+        self.recv_w = self._buffer(*shapes["recv_w"])
+        self.recv_primary = self._buffer(*shapes["recv_primary"], fill=-1)
+        self.recv_next = self._buffer(*shapes["recv_next"], fill=-1)
+        self.recv_src = self._buffer(*shapes["recv_src"], fill=-1)
+        # combine: each token's rows on this rank pre-summed, read back by the token's rank (absent at
+        # R = 1 on CUDA)
+        self.presum = self._buffer(*shapes["presum"])
         # per-row values (route-weight gradients) read back by the tokens' ranks
-        self.row_scratch = self._buffer(c.NvS, dtype=torch.float32)
+        self.row_scratch = self._buffer(*shapes["row_scratch"])
         self._pools = self._reduce = None
         self._home_weights = []  # symmetric home-expert weights (inference with B < epn reads them remotely)
-        if self._symmetric:
+        if self._cuda:
             registry.add_ctrl(self, self.ctrl)
             self._sync_peers()  # every peer's buffers are initialised before anyone writes
 
-    def _buffer(self, *shape, dtype=None, fill=0):
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype | None, fill: int = 0,
+                record: bool = True) -> torch.Tensor:
+        """One persistent buffer: symmetric memory (CUDA, R > 1) with its peers' addresses registered, an
+        ordinary CUDA tensor (R = 1: its own address is its one-entry peer table; no peer table for an
+        absent buffer, which nobody reads), or an ordinary CPU tensor."""
         dtype = dtype or self.dtype
-        if not self._symmetric:
-            return _static_shape(torch.full(shape, fill, dtype=dtype, device=self.device))
+        if not self._cuda:
+            t = _static_shape(torch.full(shape, fill, dtype=dtype, device=self.device))
+        elif self.layout.symmetric:
+            t = self._symmetric_buffer(shape, dtype, fill)
+        else:
+            t = torch.full(shape, fill, dtype=dtype, device=self.device)
+            if t.numel():
+                registry.add_peers(self, t, torch.tensor([t.data_ptr()], dtype=torch.int64, device=self.device))
+        if self._cuda:
+            # a fixed address for the compiler: CUDA graphs (mode="reduce-overhead") then use the buffer
+            # itself instead of copying it into a graph-owned input (a copy would not be symmetric memory)
+            torch._dynamo.mark_static_address(_static_shape(t))
+        if record:
+            self._allocated.append(t)
+        return t
+
+    def _symmetric_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, fill: int) -> torch.Tensor:
         import torch.distributed._symmetric_memory as symm_mem
 
         t = symm_mem.empty(*shape, dtype=dtype, device=self.device)
@@ -125,12 +151,15 @@ class EPGroup:
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         handle = symm_mem.rendezvous(t, self.group)
         self._handles.append(handle)
-        # a fixed address for the compiler: CUDA graphs (mode="reduce-overhead") then use the buffer
-        # itself instead of copying it into a graph-owned input (a copy would not be symmetric memory)
-        torch._dynamo.mark_static_address(_static_shape(t))
         addrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         registry.add_peers(self, t, addrs)
         return t
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the group's persistent buffers (control block, dispatch/combine buffers and, once
+        allocated, the slot pools and reduce buffers; not the home weights, which are the layers')."""
+        return sum(t.numel() * t.element_size() for t in self._allocated)
 
     @property
     def status(self) -> torch.Tensor:
@@ -154,27 +183,29 @@ class EPGroup:
         """Allocate the copy slots (bf16 [B, H, F] x2, [B, F, H]) shared by every layer and, when the
         group can train (B = epn), the fp32 gradients of the copies; symmetric on CUDA (collective: every
         rank calls it, as MoEExperts does). A user of the communication ops alone never pays for them,
-        and an inference group (B < epn) never pays for gradient buffers."""
+        and an inference group (B < epn) never pays for gradient buffers. One rank on CUDA makes no
+        copies: its pools and reduce buffers are absent ([0, ...]; `layout.copies` is False)."""
         if self._pools is not None:
             return
         c = self.cfg
-        if self._symmetric and c.B == 0:
-            raise ValueError("EPGroup: EPConfig.B=0 (every copy read remotely) runs on the CPU reference only; "
-                             "on CUDA use B >= 1 (the slot pools are symmetric buffers, which cannot be empty)")
-        shapes = ((c.B, c.H, c.F), (c.B, c.H, c.F), (c.B, c.F, c.H))
-        self._pools = tuple(self._buffer(*shape) for shape in shapes)
-        if c.B == c.epn:
-            self._reduce = tuple(self._buffer(*shape, dtype=torch.float32) for shape in shapes)
-        if self._symmetric:
+        if self.layout.symmetric and c.B == 0:
+            raise ValueError("EPGroup: EPConfig.B=0 (every copy read remotely) runs on the CPU reference and on "
+                             "one rank only; on CUDA with R > 1 use B >= 1 (the slot pools are symmetric buffers, "
+                             "which cannot be empty)")
+        shapes = weight_buffer_shapes(c, self.layout)
+        self._pools = tuple(self._buffer(*shapes[name]) for name in ("pool_gate", "pool_up", "pool_down"))
+        if "reduce_gate" in shapes:
+            self._reduce = tuple(self._buffer(*shapes[name]) for name in ("reduce_gate", "reduce_up", "reduce_down"))
+        if self._cuda:
             self._sync_peers()
 
     def home_weight(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A home-expert weight tensor that peers can read (collective on CUDA): with B < epn the grouped
         GEMM reads the copies that got no slot straight from their home rank's weights (DESIGN.md,
-        "Memory contract"). On CUDA it is symmetric memory; on the CPU an ordinary tensor."""
-        t = self._buffer(*shape, dtype=dtype)
+        "Memory contract"). On CUDA with R > 1 it is symmetric memory; otherwise an ordinary tensor."""
+        t = self._buffer(shape, dtype, record=False)
         self._home_weights.append(t)
-        if self._symmetric:
+        if self._cuda:
             self._sync_peers()
         return t
 
@@ -205,7 +236,7 @@ class EPGroup:
 
     def destroy(self) -> None:
         """Release the buffers (before the process group is destroyed)."""
-        if self._symmetric and self.ctrl is not None:
+        if self._cuda and self.ctrl is not None:
             self._sync_peers()  # no peer still reads or writes our buffers
         for name in ("ctrl", "send_rows", "recv_w", "recv_primary", "recv_next", "recv_src", "presum", "row_scratch"):
             t = getattr(self, name)
@@ -216,6 +247,7 @@ class EPGroup:
             registry.remove_buffer(t)
         self._pools = self._reduce = None
         self._home_weights = []
+        self._allocated.clear()
         self._handles.clear()
         registry.remove_group(self.key)
 

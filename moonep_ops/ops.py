@@ -104,7 +104,8 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     other rows there. cu_seqlens/group_rows (this rank's padded group ends and real rows) locate the
     padding rows, which are zero. Persistent buffers: `send_rows` stages this rank's tokens for the
     peers to read; the recv_* tables receive, per row, its weight, primary row, next row and source
-    (rank * S + token). Outputs are fresh tensors."""
+    (rank * S + token); with R = 1 `send_rows` may be absent ([0, H], nothing staged: the rows are read
+    from x). Outputs are fresh tensors."""
     group = resolve_group("dispatch", group_name)
     R = torch.distributed.get_world_size(group)
     NvS = recv_w.shape[0]
@@ -112,6 +113,7 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     def check():
         checks.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
                                    send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
+        checks.check_absent_buffer("dispatch", "send_rows", send_rows, R)
         check_token_tables("dispatch", R, NvS, dst_rank, dst_row, primary_row)
         check_unique_rows("dispatch", dst_rank, dst_row, NvS)
         return real_rows("dispatch", cu_seqlens, group_rows, NvS)
@@ -132,7 +134,7 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     # the rows every peer sent must tile this rank's real rows: checked (and agreed) before any write
     agree("dispatch (received tables)", ctrl, group,
           lambda: check_received("dispatch", got[:, 0], got[:, 1], got[:, 2], got[:, 3], real, S, R))
-    send_rows.copy_(x)
+    staged = x if send_rows.shape[0] == 0 else send_rows.copy_(x)  # absent (R = 1): x serves the pull
     recv_w.zero_()
     for t in (recv_primary, recv_next, recv_src):
         t.fill_(-1)
@@ -140,7 +142,7 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     recv_w[row] = got_w
     recv_primary[row], recv_next[row], recv_src[row] = got[:, 1], got[:, 2], got[:, 3]
     carriers = torch.nonzero(recv_primary == torch.arange(NvS)).flatten()
-    token_rows = pull(send_rows, recv_src[carriers] // S, recv_src[carriers] % S, group)
+    token_rows = pull(staged, recv_src[carriers] // S, recv_src[carriers] % S, group)
     rows = x.new_zeros((NvS, x.shape[1]))
     rows[carriers] = token_rows
     real = torch.nonzero(recv_primary >= 0).flatten()
@@ -159,17 +161,20 @@ def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group
     from csrc_cute import dispatch as kd  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("dispatch", ctrl)
+    checks.check_absent_buffer("dispatch", "send_rows", send_rows, ep.cfg.R)
+    one_rank = ep.cfg.R == 1  # nothing is staged: the pull reads x (csrc_cute/dispatch.py)
     tables = (recv_w, recv_primary, recv_next, recv_src)
     names = ("recv_w", "recv_primary", "recv_next", "recv_src")
     _barrier(ep, ctrl, "dispatch")  # every peer is done reading the previous dispatch's tables and staged rows
     kd.dispatch_meta(x, route_w, dst_rank, dst_row, primary_row,
-                     *(peers("dispatch", n, t) for n, t in zip(names, tables)), *tables, send_rows, cu_seqlens,
-                     group_rows, ep.rank, ep.status, num_ctas=ep.comm_sms)
+                     *(peers("dispatch", n, t) for n, t in zip(names, tables)), *tables,
+                     None if one_rank else send_rows, cu_seqlens, group_rows, ep.rank, ep.status,
+                     num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "dispatch")  # every row's table entry has landed and every rank's tokens are staged
     out = (torch.empty((recv_w.shape[0], x.shape[1]), dtype=x.dtype, device=x.device),) + tuple(
         torch.empty_like(t) for t in tables[:3])
-    kd.dispatch_pull(peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0], ep.status,
-                     num_ctas=ep.comm_sms, x=x)  # x: read directly at R = 1
+    kd.dispatch_pull(None if one_rank else peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0],
+                     ep.status, num_ctas=ep.comm_sms, x=x)  # x: read directly at R = 1
     _debug_check(ep, "dispatch")
     return out
 
@@ -188,11 +193,13 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
     """Expert output rows [NvS, H] -> token rows [S, H], summing each token's K rows. The receiver first
     sums a token's rows on it into the row that carried it (fp32, stored in the row dtype in `presum`),
     so one row per (token, rank) crosses back; the source adds those in fp32, in k order. An absent
-    token (dst_rank = -1 in all K) gets a zero row."""
+    token (dst_rank = -1 in all K) gets a zero row. With R = 1 `presum` may be absent ([0, H]: the
+    pre-sums are read back from a fresh tensor)."""
     group = resolve_group("combine", group_name)
 
     def check():
         checks.check_combine_args(rows, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl)
+        checks.check_absent_buffer("combine", "presum", presum, torch.distributed.get_world_size(group))
         check_row_tables("combine", row_primary, row_next)
         check_token_tables("combine", torch.distributed.get_world_size(group), rows.shape[0], dst_rank, dst_row,
                            primary_row)
@@ -201,11 +208,11 @@ def combine(rows: Tensor, row_primary: Tensor, row_next: Tensor, dst_rank: Tenso
     valid = torch.nonzero(row_primary >= 0).flatten()
     acc = torch.zeros(rows.shape, dtype=torch.float32)
     acc.index_add_(0, row_primary[valid].long(), rows[valid].float())
-    presum.copy_(acc)
+    staged = acc.to(rows.dtype) if presum.shape[0] == 0 else presum.copy_(acc)  # the same rounding
     S, K = dst_rank.shape
     sel = torch.nonzero(((dst_row == primary_row) & (dst_rank >= 0)).reshape(-1)).flatten()
     parts = torch.zeros(S * K, rows.shape[1], dtype=torch.float32)
-    parts[sel] = pull(presum, dst_rank.reshape(-1)[sel], primary_row.reshape(-1)[sel], group).float()
+    parts[sel] = pull(staged, dst_rank.reshape(-1)[sel], primary_row.reshape(-1)[sel], group).float()
     return parts.view(S, K, -1).sum(1).to(rows.dtype)
 
 
@@ -218,6 +225,7 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
     from csrc_cute import combine as kc  # CuTe DSL loads on first CUDA use only
 
     ep = group_of("combine", ctrl)
+    checks.check_absent_buffer("combine", "presum", presum, ep.cfg.R)
     if ep.cfg.R == 1:
         # one rank: nobody reads a presum but this rank's own pull, so one pass sums each token's rows
         # straight from `rows` (bitwise the presum + pull result; combine_local)
@@ -668,6 +676,18 @@ def dispatch_backward(g_rows: Tensor, g_row_w: Tensor, row_primary: Tensor, row_
 dispatch_backward.register_fake(fake.backward.dispatch_backward)
 
 
+def gemm_groups(cu_seqlens: Tensor, experts_remote: Tensor | None, copies: bool, epn: int
+                ) -> tuple[Tensor, Tensor | None]:
+    """The groups the experts' GEMMs see: the plan's (home, slot and remote groups) when the EP group has
+    copy buffers, else (R = 1 on CUDA: no slot pools, moonep_ops/buffers.py) the epn home groups alone.
+    A 1-rank plan copies nothing and reads nothing remotely, so its slot and remote groups are empty and
+    end where the home groups end: every M tile of a row GEMM lies in the same home group, or past the
+    last group, either way, and wgrad's home work items are the same; no output bit changes."""
+    if copies:
+        return cu_seqlens, experts_remote
+    return cu_seqlens[:epn], None
+
+
 @custom_op("moonep::experts_ffn_backward", mutates_args=())
 def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                          cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor, P: int,
@@ -678,23 +698,31 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     by now, so this prefetches the layer's copies again; the down-projection dgrad carries the SwiGLU
     backward and the route-weight gradient in its epilogue; the wgrad GEMMs write the home experts'
     gradients in the weights' dtype and accumulate the copies' gradients into the fp32 reduce buffers,
-    and `reduce_grad` adds those to the home gradients (one more rounding for experts with copies)."""
+    and `reduce_grad` adds those to the home gradients (one more rounding for experts with copies). A
+    group without copy buffers (R = 1 on CUDA) has no copies to prefetch or reduce: its GEMMs get the home
+    groups alone (`gemm_groups`)."""
     checks.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
                                            gate, up, ep_key)
     ep = group_by_key("experts_ffn_backward", ep_key)
+    copies = ep.layout.copies
     pool_gate, pool_up, pool_down = ep.pools
     reduce_gate, reduce_up, reduce_down = ep.reduce_buffers
-    prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ep.ctrl, ep.group_name)
-    g_gate, g_up, h_w, g_row_w = group_gemm_swiglu_bwd(g_y, w_down, pool_down, cu_seqlens, row_w, gate, up, P)
+    if copies:
+        prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ep.ctrl,
+                         ep.group_name)
+    cu, _ = gemm_groups(cu_seqlens, None, copies, ep.cfg.epn)
+    g_gate, g_up, h_w, g_row_w = group_gemm_swiglu_bwd(g_y, w_down, pool_down, cu, row_w, gate, up, P)
     # the home gradients in the weights' dtype: wgrad writes every home expert's (zeros for an expert
     # without rows), reduce_grad adds the copies' fp32 gradients to those with copies (docs/design-notes.md)
     dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
-    group_gemm_wgrad(h_w, g_y, cu_seqlens, dw_down, reduce_down, P)
+    group_gemm_wgrad(h_w, g_y, cu, dw_down, reduce_down, P)
     # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H] output
-    g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu_seqlens, P)
-    group_gemm_wgrad(rows, g_gate, cu_seqlens, dw_gate, reduce_gate, P)
-    group_gemm_wgrad(rows, g_up, cu_seqlens, dw_up, reduce_up, P)
-    reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl, ep.group_name)
+    g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
+    group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
+    group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
+    if copies:
+        reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl,
+                    ep.group_name)
     return g_rows, g_row_w, dw_gate, dw_up, dw_down
 
 

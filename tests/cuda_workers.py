@@ -312,40 +312,95 @@ def _layer_with_global_weights(rank: int, cfg: EPConfig, skew: str):
     return ep, layer, x, g, (router, w_gate, w_up, w_down)
 
 
+def _forward_backward(layer, x0: torch.Tensor, g: torch.Tensor, fn=None) -> list[torch.Tensor]:
+    """(y, and the gradients of x, the router and the three expert weights) of one forward + backward of
+    ``fn`` (default: the layer itself) on a fresh copy of x0 with output gradient g, in fp32 on the CPU."""
+    layer.zero_grad()
+    x = x0.clone().requires_grad_()
+    y = (layer if fn is None else fn)(x)
+    y.backward(g)
+    torch.cuda.synchronize()
+    return [t.detach().float().cpu() for t in (y, x.grad, layer.router.weight.grad, layer.experts.w_gate.grad,
+                                               layer.experts.w_up.grad, layer.experts.w_down.grad)]
+
+
+def _dense_reference(layer, cfg: EPConfig, x0: torch.Tensor, g: torch.Tensor, weights) -> list[torch.Tensor]:
+    """The dense fp32 reference of this rank's tokens (y and the gradients of x, router, w_gate, w_up,
+    w_down): routing fixed to the ids the layer chose, route weights recomputed in fp32 so the router
+    gradient is checked."""
+    from moonep_ops.routing import route
+
+    with torch.no_grad():
+        _, ids = route(layer.router(x0), cfg.K)
+    leaves = [t.float().cuda().requires_grad_() for t in (x0, *weights)]
+    y = dense_moe(*leaves, K=cfg.K, ids=ids)
+    y.backward(g.float())
+    return [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
+
+
 def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled: bool):
     """The whole MoELayer on the GPU (plan, dispatch, prefetch, grouped GEMMs, combine, reduce_grad):
     forward and every gradient, with the dense fp32 reference of this rank's tokens (routing fixed to
     the ids the layer chose, route weights recomputed in fp32 so the router gradient is checked);
     two runs bitwise equal; optionally torch.compile(fullgraph=True) equal to eager."""
-    from moonep_ops.routing import route
-
     cfg = EPConfig(R=R, **cfg_kwargs)
-    ep, layer, x0, g, (router, w_gate, w_up, w_down) = _layer_with_global_weights(rank, cfg, skew)
-
-    def run(fn):
-        layer.zero_grad()
-        x = x0.clone().requires_grad_()
-        y = fn(x)
-        y.backward(g)
-        torch.cuda.synchronize()
-        return [t.detach().float().cpu() for t in (y, x.grad, layer.router.weight.grad, layer.experts.w_gate.grad,
-                                                   layer.experts.w_up.grad, layer.experts.w_down.grad)]
-
-    first = run(layer)
-    second = run(layer)
+    ep, layer, x0, g, weights = _layer_with_global_weights(rank, cfg, skew)
+    first = _forward_backward(layer, x0, g)
+    second = _forward_backward(layer, x0, g)
     out = dict(names=["y", "x", "router", "gate", "up", "down"], got=first,
                bitwise=all(torch.equal(a, b) for a, b in zip(first, second)), counts=layer.last_counts.cpu())
     if compiled:
-        out["compiled"] = run(torch.compile(layer, fullgraph=True))
+        out["compiled"] = _forward_backward(layer, x0, g, torch.compile(layer, fullgraph=True))
     ep.check("moe layer")
+    out["ref"] = _dense_reference(layer, cfg, x0, g, weights)
+    ep.destroy()
+    return out
 
-    # reference: ids as the layer chose them (bf16 logits), weights and experts in fp32 autograd
-    with torch.no_grad():
-        _, ids = route(layer.router(x0), cfg.K)
-    leaves = [t.float().cuda().requires_grad_() for t in (x0, router, w_gate, w_up, w_down)]
-    y = dense_moe(*leaves, K=cfg.K, ids=ids)
-    y.backward(g.float())
-    out["ref"] = [y.detach().cpu()] + [t.grad.cpu() for t in leaves]
+
+def one_rank_buffers(rank: int, R: int, cfg_kwargs: dict, skew: str):
+    """R = 1 on CUDA allocates only the buffers its kernels read (moonep_ops/buffers.py): the group's
+    buffer bytes (`EPGroup.buffer_bytes`) and the device memory it and its layer take (cudaMemGetInfo,
+    which counts symmetric memory too), the layer's forward and gradients against the dense fp32
+    reference and, bitwise, against the same layer on a group with the full symmetric layout (what R = 1
+    allocated before: every buffer, symmetric, the GEMMs over the plan's empty slot groups)."""
+    from moonep_ops import buffers, group as group_module
+
+    cfg = EPConfig(R=R, **cfg_kwargs)
+    full = buffers.BufferLayout(symmetric=True, staged=True, presum=True, copies=True)
+
+    def layout_bytes(layout):
+        return sum(buffers.shapes_bytes(shapes(cfg, layout), torch.bfloat16)
+                   for shapes in (buffers.group_buffer_shapes, buffers.weight_buffer_shapes))
+
+    def build(layout=None):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the parameters then take new device memory, as the buffers do
+        free = torch.cuda.mem_get_info()[0]
+        chosen = group_module.buffer_layout
+        if layout is not None:  # the full layout: what a 1-rank CUDA group allocated before
+            group_module.buffer_layout = lambda c, device_type: layout
+        try:
+            ep, layer, x0, g, weights = _layer_with_global_weights(rank, cfg, skew)
+        finally:
+            group_module.buffer_layout = chosen
+        torch.cuda.synchronize()
+        taken = free - torch.cuda.mem_get_info()[0]
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        return ep, layer, x0, g, weights, dict(buffer_bytes=ep.buffer_bytes, device_bytes=taken - params,
+                                               layout=ep.layout)
+
+    ep, layer, x0, g, weights, lean = build()
+    got = _forward_backward(layer, x0, g)
+    ep.check("one-rank layer")
+    out = dict(lean=lean, lean_layout_bytes=layout_bytes(buffers.buffer_layout(cfg, "cuda")),
+               full_layout_bytes=layout_bytes(full), names=["y", "x", "router", "gate", "up", "down"], got=got,
+               ref=_dense_reference(layer, cfg, x0, g, weights))
+    ep.destroy()
+    del ep, layer
+    ep, layer, x0, g, weights, out["full"] = build(full)
+    want = _forward_backward(layer, x0, g)
+    ep.check("one-rank layer, full layout")
+    out["bitwise_vs_full"] = [name for name, a, b in zip(out["names"], got, want) if not torch.equal(a, b)]
     ep.destroy()
     return out
 
