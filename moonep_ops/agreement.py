@@ -87,6 +87,10 @@ def _shown(name: str, v: int) -> str:
 def check_fingerprint(cfg, dtype: torch.dtype, device: torch.device, group, timeout_s: float) -> None:
     """Raise on every rank if the ranks' fingerprints differ (collective; `EPGroup` calls it)."""
     mine = fingerprint(cfg, dtype, device)
+    if dist.get_world_size(group) == 1:
+        # nobody to disagree with; and a 1-rank CUDA group then creates no NCCL communicator at all (its
+        # ops synchronise through the control block), which costs start-up time and device memory
+        return
     on = device if dist.get_backend(group) == "nccl" else "cpu"
     every = gather_fixed(torch.tensor(list(mine.values()), dtype=torch.int64, device=on), group, timeout_s,
                          "EPGroup()")
