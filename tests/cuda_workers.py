@@ -359,8 +359,9 @@ def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled:
 
 def one_rank_buffers(rank: int, R: int, cfg_kwargs: dict, skew: str):
     """R = 1 on CUDA allocates only the buffers its kernels read (moonep_ops/buffers.py): the group's
-    buffer bytes (`EPGroup.buffer_bytes`) and the device memory it and its layer take (cudaMemGetInfo,
-    which counts symmetric memory too), the layer's forward and gradients against the dense fp32
+    buffer bytes (`EPGroup.buffer_bytes`) and the memory it and its layer take from this process's
+    caching allocator beyond the parameters (all of a lean group's memory; cudaMemGetInfo would count
+    the other test processes on the GPU too), the layer's forward and gradients against the dense fp32
     reference and, bitwise, against the same layer on a group with the full symmetric layout (what R = 1
     allocated before: every buffer, symmetric, the GEMMs over the plan's empty slot groups)."""
     from moonep_ops import buffers, group as group_module
@@ -374,8 +375,7 @@ def one_rank_buffers(rank: int, R: int, cfg_kwargs: dict, skew: str):
 
     def build(layout=None):
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the parameters then take new device memory, as the buffers do
-        free = torch.cuda.mem_get_info()[0]
+        before = torch.cuda.memory_allocated()
         chosen = group_module.buffer_layout
         if layout is not None:  # the full layout: what a 1-rank CUDA group allocated before
             group_module.buffer_layout = lambda c, device_type: layout
@@ -384,7 +384,7 @@ def one_rank_buffers(rank: int, R: int, cfg_kwargs: dict, skew: str):
         finally:
             group_module.buffer_layout = chosen
         torch.cuda.synchronize()
-        taken = free - torch.cuda.mem_get_info()[0]
+        taken = torch.cuda.memory_allocated() - before
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         return ep, layer, x0, g, weights, dict(buffer_bytes=ep.buffer_bytes, device_bytes=taken - params,
                                                layout=ep.layout)

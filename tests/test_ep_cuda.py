@@ -109,8 +109,8 @@ def test_moe_layer_matches_dense_reference(R, skew):
 def test_one_rank_allocates_only_what_its_kernels_read(skew):
     """R = 1 on CUDA: no symmetric memory, no send_rows / presum / slot pools / reduce buffers
     (moonep_ops/buffers.py). The group's buffers are the layout's bytes (under 1% of the full layout's,
-    which is ~0.7 GB at this shape) and the device memory the group and layer take beyond the weights
-    is far below the full layout's; the layer's forward and gradients match the dense fp32 reference
+    which is ~0.7 GB at this shape), and all the memory the group and layer take beyond the weights is
+    far below the full layout's; the layer's forward and gradients match the dense fp32 reference
     and are bitwise those of the full symmetric layout (the R = 1 allocation before)."""
     cfg_kwargs = dict(S=2048, H=2048, K=8, E=16, F=1024, P=128)
     (r,) = run_ranks(cuda_workers.one_rank_buffers, 1, cfg_kwargs, skew, backend="nccl")
@@ -118,8 +118,7 @@ def test_one_rank_allocates_only_what_its_kernels_read(skew):
     assert not lean["layout"].symmetric and not lean["layout"].copies, lean
     assert lean["buffer_bytes"] == r["lean_layout_bytes"] and full["buffer_bytes"] == r["full_layout_bytes"], r
     assert r["lean_layout_bytes"] * 100 < r["full_layout_bytes"], r
-    assert full["device_bytes"] >= 0.9 * r["full_layout_bytes"], full  # the measure sees symmetric memory
-    assert lean["device_bytes"] < 0.2 * r["full_layout_bytes"], lean   # activations and allocator slack only
+    assert lean["device_bytes"] < 0.2 * r["full_layout_bytes"], lean  # its buffers, x and the output gradient
     assert not r["bitwise_vs_full"], r["bitwise_vs_full"]
     for name, got, want in zip(r["names"], r["got"], r["ref"]):
         err = (got - want).abs().max() / want.abs().max().clamp_min(1e-6)
