@@ -552,11 +552,12 @@ def compile_ahead(calls: Sequence[CompileCall], workers: int | None = None) -> N
     if cache_root() is None:
         workers = 1  # a child could not hand its kernels back
     children = [_start_child(calls, i * len(calls) // workers) for i in range(1, workers)]
+    deadline = time.monotonic() + COMPILE_LOCK_TIMEOUT_S  # for all of them: a stuck child is killed by then
     try:
         _compile_from(calls, 0)
     finally:
         for child in children:
-            _finish_child(child)
+            _finish_child(child, deadline)
 
 
 def _compile_from(calls: list[CompileCall], start: int) -> None:
@@ -603,10 +604,10 @@ def _start_child(calls: list[CompileCall], start: int):
     return proc, out
 
 
-def _finish_child(child) -> None:
+def _finish_child(child, deadline: float) -> None:
     proc, out = child
     try:
-        proc.wait(timeout=COMPILE_LOCK_TIMEOUT_S)
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -73,8 +73,9 @@ t = time.perf_counter()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     if mode == "child":  # a child alone, then one that fails
-        jit._finish_child(jit._start_child(calls, 0))
-        jit._finish_child(jit._start_child([jit.CompileCall("jitprobe.kern", "missing", (1,))], 0))
+        deadline = time.monotonic() + 300
+        jit._finish_child(jit._start_child(calls, 0), deadline)
+        jit._finish_child(jit._start_child([jit.CompileCall("jitprobe.kern", "missing", (1,))], 0), deadline)
     else:
         jit.compile_ahead(calls, workers=int(mode))
 seconds = time.perf_counter() - t
