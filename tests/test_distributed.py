@@ -120,16 +120,19 @@ def test_no_grad_forward_equals_training_forward():
 @pytest.mark.parametrize("R", [2, 4])
 def test_inference_small_B_matches_dense(R):
     """Inference with B=1 slot (epn=4): the copies without a slot are read from their home rank (here
-    with gloo; on CUDA through the peer mapping); the output equals the dense MoE's, eager and compiled
-    (fullgraph; for the skewed routing, which really reads copies remotely)."""
+    with gloo; on CUDA through the peer mapping); the output equals the dense MoE's, eager and, at R = 2,
+    compiled (fullgraph; for the skewed routing, which really reads copies remotely). The compiled graph
+    is the same at R = 4 (the same op calls, the remote reads inside the ops), so R = 4 runs eager only:
+    four ranks each compiling cost more than the rest of the test."""
     cfg_kwargs = dict(SHAPE, E=4 * R, B=1)
     cfg = EPConfig(R=R, **cfg_kwargs)
-    res = run_ranks(ep_workers.inference_forward, R, cfg_kwargs, ("uniform", "extreme"), ("extreme",))
+    compiled_skews = ("extreme",) if R == 2 else ()
+    res = run_ranks(ep_workers.inference_forward, R, cfg_kwargs, ("uniform", "extreme"), compiled_skews)
     for skew in ("uniform", "extreme"):
         y_ref, _ = dense_reference(cfg, skew)
         tol = dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.cat([r[skew]["y"] for r in res]), y_ref, **tol)
-        if skew == "extreme":
+        if skew in compiled_skews:
             torch.testing.assert_close(torch.cat([r[skew]["compiled"] for r in res]), y_ref, **tol)
     assert sum(r["extreme"]["n_remote"] for r in res) >= 1
 
@@ -172,10 +175,11 @@ def test_tokens_per_call_up_to_capacity_match_dense(R):
 
 
 def test_changing_token_counts_compile_once():
-    """The capacity + n_tokens form under torch.compile(fullgraph=True): 20 steps with different
-    counts, 0 recompiles; x with changing s under dynamic=True: no recompile after the first two
-    shapes; both equal eager."""
-    res = run_ranks(ep_workers.compiled_token_counts, 2, dict(SHAPE, E=8), 20)
+    """The capacity + n_tokens form under torch.compile(fullgraph=True): 13 steps with different
+    counts (each rank passes every count 0..S=12 once, the ranks' counts differing at each step),
+    0 recompiles; x with changing s under dynamic=True: no recompile after the first two shapes; both
+    equal eager."""
+    res = run_ranks(ep_workers.compiled_token_counts, 2, dict(SHAPE, E=8), SHAPE["S"] + 1)
     for r in res:
         assert r["count_recompiles"] == 0 and r["count_frames"] == 1, r
         assert r["count_diff"] < 1e-5 and r["dynamic_diff"] < 1e-5, r
