@@ -12,6 +12,8 @@ step; a process that finds its kernels on disk pays only the dry run (millisecon
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -136,7 +138,14 @@ def _precompile_once(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tens
     if ((ep.key, train, topk_ids.dtype) in _PRECOMPILED or jit.dry_running()
             or torch.cuda.is_current_stream_capturing() or jit.cache_root() is None):
         return
-    precompile(ep, experts, train, topk_ids.dtype)
+    try:
+        precompile(ep, experts, train, topk_ids.dtype)
+    except Exception as exc:  # noqa: BLE001 - only a speed-up: the step itself still runs (and compiles)
+        # e.g. a step inside a context that refuses a nested autograd.grad (activation checkpointing)
+        _PRECOMPILED.add((ep.key, train, topk_ids.dtype))
+        warnings.warn(f"moe_experts: compiling the step's kernels ahead failed ({type(exc).__name__}: {exc}); "
+                      "each compiles when its op first runs (call moonep_ops.precompile before the step to "
+                      "see the error)", stacklevel=3)
 
 
 def _dry_step(ep: EPGroup, experts, train: bool, ids_dtype: torch.dtype) -> None:

@@ -381,3 +381,45 @@ def test_compiler_marks_module_level_functions_only():
             with jit.dry_run():
                 pass
     assert not jit.dry_running()
+
+
+def test_moe_experts_compiles_ahead_once_per_kind_and_a_failure_only_warns(monkeypatch, tmp_path):
+    """moe_experts' hook on a CUDA group (its checks only; the GPU tests run the real thing): precompile
+    once per (group, training or not, ids dtype); skipped inside a dry run and with the disk cache off; a
+    precompile that fails becomes a warning naming the error, and is not retried (the step's kernels then
+    compile as their ops first run)."""
+    from types import SimpleNamespace
+
+    from moonep_ops import functional
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no CUDA
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(functional, "_PRECOMPILED", set())
+    asked = []
+
+    def precompile(ep, experts, train, ids_dtype):
+        asked.append((ep.key, train, ids_dtype))
+        if ids_dtype == torch.int32:
+            raise RuntimeError("a nested autograd.grad is refused here")
+        functional._PRECOMPILED.add((ep.key, train, ids_dtype))
+
+    monkeypatch.setattr(functional, "precompile", precompile)
+    weight = torch.nn.Parameter(torch.zeros(1))
+    experts = SimpleNamespace(parameters=lambda: [weight])
+    ep, other = (SimpleNamespace(device=torch.device("cuda"), key=k) for k in ("g/0", "g/1"))
+    x, w, ids = torch.zeros(2, 4), torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.int64)
+    for _ in range(2):
+        functional._precompile_once(ep, experts, x, ids, w)
+    with torch.no_grad():
+        functional._precompile_once(ep, experts, x, ids, w)
+    assert asked == [("g/0", True, torch.int64), ("g/0", False, torch.int64)]
+    with pytest.warns(UserWarning, match="compiling the step's kernels ahead failed .*nested autograd.grad"):
+        functional._precompile_once(ep, experts, x, ids.int(), w)
+    functional._precompile_once(ep, experts, x, ids.int(), w)
+    assert asked[2:] == [("g/0", True, torch.int32)]
+    with jit.dry_run():
+        functional._precompile_once(other, experts, x, ids, w)
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, "off")
+    functional._precompile_once(other, experts, x, ids, w)
+    functional._precompile_once(SimpleNamespace(device=torch.device("cpu"), key="g/2"), experts, x, ids, w)
+    assert len(asked) == 3, asked
