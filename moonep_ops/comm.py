@@ -30,29 +30,45 @@ def exchange(per_dest: list[torch.Tensor], group) -> list[torch.Tensor]:
     All tensors share dtype and trailing shape; their first dimension may differ. Each collective is
     waited at most the running op's timeout (a peer that died mid-op fails this rank with a named error).
     """
-    R = dist.get_world_size(group)
-    if R == 1:
+    if dist.get_world_size(group) == 1:
         return [per_dest[0].clone()]
-    tail = per_dest[0].shape[1:]
-    send_sizes = torch.tensor([t.shape[0] for t in per_dest], dtype=torch.int64)
-    recv_sizes = torch.empty_like(send_sizes)
-    wait_in_op(dist.all_to_all_single(recv_sizes, send_sizes, group=group, async_op=True), group)
+    send_sizes = [t.shape[0] for t in per_dest]
+    recv_sizes = torch.empty(len(per_dest), dtype=torch.int64)
+    wait_in_op(dist.all_to_all_single(recv_sizes, torch.tensor(send_sizes, dtype=torch.int64), group=group,
+                                      async_op=True), group)
+    return _exchange_sized(per_dest, recv_sizes.tolist(), group)
+
+
+def _exchange_sized(per_dest: list[torch.Tensor], recv_sizes: list[int], group) -> list[torch.Tensor]:
+    """`exchange` where this rank already knows how many rows each peer sends it: one collective."""
     send = torch.cat(per_dest).contiguous()
-    recv = send.new_empty((int(recv_sizes.sum()),) + tuple(tail))
-    wait_in_op(dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes.tolist(),
-                                      input_split_sizes=send_sizes.tolist(), group=group, async_op=True), group)
-    return list(torch.split(recv, recv_sizes.tolist()))
+    recv = send.new_empty((sum(recv_sizes),) + tuple(per_dest[0].shape[1:]))
+    wait_in_op(dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
+                                      input_split_sizes=[t.shape[0] for t in per_dest], group=group, async_op=True),
+               group)
+    return list(torch.split(recv, recv_sizes))
 
 
 def pull(table: torch.Tensor, want_rank: torch.Tensor, want_row: torch.Tensor, group) -> torch.Tensor:
     """Read `table[want_row[i]]` of rank `want_rank[i]` for every i (every rank passes its own table)."""
+    return pull_many([table], want_rank, want_row, group)[0]
+
+
+def pull_many(tables: list[torch.Tensor], want_rank: torch.Tensor, want_row: torch.Tensor,
+              group) -> list[torch.Tensor]:
+    """`pull` from several tables at the same rows: the requests travel once, and each table's replies in
+    one collective (a reply holds as many rows as its request, so no sizes are exchanged for it)."""
     R = dist.get_world_size(group)
     want_rank = want_rank.long()
     want_row = want_row.long()
     picks = [torch.nonzero(want_rank == d).flatten() for d in range(R)]
     requests = exchange([want_row[p] for p in picks], group)
-    replies = exchange([table[req] for req in requests], group)
-    out = table.new_zeros((want_rank.numel(),) + tuple(table.shape[1:]))
-    for p, rep in zip(picks, replies):
-        out[p] = rep
-    return out
+    outs = []
+    for table in tables:
+        replies = ([table[requests[0]]] if R == 1 else
+                   _exchange_sized([table[req] for req in requests], [p.numel() for p in picks], group))
+        out = table.new_zeros((want_rank.numel(),) + tuple(table.shape[1:]))
+        for p, rep in zip(picks, replies):
+            out[p] = rep
+        outs.append(out)
+    return outs

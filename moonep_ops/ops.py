@@ -15,7 +15,7 @@ from torch.library import custom_op
 
 from . import checks, fake, planning
 from .agreement import agree, wait_in_op
-from .comm import exchange, pull, resolve_group
+from .comm import exchange, pull, pull_many, resolve_group
 from .registry import group_by_key, group_of, peers
 from .table_checks import (check_copies, check_range, check_received, check_row_tables, check_token_tables,
                            check_unique_rows, real_rows)
@@ -124,13 +124,14 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     flat_rank = dst_rank.reshape(-1)
     next_row = next_row_same_rank(dst_rank, dst_row).reshape(-1)
     src = rank * S + torch.arange(S * K, dtype=torch.int32) // K
-    tables, weights = [], []
+    tables = []
     for d in range(R):
         sel = flat_rank == d
-        tables.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel], src[sel]], 1))
-        weights.append(route_w.reshape(-1)[sel])
+        # the fp32 route weight travels in the same int32 rows, by its bits (one exchange, not two)
+        tables.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel], src[sel],
+                                   route_w.reshape(-1)[sel].view(torch.int32)], 1))
     got = torch.cat(exchange(tables, group))
-    got_w = torch.cat(exchange(weights, group))
+    got_w = got[:, 4].contiguous().view(torch.float32)
     # the rows every peer sent must tile this rank's real rows: checked (and agreed) before any write
     agree("dispatch (received tables)", ctrl, group,
           lambda: check_received("dispatch", got[:, 0], got[:, 1], got[:, 2], got[:, 3], real, S, R))
@@ -551,8 +552,9 @@ def prefetch_weights(w_gate: Tensor, w_up: Tensor, w_down: Tensor, experts_to_co
     epn = w_gate.shape[0]
     mine = experts_to_copy[torch.distributed.get_rank(group)].long()
     used = torch.nonzero(mine >= 0).flatten()
-    for w, pool in ((w_gate, pool_gate), (w_up, pool_up), (w_down, pool_down)):
-        pool[used] = pull(w, mine[used] // epn, mine[used] % epn, group)
+    pulled = pull_many([w_gate, w_up, w_down], mine[used] // epn, mine[used] % epn, group)
+    for pool, got in zip((pool_gate, pool_up, pool_down), pulled):
+        pool[used] = got
 
 
 prefetch_weights.register_fake(fake.prefetch_weights.prefetch_weights)
@@ -600,8 +602,7 @@ def reduce_grad(experts_to_copy: Tensor, reduce_gate: Tensor, reduce_up: Tensor,
     epn = home_gate.shape[0]
     copies = experts_to_copy.long()
     ranks, slots = torch.nonzero((copies >= 0) & (copies // epn == me), as_tuple=True)  # row-major: rank, slot
-    for buf, home in zip(reduce_bufs, homes):
-        got = pull(buf, ranks, slots, group)
+    for got, home in zip(pull_many(list(reduce_bufs), ranks, slots, group), homes):
         sums: dict[int, Tensor] = {}  # home expert -> fp32 running sum, copies added in rank order
         for i, e in enumerate(copies[ranks, slots].tolist()):
             k = e - me * epn
