@@ -714,13 +714,21 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     cu, _ = gemm_groups(cu_seqlens, None, copies, ep.cfg.epn)
     g_gate, g_up, h_w, g_row_w = group_gemm_swiglu_bwd(g_y, w_down, pool_down, cu, row_w, gate, up, P)
     # the home gradients in the weights' dtype: wgrad writes every home expert's (zeros for an expert
-    # without rows), reduce_grad adds the copies' fp32 gradients to those with copies (docs/design-notes.md)
-    dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in (w_gate, w_up, w_down))
+    # without rows), reduce_grad adds the copies' fp32 gradients to those with copies (docs/design-notes.md).
+    # Each is allocated right before its wgrad, and each [NvS, F] operand is dropped after the last GEMM that
+    # reads it, so the caching allocator reuses that memory within this backward (a lower peak; the same
+    # kernels on the same inputs)
+    dw_down = torch.empty_like(w_down)
     group_gemm_wgrad(h_w, g_y, cu, dw_down, reduce_down, P)
+    del h_w
     # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H] output
     g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
+    dw_gate = torch.empty_like(w_gate)
     group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
+    del g_gate
+    dw_up = torch.empty_like(w_up)
     group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
+    del g_up
     if copies:
         reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl,
                     ep.group_name)
