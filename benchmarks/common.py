@@ -152,11 +152,12 @@ class Bench:
 
 def symmetric_bytes(ep) -> int | None:
     """Bytes of an EPGroup's symmetric-memory buffers (tables, presum, slot pools, fp32 reduce buffers), which
-    the caching allocator's counters may not include; None before the weight buffers exist."""
+    the caching allocator's counters do not include: 0 for a group without symmetric memory (the CPU
+    reference; one rank on CUDA, whose few buffers are ordinary tensors inside those counters,
+    moonep_ops/buffers.py); None before the weight buffers exist."""
     if ep._pools is None:
         return None
-    return sum(t.numel() * t.element_size() for t in (
-        ep.ctrl, *ep.dispatch_buffers, ep.presum, ep.row_scratch, *ep.pools, *ep.reduce_buffers))
+    return ep.buffer_bytes if ep.layout.symmetric else 0
 
 
 def grad_clearer(module: nn.Module, x: torch.Tensor):
