@@ -691,7 +691,8 @@ def precompile_cold(rank: int, R: int, cfg_kwargs: dict, cache_dir: str, log_pat
                 y.backward(g)
         torch.cuda.synchronize()
         out["train" if train else "inference"] = dict(
-            calls=[(c.module, c.name) for c in calls], step_events=events()[before:],
+            calls=[(c.module, c.name) for c in calls],
+            step_events=[e for e in events()[before:] if e[2]],  # this rank's (the other's children may log)
             again=len(precompile(ep, layer.experts, train=train)), finite=bool(torch.isfinite(y).all()))
     out["events"] = events()
     ep.check("precompile")
