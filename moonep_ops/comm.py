@@ -31,7 +31,7 @@ def exchange(per_dest: list[torch.Tensor], group) -> list[torch.Tensor]:
     waited at most the running op's timeout (a peer that died mid-op fails this rank with a named error).
     """
     if dist.get_world_size(group) == 1:
-        return [per_dest[0].clone()]
+        return _exchange_sized(per_dest, [per_dest[0].shape[0]], group)
     send_sizes = [t.shape[0] for t in per_dest]
     recv_sizes = torch.empty(len(per_dest), dtype=torch.int64)
     wait_in_op(dist.all_to_all_single(recv_sizes, torch.tensor(send_sizes, dtype=torch.int64), group=group,
@@ -40,7 +40,10 @@ def exchange(per_dest: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 
 def _exchange_sized(per_dest: list[torch.Tensor], recv_sizes: list[int], group) -> list[torch.Tensor]:
-    """`exchange` where this rank already knows how many rows each peer sends it: one collective."""
+    """`exchange` where this rank already knows how many rows each peer sends it: one collective (none
+    with one rank, whose rows come back to itself)."""
+    if dist.get_world_size(group) == 1:
+        return [per_dest[0].clone()]
     send = torch.cat(per_dest).contiguous()
     recv = send.new_empty((sum(recv_sizes),) + tuple(per_dest[0].shape[1:]))
     wait_in_op(dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
@@ -65,8 +68,7 @@ def pull_many(tables: list[torch.Tensor], want_rank: torch.Tensor, want_row: tor
     requests = exchange([want_row[p] for p in picks], group)
     outs = []
     for table in tables:
-        replies = ([table[requests[0]]] if R == 1 else
-                   _exchange_sized([table[req] for req in requests], [p.numel() for p in picks], group))
+        replies = _exchange_sized([table[req] for req in requests], [p.numel() for p in picks], group)
         out = table.new_zeros((want_rank.numel(),) + tuple(table.shape[1:]))
         for p, rep in zip(picks, replies):
             out[p] = rep
