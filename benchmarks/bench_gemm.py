@@ -22,9 +22,11 @@ and the fused epilogues (same run, same shapes):
   swiglu_bwd   down-projection dgrad d = g_y @ W_down_g^T with the SwiGLU backward in the epilogue
                (g_gate, g_up, h_w = row_w * h, g_row_w = sum_f d * h from the saved gate/up) vs
                _grouped_mm dgrad + the same elementwise math in eager torch (fp32)
+  swiglu_bwd_smem  the same kernel with its shared-memory epilogue (gate/up and the outputs by TMA)
 FLOPs are the GEMM FLOPs only (swiglu: 2 * N * H * 2F).
 
     python benchmarks/bench_gemm.py --only swiglu,swiglu_h,row_scale,swiglu_bwd   # writes bench_gemm_fused.json
+    python benchmarks/bench_gemm.py --only swiglu_bwd,swiglu_bwd_smem             # the two epilogues side by side
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None,
-                    help="comma-separated ops (fwd,dgrad,dgrad2,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd; wgrad "
-                         "includes wgrad_ep)")
+                    help="comma-separated ops (fwd,dgrad,dgrad2,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd,"
+                         "swiglu_bwd_smem; wgrad includes wgrad_ep)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     from csrc_cute.group_gemm import (group_gemm_dgrad, group_gemm_dgrad2, group_gemm_fwd, group_gemm_row_scale, group_gemm_swiglu,
@@ -138,8 +140,11 @@ def main() -> None:
                       f"{row['dense_tflops']:6.1f} TF/s | x{row['speedup']:.3f}", flush=True)
             if proj == "down F->H" and (only is None or "row_scale" in only):
                 rows.append(bench_row_scale(name, G, epn, n, x, w_home, w_slot, w_all, cu, P, group_gemm_row_scale))
-            if proj == "down F->H" and (only is None or "swiglu_bwd" in only):
-                rows.append(bench_swiglu_bwd(name, G, n, dy, w_home, w_slot, w_all, cu, P, group_gemm_swiglu_bwd))
+            for epi in ("registers", "smem"):  # swiglu_bwd, swiglu_bwd_smem: its shared-memory epilogue
+                op = "swiglu_bwd" if epi == "registers" else "swiglu_bwd_smem"
+                if proj == "down F->H" and (only is None or op in only):
+                    rows.append(bench_swiglu_bwd(name, G, n, dy, w_home, w_slot, w_all, cu, P, group_gemm_swiglu_bwd,
+                                                 epi))
         if only is None or only & {"swiglu", "swiglu_h"}:
             rows.extend(bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only))
     fname = "bench_gemm.json" if only is None else "bench_gemm_fused.json"
@@ -173,14 +178,16 @@ def bench_row_scale(name, G, epn, n, h, wd_home, wd_slot, wd_all, cu, P, group_g
                         matches_baseline=ok, max_abs_err=err))
 
 
-def bench_swiglu_bwd(name, G, n, g_y, wd_home, wd_slot, wd_all, cu, P, group_gemm_swiglu_bwd):
-    """Down-projection dgrad with the SwiGLU backward epilogue vs _grouped_mm dgrad + eager elementwise."""
+def bench_swiglu_bwd(name, G, n, g_y, wd_home, wd_slot, wd_all, cu, P, group_gemm_swiglu_bwd, epilogue):
+    """Down-projection dgrad with the SwiGLU backward epilogue (``epilogue``: "registers" or "smem") vs
+    _grouped_mm dgrad + eager elementwise."""
     F = wd_home.shape[1]
     gate = torch.randn(n, F, device="cuda", dtype=torch.bfloat16)
     up = torch.randn(n, F, device="cuda", dtype=torch.bfloat16)
     row_w = torch.rand(n, device="cuda")
     wd_t = wd_all.transpose(-1, -2)
-    ours_fn = lambda: group_gemm_swiglu_bwd(g_y, wd_home, wd_slot, cu, row_w, gate, up, pad=P)  # noqa: E731
+    ours_fn = lambda: group_gemm_swiglu_bwd(g_y, wd_home, wd_slot, cu, row_w, gate, up, pad=P,  # noqa: E731
+                                            epilogue=epilogue)
 
     def base_fn():
         d = torch._grouped_mm(g_y, wd_t, offs=cu).float()
@@ -197,7 +204,8 @@ def bench_swiglu_bwd(name, G, n, g_y, wd_home, wd_slot, wd_all, cu, P, group_gem
              for i, (a, b) in enumerate(zip(got, ref)))
     ours, base = cuda_time_ms(ours_fn), cuda_time_ms(base_fn)
     flops = 2.0 * n * g_y.shape[1] * F
-    return _report(dict(case=name, proj="down F->H", op="swiglu_bwd", groups=G, rows=n, kd=F, nd=g_y.shape[1],
+    op = "swiglu_bwd" if epilogue == "registers" else "swiglu_bwd_smem"
+    return _report(dict(case=name, proj="down F->H", op=op, groups=G, rows=n, kd=F, nd=g_y.shape[1],
                         ours_ms=ours, baseline_ms=base, baseline="_grouped_mm dgrad + eager SwiGLU backward",
                         ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9, speedup=base / ours,
                         matches_baseline=ok, max_abs_err=max(errs)))

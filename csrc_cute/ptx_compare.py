@@ -68,6 +68,8 @@ _GEMM_VARIANTS = [
     ("row_scale", 520, 200, 64),
     ("swiglu_bwd", 7168, 2048, 128),
     ("swiglu_bwd", 520, 200, 64),
+    ("swiglu_bwd_smem", 7168, 2048, 128),
+    ("swiglu_bwd_smem", 520, 200, 64),
     ("swiglu_h_only_remote", 7168, 2048, 128),
     ("swiglu_remote", 520, 200, 64),
     ("swiglu_remote", 7168, 2048, 128),

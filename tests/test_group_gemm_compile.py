@@ -99,6 +99,8 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         ("row_scale", 520, 200, 64),
         ("swiglu_bwd", 7168, 2048, 128),  # down-projection dgrad + SwiGLU backward (Kd = H, Nd = F here)
         ("swiglu_bwd", 520, 200, 64),
+        ("swiglu_bwd_smem", 7168, 2048, 128),  # its shared-memory (TMA) epilogue
+        ("swiglu_bwd_smem", 520, 200, 64),
         # inference with remote groups (weights read from the home rank through the peer mapping)
         ("swiglu_h_only_remote", 7168, 2048, 128),
         ("swiglu_remote", 520, 200, 64),
@@ -112,15 +114,27 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     assert "ld.local" not in ptx and "st.local" not in ptx
     check_remote_descriptors(ptx, rings=(2 if op.startswith("swiglu") else 1) if op.endswith("_remote") else 0)
     op = op.removesuffix("_remote")
-    if op == "swiglu_bwd":
+    if op.startswith("swiglu_bwd"):
         # dgrad: A and B K-major; one 128-column accumulator; the activation's backward in the epilogue
         assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
         assert all(ln.replace(" ", "").endswith("0,0;") for ln in mma), mma[0][-60:]
         assert "ex2.approx" in ptx and "rcp.approx" in ptx and "shfl.sync.bfly" in ptx
         # row_w: one load per row slot (2 per 64-row block of a warp group's tile: pingpong, each
-        # warp group owns whole tiles) in each of the full-tile and partial-tile epilogues
+        # warp group owns whole tiles), in each of the full-tile and partial-tile epilogues of the
+        # register epilogue, once per tile in the shared-memory one
         slots = 2 * (2 if pad >= 128 else 1)
-        assert ptx.count("ld.global.f32") == 2 * slots, ptx.count("ld.global.f32")
+        smem = op == "swiglu_bwd_smem"
+        assert ptx.count("ld.global.f32") == (1 if smem else 2) * slots, ptx.count("ld.global.f32")
+        fragment_io = [m for m in ("ld.global.b16", "ld.global.b32", "st.global.b16", "st.global.b32") if m in ptx]
+        if smem:
+            # gate/up and the three outputs only through shared memory: TMA loads (64 x 32 sub-tiles, on
+            # mbarriers) and TMA stores, 4-byte shared accesses in the accumulator layout
+            assert not fragment_io, fragment_io
+            assert ptx.count("cp.async.bulk.tensor.2d.global.shared") >= 3 * 2 * (4 if pad >= 128 else 2)
+            assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") > 2
+            assert "ld.shared.b32" in ptx and "st.shared.b32" in ptx and "mbarrier.init" in ptx
+        else:
+            assert fragment_io and "cp.async.bulk.tensor.2d.global.shared" not in ptx
     elif op.startswith("swiglu"):
         # two accumulators (gate, up) of 128 columns each; the activation is computed in the kernel
         assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
@@ -170,3 +184,12 @@ def test_swiglu_bwd_row_reduction_layout(tile_m):
     that computes a tile (pingpong: one warp group per tile, two rows per 64-row block) (CPU)."""
     res = layout_probe("swiglu_bwd", "swiglu_bwd_row_quads", tile_m, 128)
     assert res == dict(threads=128, bad_slot=0, bad_quad=0, bad_cover=0, slots=2 * tile_m // 64), res
+
+
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_swiglu_bwd_smem_subtile_pairs_accumulator_elements(tile_m):
+    """The shared-memory epilogue reads gate/up of a 64 x 32 sub-tile through a 64 x 32 MMA's partition
+    and pairs element v with accumulator element first(e) + v: checked for every thread of the warp group
+    and every sub-tile against the real layouts (CPU)."""
+    res = layout_probe("swiglu_bwd_smem", "swiglu_bwd_smem_subtile_layout", tile_m, 128)
+    assert res == dict(threads=128, subtiles=4 * tile_m // 64, per_subtile=16, covered=True, mismatches=0), res

@@ -8,7 +8,8 @@ DSL until a kernel is compiled), ``base`` (the shared mainloop, epilogue helpers
 warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), ``remote`` (remote-weight
 descriptors), ``pairs`` (dgrad2's two operand pairs), and one module per kernel family: ``rows`` (forward,
 dgrad, dgrad2, row scale), ``swiglu``,
-``swiglu_bwd``, ``wgrad``. This package exports the host API.
+``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue), ``wgrad``. This package exports
+the host API.
 """
 
 from .config import (

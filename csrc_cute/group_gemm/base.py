@@ -130,9 +130,10 @@ class GroupGemmSm90Base:
         num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), self.tile_n)
         return num_n_tiles, num_m_tiles * num_n_tiles
 
-    def _make_shared_storage(self, b_buffers=("sB",), with_c: bool = False):
+    def _make_shared_storage(self, b_buffers=("sB",), with_c: bool = False, epi_barriers: int = 0):
         """The kernel's shared memory: the ring's mbarriers, the A stages, one B ring per name in
-        ``b_buffers`` and, ``with_c``, the epilogue's sub-tile ring (buffers 1024-byte aligned)."""
+        ``b_buffers``, ``with_c`` the epilogue's sub-tile ring (buffers 1024-byte aligned) and
+        ``epi_barriers`` mbarriers of an epilogue that loads operands by TMA (``epi_mbar``)."""
 
         def buffer(dtype, staged):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(staged)], self.buffer_align]
@@ -145,6 +146,8 @@ class GroupGemmSm90Base:
             fields[name] = buffer(self.ab_dtype, self.b_smem_staged)
         if with_c:
             fields["sC"] = buffer(self.c_dtype, self.epi_smem_staged)
+        if epi_barriers:
+            fields["epi_mbar"] = cute.struct.MemRange[cutlass.Int64, epi_barriers]
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _launch_persistent(self, kernel, num_tiles, stream):
@@ -176,7 +179,7 @@ class GroupGemmSm90Base:
     @cute.jit
     def shared_tensors(self, a_smem_staged, b_smem_staged, b_buffers, epi_smem_staged=None):
         """Allocates ``self.shared_storage`` and creates the mainloop pipeline on its mbarriers;
-        returns (pipeline, sA, [sB per name in ``b_buffers``], sC or None)."""
+        returns (pipeline, sA, [sB per name in ``b_buffers``], sC or None, the storage)."""
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         mainloop = self.make_mainloop_pipeline(
@@ -189,7 +192,7 @@ class GroupGemmSm90Base:
         sC = None
         if cutlass.const_expr(epi_smem_staged is not None):
             sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-        return mainloop, sA, sBs, sC
+        return mainloop, sA, sBs, sC, storage
 
     @cute.jit
     def partition_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor, b_operands):
@@ -414,8 +417,9 @@ class GroupGemmSm90Base:
         tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
         self.prefetch_tma_descriptors(warp_idx, p.atoms)
         self.count_groups(p)
-        mainloop, sA, sBs, sC = self.shared_tensors(p.a_smem_staged, p.b_smem_staged, p.b_buffers,
-                                                    p.epi_smem_staged)
+        mainloop, sA, sBs, sC, storage = self.shared_tensors(p.a_smem_staged, p.b_smem_staged, p.b_buffers,
+                                                             p.epi_smem_staged)
+        p.storage = storage  # for a family's hooks that use more of it than sC (epilogue mbarriers)
         tAgA, tAsA, b_loads, k_tiles = self.partition_loads(
             p.tma_a, p.mA, sA, [(tma_b, mB, sBs[ring]) for tma_b, mB, ring in p.b_operands]
         )

@@ -206,10 +206,12 @@ def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig, remo
 
 
 @compiler
-def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig):
+def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig, epilogue: str = "registers"):
     """The down-projection dgrad with the SwiGLU backward epilogue: takes (g_y [N, H], w_down_home
     [epn, F, H], w_down_slot [B, F, H], cu_seqlens, row_w [N] fp32, gate [N, F], up [N, F], g_gate [N, F],
-    g_up [N, F], h_w [N, F], part [N, ceil(F / tile_n)] fp32)."""
+    g_up [N, F], h_w [N, F], part [N, ceil(F / tile_n)] fp32). ``epilogue``: "registers" (gate/up and the
+    outputs between global memory and the accumulator fragment) or "smem" (through shared memory by TMA;
+    bitwise the same results)."""
     import cutlass
 
     def build():
@@ -219,12 +221,12 @@ def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig):
         from .swiglu_bwd import GroupGemmSwigluBwdSm90
 
         return _compile_for_torch(
-            GroupGemmSwigluBwdSm90(config),
+            GroupGemmSwigluBwdSm90(config, epilogue),
             _fake(bf, (n, hd)), _fake(bf, (epn, f, hd)), _fake(bf, (nb, f, hd)), _fake(cutlass.Int32, (ng,), 4),
             _fake(f32, (n,), 4), *(_fake(bf, (n, f)) for _ in range(5)), _fake(f32, (n, n_tiles), 4),
         )
 
-    return _compile_cached(("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config)), build)
+    return _compile_cached(("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config), epilogue), build)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,8 +340,9 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
 
 def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
-    "swiglu_bwd"; "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote": with remote groups) for
-    static (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
+    "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
+    "swiglu_h_only_remote": with remote groups) for static (Kd, Nd) (H, F for the SwiGLU ops), padding P
+    and ``num_sms``."""
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
@@ -353,8 +356,9 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
         return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms),
                                          op in ("swiglu", "swiglu_remote"), op.endswith("_remote"))
-    if op == "swiglu_bwd":
-        return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms))
+    if op in ("swiglu_bwd", "swiglu_bwd_smem"):
+        return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms),
+                                             "smem" if op == "swiglu_bwd_smem" else "registers")
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -567,6 +571,7 @@ def group_gemm_swiglu_bwd(
     gate: torch.Tensor,
     up: torch.Tensor,
     pad: int = 128,
+    epilogue: str = "registers",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``y = group_gemm_row_scale(swiglu(gate, up), W_down, row_w)`` up to the gate/up
     pre-activations, one kernel: ``d = g_y @ W_down_g^T`` (fp32) and, in its epilogue, from the saved bf16
@@ -574,8 +579,11 @@ def group_gemm_swiglu_bwd(
     ``h_w = row_w * silu(gate) * up`` (bf16, the down projection's wgrad operand: ``dW_down_g += h_w_g^T
     g_y_g``) and ``g_row_w[r] = sum_f d[r, f] * h[r, f]`` (fp32 [N], the route weights' gradient; per
     128-column tile partial sums, added here in a fixed order). Weights ``[epn, F, H]`` / ``[B, F, H]``.
-    No host sync."""
+    ``epilogue``: "registers" (the default) or "smem" (gate/up and the outputs through shared memory by
+    TMA; bitwise the same results). No host sync."""
     op = "group_gemm_swiglu_bwd"
+    if epilogue not in ("registers", "smem"):
+        raise ValueError(f"moonep.{op}: epilogue must be 'registers' or 'smem', got {epilogue!r}")
     sizes = _check_kernel_args(
         op, _weights_contract(contracts.check_swiglu_bwd_args,
                               (g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, pad), w_down_home,
@@ -584,7 +592,7 @@ def group_gemm_swiglu_bwd(
         "w_down_home", aligned=(("row_w", row_w),),
     )
     f, hd, n = sizes["F"], sizes["H"], g_y.shape[0]
-    fn = _launcher("swiglu_bwd", hd, f, pad, g_y.device)
+    fn = _launcher("swiglu_bwd" if epilogue == "registers" else "swiglu_bwd_smem", hd, f, pad, g_y.device)
     tile_n = 128  # select_swiglu_bwd_config
     dev = g_y.device
     g_gate, g_up, h_w = (torch.empty(n, f, dtype=torch.bfloat16, device=dev) for _ in range(3))
@@ -648,7 +656,7 @@ def compile_group_gemm_for_sm90(
     op: str = "fwd",
 ):
     """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
-    "swiglu_bwd", or with remote groups "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote"; for
+    "swiglu_bwd", "swiglu_bwd_smem", or with remote groups "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,
     spills)."""

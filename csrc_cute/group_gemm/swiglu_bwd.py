@@ -11,9 +11,14 @@ from cutlass.utils import LayoutEnum
 from .base import GroupGemmSm90Base, KernelParams, partition_coords
 from .config import GroupGemmConfig
 from .scheduler import RowTileScheduler
+from .swiglu_bwd_smem import SwigluBwdSmemEpilogue
+
+# "registers": gate/up read and g_gate, g_up, h_w written between global memory and the accumulator
+# fragment; "smem": through shared memory by TMA (swiglu_bwd_smem.py)
+SWIGLU_BWD_EPILOGUES = ("registers", "smem")
 
 
-class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
+class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmSm90Base):
     """Down-projection dgrad with the SwiGLU backward in the epilogue (see ``group_gemm_swiglu_bwd``).
 
     Mainloop: the dgrad GEMM ``d = g_y @ W_down_g^T`` (A = g_y K-major, B = ``W_down_g`` viewed
@@ -35,14 +40,20 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
     Row reduction: an accumulator element's row offset within the thread's rows is static (the
     layout of the thread's slice of an identity tile), and the four lanes of a quad share their rows
     (checked on the CPU by the tests): per static row offset a register sum, then two xor shuffles.
+    With ``epilogue="smem"`` gate/up and the three outputs move through shared memory by TMA instead
+    (``SwigluBwdSmemEpilogue``; the same math and row sums, bitwise the same results).
     """
 
-    def __init__(self, config: GroupGemmConfig):
+    def __init__(self, config: GroupGemmConfig, epilogue: str = "registers"):
+        if epilogue not in SWIGLU_BWD_EPILOGUES:
+            raise ValueError(f"GroupGemmSwigluBwdSm90: epilogue must be one of {SWIGLU_BWD_EPILOGUES}, "
+                             f"got {epilogue!r}")
+        self.epilogue = epilogue
         self._init_common(
             config,
             LayoutEnum.ROW_MAJOR,  # A = g_y [N, H]: K-major
             LayoutEnum.ROW_MAJOR,  # B = W_down [F, H] per group: K-major (reduction over H)
-            0,
+            self._init_smem_epilogue() if epilogue == "smem" else 0,
             pingpong=True,
         )
         self.b_modes = [1, 2, 0]  # W_down (E, F, H) -> (F, H, E)
@@ -80,11 +91,18 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         tma_a, mA = self._tma_load_a(g_y)
         _, tma_bh, mBh, tma_bs, mBs = self._tma_load_weights(w_home, w_slot)
         num_n_tiles, num_tiles = self._row_tiles(g_y, gate)
-        self._make_shared_storage()
+        if cutlass.const_expr(self.epilogue == "smem"):
+            epi_atoms = self._smem_epilogue_atoms(gate, up, g_gate, g_up, h_w)
+            epi_smem_staged = self.epi_smem_staged
+            self._make_shared_storage(with_c=True, epi_barriers=2 * self.epi_load_stages)
+        else:
+            epi_atoms, epi_smem_staged = (None,) * 10, None
+            self._make_shared_storage()
         self._launch_persistent(
             self.kernel(
                 tma_a, mA, tma_bh, mBh, tma_bs, mBs, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part,
                 self.tiled_mma, self.a_smem_staged, self.b_smem_staged, num_n_tiles, num_tiles,
+                epi_smem_staged, *epi_atoms,
             ),
             num_tiles,
             stream,
@@ -114,9 +132,7 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         collects d * h of the thread's rows of that static slot (elements outside the bounds are
         skipped)."""
         # the route weight of each of the thread's rows, read once (clamped: rows past N are never stored)
-        rws = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
-        for j in cutlass.range_constexpr(len(self.row_first)):
-            rws[j] = row_w[cutlass.min(coords[self.row_first[j]][0], last_row)]
+        rws = self.row_weights(coords, row_w, last_row)
         blocks = cute.size(acc, mode=[1])
         per_block = cute.size(acc) // blocks  # element e of block m is acc[m * per_block + e]
         for m in cutlass.range_constexpr(blocks):
@@ -130,6 +146,15 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
                     i = m * per_block + e
                     if cute.elem_less(coords[i], dims):
                         self.swiglu_bwd_edge_element(i, acc, tCgG, tCgU, tCgGG, tCgGU, tCgHW, rws, part_sums)
+
+    @cute.jit
+    def row_weights(self, coords: cute.Tensor, row_w: cute.Tensor, last_row):
+        """The route weight of each of the thread's row slots, read once (clamped: rows past N are never
+        stored)."""
+        rws = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
+        for j in cutlass.range_constexpr(len(self.row_first)):
+            rws[j] = row_w[cutlass.min(coords[self.row_first[j]][0], last_row)]
+        return rws
 
     @cute.jit
     def swiglu_bwd_batch(self, acc: cute.Tensor, m: cutlass.Constexpr, b: cutlass.Constexpr, rG: cute.Tensor,
@@ -190,19 +215,29 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         b_smem_staged: cute.ComposedLayout,
         num_n_tiles: cutlass.Int32,
         num_tiles: cutlass.Int32,
+        epi_smem_staged,  # None (the register epilogue), or the shared-memory epilogue's sub-tile slots
+        # the shared-memory epilogue's TMA atoms and tensors (None for the register epilogue): loads of
+        # gate, up; stores of g_gate, g_up, h_w
+        tma_ld_gate, mLdGate, tma_ld_up, mLdUp, tma_st_gg, mStGG, tma_st_gu, mStGU, tma_st_hw, mStHW,
     ):
+        atoms = (tma_a, tma_bh, tma_bs)
+        if cutlass.const_expr(self.epilogue == "smem"):
+            atoms = atoms + (tma_ld_gate, tma_ld_up, tma_st_gg, tma_st_gu, tma_st_hw)
         self.warp_specialized(KernelParams(
-            atoms=(tma_a, tma_bh, tma_bs), tma_a=tma_a, mA=mA, b_operands=[(tma_bh, mBh, 0), (tma_bs, mBs, 0)],
+            atoms=atoms, tma_a=tma_a, mA=mA, b_operands=[(tma_bh, mBh, 0), (tma_bs, mBs, 0)],
             b_buffers=("sB",), home_rings=(0,), slot_rings=(1,), a_smem_staged=a_smem_staged,
-            b_smem_staged=b_smem_staged, epi_smem_staged=None, tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
-           num_n_tiles=num_n_tiles, num_tiles=num_tiles, row_w=row_w,
+            b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged, tiled_mma=tiled_mma,
+            cu_seqlens=cu_seqlens, num_n_tiles=num_n_tiles, num_tiles=num_tiles, row_w=row_w,
             mGate=mGate, mUp=mUp, mGG=mGG, mGU=mGU, mHW=mHW, mPart=mPart,
+            tma_ld_gate=tma_ld_gate, mLdGate=mLdGate, tma_ld_up=tma_ld_up, mLdUp=mLdUp, tma_st_gg=tma_st_gg,
+            mStGG=mStGG, tma_st_gu=tma_st_gu, mStGU=mStGU, tma_st_hw=tma_st_hw, mStHW=mStHW,
         ))
 
     @cute.jit
     def consumer_setup(self, p, mma_tidx, thr_mma, sC):
         """The thread's slice of the output tiles (element coordinates, see wgrad), the accumulator,
-        the per-row partial sums and the registers gate/up are loaded into."""
+        the per-row partial sums and the registers gate/up are loaded into (the shared-memory
+        epilogue: its own state, ``smem_epilogue_setup``)."""
         thr_c = p.tiled_mma.get_slice(mma_tidx)  # per-thread slice: element coordinates (see wgrad)
         n_rows = cute.size(p.mGate, mode=[0])
         dims = (n_rows, cute.size(p.mGate, mode=[1]))
@@ -218,16 +253,24 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         batch = (2, 2, self.epi_batch_chunks, 1)  # one epilogue batch of 8-column chunks (swiglu_bwd_batch)
         rG = cute.make_rmem_tensor(batch, cutlass.BFloat16)  # gate, then g_gate, then h_w
         rU = cute.make_rmem_tensor(batch, cutlass.BFloat16)  # up, then g_up
-        return KernelParams(thr_c=thr_c, n_rows=n_rows, dims=dims, gGate=gGate, gUp=gUp, gGG=gGG, gGU=gGU, gHW=gHW,
-                            cC=cC, acc=acc, part_sums=part_sums, rG=rG, rU=rU, last_row=n_rows - 1)
+        c = KernelParams(thr_c=thr_c, n_rows=n_rows, dims=dims, gGate=gGate, gUp=gUp, gGG=gGG, gGU=gGU, gHW=gHW,
+                         cC=cC, acc=acc, part_sums=part_sums, rG=rG, rU=rU, last_row=n_rows - 1)
+        if cutlass.const_expr(self.epilogue == "smem"):
+            c.sC, c.mma_tidx = sC, mma_tidx
+            c = self.smem_epilogue_setup(p, c)
+        return c
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
                      tile: cutlass.Int32, epi_count: cutlass.Int32):
         """One output tile: the dgrad MMA, the SwiGLU backward epilogue, the rows' partial sums
-        (``epi_count`` passes through: no TMA stores)."""
+        (``epi_count``: the warp group's sub-tiles so far in the shared-memory epilogue; passed through
+        by the register epilogue)."""
         m_idx, n_idx, k_count = self.row_work(p, tile)  # past the last group: d = 0
         full = self.is_full_tile(m_idx, n_idx, c.dims)
+        if cutlass.const_expr(self.epilogue == "smem"):
+            t = self.smem_epilogue_tiles(p, c, m_idx, n_idx)
+            self.smem_epilogue_prefetch(p, c, t, warp_idx, epi_count)  # gate/up load under the mainloop
         self.wait_mainloop_turn(tile)
         read_state, release_state = self.mma_k_tiles(
             mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
@@ -235,21 +278,37 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
         self.pass_mainloop_turn(p, tile)  # the other warp group's mainloop runs under this epilogue
         thr_c, acc, rG, rU, part_sums = c.thr_c, c.acc, c.rG, c.rU, c.part_sums
         coords = thr_c.partition_C(c.cC[(None, None, m_idx, n_idx)])
-        tCgG = thr_c.partition_C(c.gGate[(None, None, m_idx, n_idx)])
-        tCgU = thr_c.partition_C(c.gUp[(None, None, m_idx, n_idx)])
-        tCgGG = thr_c.partition_C(c.gGG[(None, None, m_idx, n_idx)])
-        tCgGU = thr_c.partition_C(c.gGU[(None, None, m_idx, n_idx)])
-        tCgHW = thr_c.partition_C(c.gHW[(None, None, m_idx, n_idx)])
-
-        part_sums.fill(0.0)
-        if full:
-            self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, p.row_w,
-                                     c.last_row, c.dims, True, part_sums)
+        if cutlass.const_expr(self.epilogue == "smem"):
+            part_sums.fill(0.0)
+            rws = self.row_weights(coords, p.row_w, c.last_row)
+            if full:
+                self.smem_epilogue(p, c, t, warp_idx, epi_count, coords, rws, True)
+            else:
+                self.smem_epilogue(p, c, t, warp_idx, epi_count, coords, rws, False)
+            epi_count = epi_count + t.epi_tiles
         else:
-            self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, p.row_w,
-                                     c.last_row, c.dims, False, part_sums)
-        # the four lanes of a quad hold the same rows: reduce over them, lane 0 of the quad writes
+            tCgG = thr_c.partition_C(c.gGate[(None, None, m_idx, n_idx)])
+            tCgU = thr_c.partition_C(c.gUp[(None, None, m_idx, n_idx)])
+            tCgGG = thr_c.partition_C(c.gGG[(None, None, m_idx, n_idx)])
+            tCgGU = thr_c.partition_C(c.gGU[(None, None, m_idx, n_idx)])
+            tCgHW = thr_c.partition_C(c.gHW[(None, None, m_idx, n_idx)])
+
+            part_sums.fill(0.0)
+            if full:
+                self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, p.row_w,
+                                         c.last_row, c.dims, True, part_sums)
+            else:
+                self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, p.row_w,
+                                         c.last_row, c.dims, False, part_sums)
+        self.store_part_sums(p, c, coords, n_idx)
+        return read_state, release_state, epi_count
+
+    @cute.jit
+    def store_part_sums(self, p, c, coords: cute.Tensor, n_idx):
+        """The rows' partial sums of the tile into ``part[:, n_idx]``: the four lanes of a quad hold the
+        same rows, so reduce over them and lane 0 of the quad writes."""
         lane = cute.arch.lane_idx()
+        part_sums = c.part_sums
         mPart = p.mPart  # a local: the DSL carries what a dynamic branch writes into
         for j in cutlass.range_constexpr(len(self.row_first)):
             s = part_sums[j]
@@ -258,11 +317,14 @@ class GroupGemmSwigluBwdSm90(RowTileScheduler, GroupGemmSm90Base):
             r = coords[self.row_first[j]][0]
             if (lane % 4 == 0) & (r < c.n_rows):
                 mPart[r, n_idx] = s
-        return read_state, release_state, epi_count
 
     @cute.jit
     def consumer_tail(self, c, warp_idx):
-        """Nothing to wait for: the epilogue stores straight from registers (no TMA stores)."""
+        """The register epilogue: nothing to wait for (no TMA stores). The shared-memory one: the warp
+        group's storing warp waits until its last TMA stores have read shared memory."""
+        if cutlass.const_expr(self.epilogue == "smem"):
+            if warp_idx % 4 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
