@@ -134,7 +134,9 @@ def test_the_dsl_imports_without_jax_and_jax_still_imports_after(tmp_path):
     the user's own later `import jax` still works. A stand-in `jax` package on the path plays the installed one."""
     (tmp_path / "jax").mkdir()
     (tmp_path / "jax" / "__init__.py").write_text("IMPORTED_BY_THE_USER = True\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    # the stand-in goes before the installed packages (and any PYTHONPATH that makes the DSL importable)
+    path = [str(ROOT), str(tmp_path)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     code = ("import sys, moonep_ops, csrc_cute.plan, cutlass.jax\n"
             "assert 'cutlass' in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)[:3]\n"
             "assert not cutlass.jax.is_available()\n"
