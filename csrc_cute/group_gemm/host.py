@@ -182,6 +182,31 @@ def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_pr
 
 
 @compiler
+def compile_group_gemm_swiglu_gather(hd: int, f: int, config: GroupGemmConfig, store_preact: bool = True):
+    """The fused gate/up + SwiGLU kernel with a gathered A operand: takes (x [S, H], row_src [N] int32,
+    w_gate_home, w_gate_slot, w_up_home, w_up_slot [*, H, F], cu_seqlens, h [N, F], gate [N, F], up [N, F])
+    and computes what ``compile_group_gemm_swiglu``'s kernel does for ``rows = where(row_src >= 0,
+    x[row_src], 0)``; S and N are independent sizes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def build():
+        n, epn, nb, ng = _fake_sizes()
+        s = cute.sym_int()
+        bf = cutlass.BFloat16
+        from .swiglu import GroupGemmSwigluGatherSm90
+
+        return _compile_for_torch(
+            GroupGemmSwigluGatherSm90(config, store_preact=store_preact),
+            _fake(bf, (s, hd)), _fake(cutlass.Int32, (n,), 4), _fake(bf, (epn, hd, f)), _fake(bf, (nb, hd, f)),
+            _fake(bf, (epn, hd, f)), _fake(bf, (nb, hd, f)), _fake(cutlass.Int32, (ng,), 4), _fake(bf, (n, f)),
+            _fake(bf, (n, f)), _fake(bf, (n, f)),
+        )
+
+    return _compile_cached(("group_gemm_swiglu_gather", bool(store_preact), int(hd), int(f), tuple(config)), build)
+
+
+@compiler
 def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig, remote: bool = False):
     """Forward with the per-row scale epilogue: takes (x [N, Kd], w_home, w_slot, cu_seqlens,
     row_w [N] fp32, y [N, Nd]). ``remote``: the variant with remote groups, which also takes
@@ -356,6 +381,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
         return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms),
                                          op in ("swiglu", "swiglu_remote"), op.endswith("_remote"))
+    if op in ("swiglu_gather", "swiglu_gather_h_only"):
+        return compile_group_gemm_swiglu_gather(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu_gather")
     if op in ("swiglu_bwd", "swiglu_bwd_smem"):
         return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms),
                                              "smem" if op == "swiglu_bwd_smem" else "registers")
