@@ -7,7 +7,8 @@ Modules: ``config`` (tile configurations), ``host`` (validation, compile cache, 
 DSL until a kernel is compiled), ``base`` (the shared mainloop, epilogue helpers and the one
 warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), ``remote`` (remote-weight
 descriptors), ``pairs`` (dgrad2's two operand pairs), and one module per kernel family: ``rows`` (forward,
-dgrad, dgrad2, row scale), ``swiglu``,
+dgrad, dgrad2, row scale), ``swiglu``
+(with ``gather``: the gathered A operand, rows of x by index),
 ``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue), ``wgrad``. This package exports
 the host API.
 """
@@ -28,6 +29,7 @@ from .host import (
     compile_group_gemm_row_scale,
     compile_group_gemm_swiglu,
     compile_group_gemm_swiglu_bwd,
+    compile_group_gemm_swiglu_gather,
     compile_group_gemm_wgrad,
     compile_op,
     group_gemm_dgrad,
@@ -36,6 +38,7 @@ from .host import (
     group_gemm_row_scale,
     group_gemm_swiglu,
     group_gemm_swiglu_bwd,
+    group_gemm_swiglu_gather,
     group_gemm_wgrad,
 )
 
@@ -53,6 +56,7 @@ __all__ = [
     "compile_group_gemm_row_scale",
     "compile_group_gemm_swiglu",
     "compile_group_gemm_swiglu_bwd",
+    "compile_group_gemm_swiglu_gather",
     "compile_group_gemm_wgrad",
     "compile_op",
     "group_gemm_dgrad",
@@ -61,5 +65,6 @@ __all__ = [
     "group_gemm_row_scale",
     "group_gemm_swiglu",
     "group_gemm_swiglu_bwd",
+    "group_gemm_swiglu_gather",
     "group_gemm_wgrad",
 ]

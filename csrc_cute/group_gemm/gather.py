@@ -183,3 +183,4 @@ class GatherRowsMixin:
             mainloop.producer_cpasync_commit(prod_state)
             prod_state.advance()
         return prod_state
+

@@ -1,7 +1,7 @@
 """Host side of the grouped GEMM: validation, compilation (once per static key) and launch.
 
 ``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_wgrad`` / ``group_gemm_row_scale`` /
-``group_gemm_swiglu`` / ``group_gemm_swiglu_bwd`` validate, compile through ``_compile_cached`` (fake
+``group_gemm_swiglu`` / ``group_gemm_swiglu_gather`` / ``group_gemm_swiglu_bwd`` validate, compile through ``_compile_cached`` (fake
 tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment stream) and launch on
 torch's current stream. ``compile_op`` names every kernel variant by op; ``compile_group_gemm_for_sm90``
 compiles one on a CPU-only machine for CI (see ``compile_check``). The DSL (cutlass) is imported only
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from moonep_ops.checks import check_tensor
 from moonep_ops.fake import group_gemm as contracts  # the ops' contracts: the checks their fake kernels run
 
 from ..jit import KernelFamily, compiler, dry_running
@@ -366,7 +367,8 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
 def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
-    "swiglu_h_only_remote": with remote groups) for static (Kd, Nd) (H, F for the SwiGLU ops), padding P
+    "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only": A rows gathered
+    from x by index) for static (Kd, Nd) (H, F for the SwiGLU ops), padding P
     and ``num_sms``."""
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
@@ -589,6 +591,52 @@ def group_gemm_swiglu(
     return h, gate, up
 
 
+def group_gemm_swiglu_gather(
+    x: torch.Tensor,
+    row_src: torch.Tensor,
+    w_gate_home: torch.Tensor,
+    w_gate_slot: torch.Tensor,
+    w_up_home: torch.Tensor,
+    w_up_slot: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    pad: int = 128,
+    store_preact: bool = True,
+    out: torch.Tensor | None = None,
+    gate_out: torch.Tensor | None = None,
+    up_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``group_gemm_swiglu`` with its rows gathered from ``x [S, H]`` in the kernel: row r of the grouped
+    operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
+    group), for ``row_src`` int32 ``[N]``. Returns ``(h, gate, up)`` of N rows, bitwise what
+    ``group_gemm_swiglu(where(row_src >= 0, x[row_src], 0), ...)`` returns, without the [N, H] copy.
+    ``cu_seqlens`` groups the N rows as there. Precondition (device values, not checked: no host sync):
+    every ``row_src[r] < S``; an index may repeat (a token routed to several groups). No host sync."""
+    op = "group_gemm_swiglu_gather"
+    weights = (w_gate_home, w_gate_slot, w_up_home, w_up_slot)
+    swiglu_contract = _weights_contract(contracts.check_swiglu_args, (x, *weights, cu_seqlens, pad), w_gate_home,
+                                        ("H", "F"))
+
+    def contract(experts_remote):
+        sizes, epn = swiglu_contract(experts_remote)
+        check_tensor(op, "row_src", row_src, (torch.int32,), (None,), x.device)
+        return sizes, epn
+
+    sizes = _check_kernel_args(
+        op, contract, pad,
+        (("x", x), ("w_gate_home", w_gate_home), ("w_gate_slot", w_gate_slot), ("w_up_home", w_up_home),
+         ("w_up_slot", w_up_slot)), "w_gate_home",
+    )
+    hd, f, n = sizes["H"], sizes["F"], row_src.shape[0]
+    fn = _launcher("swiglu_gather" if store_preact else "swiglu_gather_h_only", hd, f, pad, x.device)
+    h = _out_tensor(op, "out", out, n, f, x.device)
+    gate = _out_tensor(op, "gate_out", gate_out, n, f, x.device) if store_preact else None
+    up = _out_tensor(op, "up_out", up_out, n, f, x.device) if store_preact else None
+    if n:
+        fn(x, row_src, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home, _slot_map(w_up_slot, w_up_home),
+           cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
+    return h, gate, up
+
+
 def group_gemm_swiglu_bwd(
     g_y: torch.Tensor,
     w_down_home: torch.Tensor,
@@ -683,7 +731,8 @@ def compile_group_gemm_for_sm90(
     op: str = "fwd",
 ):
     """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
-    "swiglu_bwd", "swiglu_bwd_smem", or with remote groups "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote"; for
+    "swiglu_bwd", "swiglu_bwd_smem", "swiglu_gather", "swiglu_gather_h_only", or with remote groups "row_scale_remote",
+    "swiglu_remote", "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,
     spills)."""
