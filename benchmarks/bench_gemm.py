@@ -18,6 +18,9 @@ and the fused epilogues (same run, same shapes):
                backward) vs _grouped_mm gate + _grouped_mm up + F.silu(gate) * up ("unfused pair"), and
                vs one _grouped_mm on [G, H, 2F] concatenated weights + the same activation ("cat 2F")
   swiglu_h     the same kernel storing h only (inference)
+  swiglu_gather  group_gemm_swiglu_gather(x [S, H], row_src, ...): the rows gathered from S = 8192 tokens
+               in the kernel (row_src random tokens, every row routed) vs group_gemm_swiglu on the
+               pre-gathered rows x[row_src] (bitwise equal), and vs the gather copy + that kernel
   row_scale    y = (h @ W_down_g) * row_w (fp32 scale in the epilogue) vs _grouped_mm(...).mul_(row_w)
   swiglu_bwd   down-projection dgrad d = g_y @ W_down_g^T with the SwiGLU backward in the epilogue
                (g_gate, g_up, h_w = row_w * h, g_row_w = sum_f d * h from the saved gate/up) vs
@@ -27,6 +30,7 @@ FLOPs are the GEMM FLOPs only (swiglu: 2 * N * H * 2F).
 
     python benchmarks/bench_gemm.py --only swiglu,swiglu_h,row_scale,swiglu_bwd   # writes bench_gemm_fused.json
     python benchmarks/bench_gemm.py --only swiglu_bwd,swiglu_bwd_smem             # the two epilogues side by side
+    python benchmarks/bench_gemm.py --only swiglu,swiglu_gather                    # gathered A vs pre-gathered rows
 """
 
 from __future__ import annotations
@@ -61,11 +65,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None,
                     help="comma-separated ops (fwd,dgrad,dgrad2,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd,"
-                         "swiglu_bwd_smem; wgrad includes wgrad_ep)")
+                         "swiglu_bwd_smem,swiglu_gather; wgrad includes wgrad_ep)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     from csrc_cute.group_gemm import (group_gemm_dgrad, group_gemm_dgrad2, group_gemm_fwd, group_gemm_row_scale, group_gemm_swiglu,
-                                      group_gemm_swiglu_bwd, group_gemm_wgrad)
+                                      group_gemm_swiglu_bwd, group_gemm_swiglu_gather, group_gemm_wgrad)
 
     H, F, P = 7168, 2048, 128
     rows = []
@@ -147,6 +151,8 @@ def main() -> None:
                                                  epi))
         if only is None or only & {"swiglu", "swiglu_h"}:
             rows.extend(bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only))
+        if only is None or "swiglu_gather" in only:
+            rows.extend(bench_swiglu_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, group_gemm_swiglu_gather))
     fname = "bench_gemm.json" if only is None else "bench_gemm_fused.json"
     path = write_json(fname, dict(run_info(), results=rows), args.out)
     print("wrote", path)
@@ -245,6 +251,45 @@ def bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only):
                                      ours_ms=ours, baseline_ms=base, baseline=base_name,
                                      ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9,
                                      speedup=base / ours, matches_baseline=ok, max_abs_err=err)))
+    return rows
+
+
+def bench_swiglu_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, group_gemm_swiglu_gather, tokens=8192):
+    """The gathered-A SwiGLU forward: its rows x[row_src] of ``tokens`` tokens (random, every row routed),
+    against the plain kernel on the pre-gathered rows (same outputs, bitwise) and against the copy
+    plus the plain kernel (what the layer does without the gather)."""
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.randint(0, tokens, (n,), device="cuda", dtype=torch.int32)
+    rows_g = x[row_src.long()]
+    wg = torch.randn(G, H, F, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    wu = torch.randn(G, H, F, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    weights = (wg[:epn], wg[epn:], wu[:epn], wu[epn:])
+    bufs = [torch.empty(n, F, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ref_bufs = [torch.empty(n, F, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    outs = dict(out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
+    ref_outs = dict(out=ref_bufs[0], gate_out=ref_bufs[1], up_out=ref_bufs[2])
+    ours_fn = lambda: group_gemm_swiglu_gather(x, row_src, *weights, cu, pad=P, **outs)  # noqa: E731
+    plain_fn = lambda: group_gemm_swiglu(rows_g, *weights, cu, pad=P, **ref_outs)  # noqa: E731
+
+    def copy_and_plain():
+        torch.index_select(x, 0, row_src, out=rows_g)
+        plain_fn()
+
+    ours_fn()
+    plain_fn()
+    ok = all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
+    if not ok:
+        print(f"MISMATCH {name} swiglu_gather: not bitwise equal to group_gemm_swiglu on x[row_src]", flush=True)
+    ours = cuda_time_ms(ours_fn)
+    flops = 2.0 * n * H * 2 * F
+    rows = []
+    for base_name, base_fn in (("group_gemm_swiglu on x[row_src]", plain_fn),
+                               ("index_select + group_gemm_swiglu", copy_and_plain)):
+        base = cuda_time_ms(base_fn)
+        rows.append(_report(dict(case=name, proj="gate/up H->F", op="swiglu_gather", groups=G, rows=n, kd=H, nd=F,
+                                 ours_ms=ours, baseline_ms=base, baseline=base_name, ours_tflops=flops / ours / 1e9,
+                                 baseline_tflops=flops / base / 1e9, speedup=base / ours, matches_baseline=ok,
+                                 max_abs_err=0.0 if ok else float("nan"))))
     return rows
 
 

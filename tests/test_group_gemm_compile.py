@@ -95,6 +95,9 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         ("swiglu", 7168, 2048, 128),  # gate/up projection, training (h, gate, up stored)
         ("swiglu_h_only", 7168, 2048, 128),  # inference: h only
         ("swiglu", 520, 200, 64),  # tile_M = 64, partial tiles
+        # A rows gathered from x by index (cp.async), B by TMA
+        ("swiglu_gather", 7168, 2048, 128),
+        ("swiglu_gather", 520, 200, 64),
         ("row_scale", 2048, 7168, 128),  # down projection with route weights
         ("row_scale", 520, 200, 64),
         ("swiglu_bwd", 7168, 2048, 128),  # down-projection dgrad + SwiGLU backward (Kd = H, Nd = F here)
@@ -114,6 +117,9 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     assert "ld.local" not in ptx and "st.local" not in ptx
     check_remote_descriptors(ptx, rings=(2 if op.startswith("swiglu") else 1) if op.endswith("_remote") else 0)
     op = op.removesuffix("_remote")
+    if op.startswith("swiglu_gather"):
+        check_gathered_a(ptx, tile_m=pad)
+        op = "swiglu" + op.removeprefix("swiglu_gather")
     if op.startswith("swiglu_bwd"):
         # dgrad: A and B K-major; one 128-column accumulator; the activation's backward in the epilogue
         assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
@@ -147,6 +153,23 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         assert ptx.count("ld.global.f32") == 2, ptx.count("ld.global.f32")
 
 
+def check_gathered_a(ptx: str, tile_m: int):
+    """The gathered A operand: loaded by 16-byte cp.async (one per row a producer thread owns, tile_m / 16
+    rows, in each of the home and slot tile loads), predicated (zero fill: a source size chosen per
+    copy), each thread arriving on the stage's mbarrier when its copies land (noinc); the full barriers
+    count 1 + 128 arrivals; no TMA load (nor descriptor) of A, only B's 3-D loads (home and slot, gate and
+    up, in each of the home and slot tile loads)."""
+    import re
+
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)
+    assert len(copies) == 2 * (tile_m // 16), len(copies)
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == 2
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" not in ptx
+    assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 8
+    assert re.search(r"mov\.b32\s+(%r\d+), 129;\s+mbarrier\.init\.shared\.b64 \[%r\d+\], \1;", ptx)
+    assert ptx.count("prefetch.tensormap") == 4 + 3  # B's four atoms and the stores of h, gate, up
+
+
 def check_remote_descriptors(ptx: str, rings: int):
     """The remote variants (``rings`` B rings) build one descriptor per ring, once (its global address
     replaced, one release fence, one acquire per descriptor), and exactly one of the four B-load sets
@@ -175,6 +198,17 @@ def test_wgrad_epilogue_threads_cover_the_tile_once(tile_m, tile_n):
     res = layout_probe("wgrad", "wgrad_epilogue_coverage", tile_m, tile_n)
     n = tile_m * tile_n
     assert res == dict(writes=n, distinct=n, elements=n, inside=True), res
+
+
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_swiglu_gather_copy_covers_the_a_stage_once(tile_m):
+    """The gathered A operand's cp.async copy: the 128 producer threads' partitions of a (tile_m, 64) A
+    stage cover every element exactly once, each copy one 16-byte chunk of one row, and the stage's
+    shared layout (the swizzled one TMA fills and wgmma reads) keeps every such chunk 8 consecutive,
+    16-byte aligned elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
+    res = layout_probe("swiglu", "swiglu_gather_copy_coverage", tile_m, 128)
+    n = tile_m * 64
+    assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
 
 
 @pytest.mark.parametrize("tile_m", [128, 64])

@@ -1,5 +1,5 @@
 """GPU (Hopper) tests of the fused SwiGLU kernels: gate/up + SwiGLU (group_gemm_swiglu, with and without
-the stored pre-activations) and the SwiGLU backward fused into the down projection's dgrad
+the stored pre-activations; group_gemm_swiglu_gather, its rows gathered from x by index, bitwise against it) and the SwiGLU backward fused into the down projection's dgrad
 (group_gemm_swiglu_bwd), against the CPU reference ops and torch autograd; the registered ops and CUDA
 graphs of the fused FFN forward (with the row-scaled down projection) and backward. Skipped without a
 Hopper GPU.
@@ -22,6 +22,7 @@ from group_gemm_cases import (
     random_routing,
     random_swiglu_problem,
     reference_swiglu,
+    zero_swiglu_inputs,
 )
 
 
@@ -100,6 +101,138 @@ def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
         ref_h, ref_g, _ = reference_swiglu(x, wgh, wgs, wuh, wus, cu)
         check_rows(bufs[0], ref_h, cu)
         check_rows(bufs[1], ref_g, cu)
+
+
+# ------------------------------------------------------------------------------------------------
+# gate/up + SwiGLU with A gathered from x by row index (group_gemm_swiglu_gather)
+# ------------------------------------------------------------------------------------------------
+
+
+def gathered_rows(x, row_src):
+    """What dispatch builds and the gathered kernel reads in place: ``where(row_src >= 0, x[row_src], 0)``."""
+    rows = x[row_src.clamp(min=0).long()]
+    return torch.where((row_src >= 0)[:, None], rows, torch.zeros_like(rows))
+
+
+def random_row_src(cu, n, s, seed, all_padding=(), tail_valid=False):
+    """row_src [n] int32 (on cu's device) for group ends ``cu``: per group a random number of rows from random
+    tokens of x [s, H] (with repeats), the rest padding (-1); groups ``all_padding`` padding only; every group
+    with routed rows has token s - 1 and token 0 (one token in several groups); rows past the last group -1
+    or (``tail_valid``) valid tokens, which neither kernel reads."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.full((n,), -1, dtype=torch.int32)
+    ends = cu.cpu().tolist()
+    start = 0
+    for g, end in enumerate(ends):
+        length = end - start
+        routed = 0 if g in all_padding or length == 0 else int(torch.randint(1, length + 1, (1,), generator=gen))
+        if routed:
+            src[start:start + routed] = torch.randint(0, s, (routed,), generator=gen, dtype=torch.int32)
+            src[start] = s - 1
+            src[start + routed - 1] = 0
+        start = end
+    if tail_valid and n > start:
+        src[start:] = torch.randint(0, s, (n - start,), generator=gen, dtype=torch.int32)
+    return src.to(cu.device)
+
+
+def random_tokens(s, kd, seed):
+    """x [s, H] bf16 on the GPU, of the scale ``random_problem`` uses."""
+    return (torch.randn(s, kd, generator=torch.Generator().manual_seed(seed)) * 0.5).bfloat16().cuda()
+
+
+def check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=128, store_preact=True):
+    """The gathered kernel bitwise against ``group_gemm_swiglu`` on the gathered rows (outputs pre-filled
+    with NaN: every row must be written)."""
+    from csrc_cute.group_gemm import group_gemm_swiglu, group_gemm_swiglu_gather
+
+    n, nd = row_src.shape[0], wgh.shape[2]
+    bufs = [torch.full((n, nd), float("nan"), dtype=torch.bfloat16, device=x.device) for _ in range(3)]
+    got = group_gemm_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad, store_preact=store_preact,
+                                   out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
+    want = group_gemm_swiglu(gathered_rows(x, row_src), wgh, wgs, wuh, wus, cu, pad=pad, store_preact=store_preact)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("h", "gate", "up"), got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == (n, nd), (name, a.shape)
+        assert torch.equal(a, b), f"{name} differs in {(a != b).any(1).sum().item()} rows"
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_swiglu_gather_equals_swiglu_on_gathered_rows(pad):
+    # H = 520: partial last k tile (chunks past H zero-filled); F = 200: partial n tile; empty groups,
+    # an all-padding group, padding in every group, rows past the last group, token S - 1, repeats
+    lengths = random_lengths(pad, 5, 4, 6, seed=60 + pad)
+    lengths[2] = max(lengths[2], pad)
+    _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, 5, kd=520, nd=200, seed=pad)
+    n = sum(lengths) + 3 * pad
+    x = random_tokens(301, 520, seed=pad + 1)
+    for seed, tail_valid in ((0, False), (1, True)):
+        row_src = random_row_src(cu, n, x.shape[0], seed, all_padding=(2,), tail_valid=tail_valid)
+        check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad)
+    h, _, _ = check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad)
+    h_only, _, _ = check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad, store_preact=False)
+    assert torch.equal(h, h_only)
+    # N < S, one group, B = 0 (the slot map stands in for the empty slots)
+    lengths = [0, 2 * pad, 0]
+    _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, 3, kd=256, nd=128, seed=pad + 2)
+    check_swiglu_gather(x[:, :256].contiguous(), random_row_src(cu, 2 * pad, 301, 2), wgh, wgs, wuh, wus, cu, pad=pad)
+
+
+@gpu
+def test_swiglu_gather_design_shape():
+    # H = 7168, F = 2048, ~65k rows from S = 8192 tokens (K = 8 routed rows a token), 8 home + 2 slot groups
+    epn, nb, pad = 8, 2, 128
+    lengths = random_lengths(pad, epn, nb, 100, seed=9)
+    _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, epn, kd=7168, nd=2048, n_total=pad, seed=9)
+    n = sum(lengths) + 2 * pad
+    assert n > 40_000, n
+    x = random_tokens(8192, 7168, seed=10)
+    check_swiglu_gather(x, random_row_src(cu, n, x.shape[0], 11, all_padding=(3,)), wgh, wgs, wuh, wus, cu)
+
+
+@gpu
+def test_swiglu_gather_cuda_graph_replay():
+    from csrc_cute.group_gemm import group_gemm_swiglu_gather
+
+    epn, nb, kd, nd, n, s = 4, 2, 384, 256, 2048, 700
+    _, wgh, wgs, wuh, wus, _ = random_swiglu_problem([0] * (epn + nb), epn, kd, nd, n_total=128, seed=21)
+    x = random_tokens(s, kd, seed=22)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    bufs = [torch.empty(n, nd, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    cu.copy_(random_routing(epn, nb, n, 0))
+    row_src.copy_(random_row_src(cu, n, s, 0))
+    check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu)  # compiled before the capture
+    graph = capture_graph(lambda: group_gemm_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, out=bufs[0],
+                                                           gate_out=bufs[1], up_out=bufs[2]))
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
+        for b in bufs:
+            b.fill_(float("nan"))
+        graph.replay()
+        want = check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu)
+        assert all(torch.equal(a, b) for a, b in zip(bufs, want)), seed
+
+
+def test_swiglu_gather_rejects_bad_row_src():
+    """The host checks of row_src (before any device check: CPU tensors suffice)."""
+    from csrc_cute.group_gemm import group_gemm_swiglu_gather
+
+    x, wgh, wgs, wuh, wus, cu = zero_swiglu_inputs()
+    for bad, rule in ((torch.zeros(256, dtype=torch.int64), "dtype int32"),
+                      (torch.zeros(16, 16, dtype=torch.int32), "shape"),
+                      (torch.zeros(512, dtype=torch.int32)[::2], "contiguous"),
+                      (torch.zeros(256), "dtype int32")):
+        with pytest.raises(ValueError, match=f"group_gemm_swiglu_gather: row_src must .*{rule}"):
+            group_gemm_swiglu_gather(x, bad, wgh, wgs, wuh, wus, cu)
+    with pytest.raises(ValueError, match="group_gemm_swiglu_gather: x must be a CUDA tensor"):
+        group_gemm_swiglu_gather(x, torch.zeros(256, dtype=torch.int32), wgh, wgs, wuh, wus, cu)
 
 
 # ------------------------------------------------------------------------------------------------
