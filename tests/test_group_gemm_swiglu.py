@@ -1,5 +1,6 @@
 """GPU (Hopper) tests of the fused SwiGLU kernels: gate/up + SwiGLU (group_gemm_swiglu, with and without
-the stored pre-activations; group_gemm_swiglu_gather, its rows gathered from x by index, bitwise against it) and the SwiGLU backward fused into the down projection's dgrad
+the stored pre-activations; group_gemm_swiglu_gather, its rows gathered from x by index, bitwise against it)
+and the SwiGLU backward fused into the down projection's dgrad
 (group_gemm_swiglu_bwd), against the CPU reference ops and torch autograd; the registered ops and CUDA
 graphs of the fused FFN forward (with the row-scaled down projection) and backward. Skipped without a
 Hopper GPU.

@@ -281,6 +281,7 @@ def swiglu_gather_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
     bad_chunks = sum(1 for cp in copies if cp[0][1] % gather.CHUNK_ELEMS
                      or cp != [(cp[0][0], cp[0][1] + v) for v in range(gather.CHUNK_ELEMS)])
     spans = [offsets[i:i + gather.CHUNK_ELEMS] for i in range(0, len(offsets), gather.CHUNK_ELEMS)]
-    bad_smem = sum(1 for sp in spans if sp[0] % gather.CHUNK_ELEMS or sp != list(range(sp[0], sp[0] + gather.CHUNK_ELEMS)))
+    bad_smem = sum(1 for sp in spans
+                   if sp[0] % gather.CHUNK_ELEMS or sp != list(range(sp[0], sp[0] + gather.CHUNK_ELEMS)))
     return dict(values=len(seen), distinct=len(set(seen)), elements=kernel.tile_m * kernel.tile_k,
                 bad_chunks=bad_chunks, bad_smem=bad_smem, smem_distinct=len(set(offsets)))
