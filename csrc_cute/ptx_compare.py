@@ -76,6 +76,8 @@ _GEMM_VARIANTS = [
     ("swiglu_h_only_remote", 520, 200, 64),
     ("row_scale_remote", 2048, 7168, 128),
     ("row_scale_remote", 520, 200, 64),
+    ("swiglu_gather", 7168, 2048, 128),
+    ("swiglu_gather", 520, 200, 64),
 ]
 
 # torch dtypes of the kernels' static arguments, written by name so that listing and diffing import
