@@ -619,6 +619,9 @@ def group_gemm_swiglu_gather(
     def contract(experts_remote):
         sizes, epn = swiglu_contract(experts_remote)
         check_tensor(op, "row_src", row_src, (torch.int32,), (None,), x.device)
+        if x.numel() >= 2**31:
+            raise ValueError(f"moonep.{op}: x must have fewer than 2**31 elements for the CuTe kernel (its row "
+                             f"offsets row_src[r] * H are 32-bit), got {x.numel()}")
         return sizes, epn
 
     sizes = _check_kernel_args(
