@@ -159,6 +159,8 @@ def check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=128, store_preac
             continue
         assert a.shape == (n, nd), (name, a.shape)
         assert torch.equal(a, b), f"{name} differs in {(a != b).any(1).sum().item()} rows"
+    if not store_preact:
+        assert torch.isnan(bufs[1]).all() and torch.isnan(bufs[2]).all(), "h-only kernel wrote gate/up"
     return got
 
 

@@ -6,7 +6,8 @@ TMA and A is loaded with 16-byte ``cp.async`` by the 128 threads of the producer
 same swizzled A stage (``a_smem_staged``) that TMA would fill: thread t owns 16-byte chunk ``t % 8`` of
 rows ``t // 8 + 16 j`` of a (tile_m, 64) stage. A chunk whose row has no source is a predicated copy
 with source size 0, which writes 16 zero bytes (PTX ``cp.async`` zero fill), so a stage holds exactly
-the bytes TMA would have loaded from ``where(row_src >= 0, x[row_src], 0)``.
+the bytes TMA would have loaded from ``where(row_src >= 0, x[row_src], 0)``. Source offsets are 32-bit
+(the host requires x to have fewer than 2**31 elements).
 
 A stage's full mbarrier counts 1 + 128 arrivals: warp 0's elected lane arrives with the expected
 transaction bytes of the B tiles (A is no TMA transaction), and every producer thread arrives through

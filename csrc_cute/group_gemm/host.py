@@ -609,8 +609,9 @@ def group_gemm_swiglu_gather(
     operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
     group), for ``row_src`` int32 ``[N]``. Returns ``(h, gate, up)`` of N rows, bitwise what
     ``group_gemm_swiglu(where(row_src >= 0, x[row_src], 0), ...)`` returns, without the [N, H] copy.
-    ``cu_seqlens`` groups the N rows as there. Precondition (device values, not checked: no host sync):
-    every ``row_src[r] < S``; an index may repeat (a token routed to several groups). No host sync."""
+    ``cu_seqlens`` groups the N rows as there; ``x`` has fewer than 2**31 elements (32-bit row offsets).
+    Precondition (device values, not checked: no host sync): every ``row_src[r] < S``; an index may repeat
+    (a token routed to several groups). No host sync."""
     op = "group_gemm_swiglu_gather"
     weights = (w_gate_home, w_gate_slot, w_up_home, w_up_slot)
     swiglu_contract = _weights_contract(contracts.check_swiglu_args, (x, *weights, cu_seqlens, pad), w_gate_home,
