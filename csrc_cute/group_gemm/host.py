@@ -3,9 +3,9 @@
 ``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_wgrad`` / ``group_gemm_row_scale`` /
 ``group_gemm_swiglu`` / ``group_gemm_swiglu_gather`` / ``group_gemm_swiglu_bwd`` validate, compile through
 ``_compile_cached`` (fake tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment
-stream) and launch on torch's current stream. ``compile_op`` names every kernel variant by op; ``compile_group_gemm_for_sm90``
-compiles one on a CPU-only machine for CI (see ``compile_check``). The DSL (cutlass) is imported only
-inside the compile path, so importing this module stays cheap.
+stream) and launch on torch's current stream. ``compile_op`` names every kernel variant by op;
+``compile_group_gemm_for_sm90`` compiles one on a CPU-only machine for CI (see ``compile_check``). The DSL
+(cutlass) is imported only inside the compile path, so importing this module stays cheap.
 """
 
 from __future__ import annotations
