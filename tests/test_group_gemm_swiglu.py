@@ -184,6 +184,10 @@ def test_swiglu_gather_equals_swiglu_on_gathered_rows(pad):
     lengths = [0, 2 * pad, 0]
     _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, 3, kd=256, nd=128, seed=pad + 2)
     check_swiglu_gather(x[:, :256].contiguous(), random_row_src(cu, 2 * pad, 301, 2), wgh, wgs, wuh, wus, cu, pad=pad)
+    # no tokens at all (S = 0): every row is padding, h = silu(0) * 0 = 0
+    none = torch.full((2 * pad,), -1, dtype=torch.int32, device="cuda")
+    h, gate, _ = check_swiglu_gather(x[:0, :256], none, wgh, wgs, wuh, wus, cu, pad=pad)
+    assert not h.any() and not gate.any()
 
 
 @gpu

@@ -636,6 +636,8 @@ def group_gemm_swiglu_gather(
     gate = _out_tensor(op, "gate_out", gate_out, n, f, x.device) if store_preact else None
     up = _out_tensor(op, "up_out", up_out, n, f, x.device) if store_preact else None
     if n:
+        if x.shape[0] == 0:  # no tokens (every row_src < 0): the zero-size copies still take a valid address
+            x = x.new_zeros(1, hd)
         fn(x, row_src, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home, _slot_map(w_up_slot, w_up_home),
            cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
     return h, gate, up
