@@ -111,6 +111,8 @@ def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
 
 def gathered_rows(x, row_src):
     """What dispatch builds and the gathered kernel reads in place: ``where(row_src >= 0, x[row_src], 0)``."""
+    if x.shape[0] == 0:  # no tokens: every row is padding
+        return x.new_zeros(row_src.shape[0], x.shape[1])
     rows = x[row_src.clamp(min=0).long()]
     return torch.where((row_src >= 0)[:, None], rows, torch.zeros_like(rows))
 
