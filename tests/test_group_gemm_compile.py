@@ -225,5 +225,5 @@ def test_swiglu_bwd_smem_subtile_pairs_accumulator_elements(tile_m):
     """The shared-memory epilogue reads gate/up of a 64 x 32 sub-tile through a 64 x 32 MMA's partition
     and pairs element v with accumulator element first(e) + v: checked for every thread of the warp group
     and every sub-tile against the real layouts (CPU)."""
-    res = layout_probe("swiglu_bwd_smem", "swiglu_bwd_smem_subtile_layout", tile_m, 128)
+    res = layout_probe("swiglu_bwd", "swiglu_bwd_smem_subtile_layout", tile_m, 128)
     assert res == dict(threads=128, subtiles=4 * tile_m // 64, per_subtile=16, covered=True, mismatches=0), res

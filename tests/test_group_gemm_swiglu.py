@@ -269,15 +269,15 @@ def reference_swiglu_bwd(*args, pad=128):
 
 
 def _check_swiglu_bwd(args, pad=128):
-    """The kernel against the CPU reference; its shared-memory epilogue variant bitwise equal to it."""
+    """The kernel (its default shared-memory epilogue) against the CPU reference, and bitwise equal to its register epilogue."""
     from csrc_cute.group_gemm import group_gemm_swiglu_bwd
 
-    got = group_gemm_swiglu_bwd(*args, pad=pad)
-    smem = group_gemm_swiglu_bwd(*args, pad=pad, epilogue="smem")
+    got = group_gemm_swiglu_bwd(*args, pad=pad)  # the default: the shared-memory epilogue
+    registers = group_gemm_swiglu_bwd(*args, pad=pad, epilogue="registers")
     ref = reference_swiglu_bwd(*args, pad=pad)
     torch.cuda.synchronize()
-    for name, a, b in zip(("g_gate", "g_up", "h_w", "g_row_w"), got, smem):
-        assert torch.equal(a, b), f"epilogue='smem' {name} differs: {(a.float() - b.float()).abs().max().item()}"
+    for name, a, b in zip(("g_gate", "g_up", "h_w", "g_row_w"), got, registers):
+        assert torch.equal(a, b), f"epilogue='registers' {name} differs: {(a.float() - b.float()).abs().max().item()}"
     for name, a, b in zip(("g_gate", "g_up", "h_w"), got[:3], ref[:3]):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
     # g_row_w sums F products of order one: compare relative to the row's scale

@@ -127,3 +127,19 @@ def test_import_moonep_ops_does_not_load_cute_dsl():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     subprocess.run([sys.executable, "-c", "import moonep_ops, sys; assert 'cutlass' not in sys.modules, "
                     "[m for m in sys.modules if m.startswith('cutlass')][:5]"], cwd=ROOT, env=env, check=True)
+
+
+def test_the_dsl_imports_without_jax_and_jax_still_imports_after(tmp_path):
+    """csrc_cute keeps the CuTe DSL's JAX bridge from importing JAX (0.9 s of a warm start, csrc_cute/__init__.py);
+    the user's own later `import jax` still works. A stand-in `jax` package on the path plays the installed one."""
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("IMPORTED_BY_THE_USER = True\n")
+    # the stand-in goes before the installed packages (and any PYTHONPATH that makes the DSL importable)
+    path = [str(ROOT), str(tmp_path)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    code = ("import sys, moonep_ops, csrc_cute.plan, cutlass.jax\n"
+            "assert 'cutlass' in sys.modules and 'jax' not in sys.modules, sorted(sys.modules)[:3]\n"
+            "assert not cutlass.jax.is_available()\n"
+            "import jax\n"
+            "assert jax.IMPORTED_BY_THE_USER\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)

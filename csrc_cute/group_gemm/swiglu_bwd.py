@@ -6,6 +6,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils import LayoutEnum
 
 from .base import GroupGemmSm90Base, KernelParams, partition_coords
@@ -366,3 +367,46 @@ def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
                 bad_cover += 1
     return dict(threads=len(per_thread), bad_slot=bad_slot, bad_quad=bad_quad, bad_cover=bad_cover,
                 slots=len(first))
+
+
+def swiglu_bwd_smem_subtile_layout(tile_m: int = 128, tile_n: int = 128) -> dict:
+    """CPU check of the shared-memory epilogue's element pairing (layout algebra at trace time only):
+    for every thread of a warp group and every 64 x 32 sub-tile e, element v of the 64 x 32 MMA's
+    partition of the sub-tile (offset by the sub-tile's origin) must be the (row, column) of the
+    accumulator's element ``first(e) + v`` (``smem_epilogue_math``). Returns the mismatches and counts."""
+    from csrc_cute.compile_check import expect_no_driver
+
+
+    kernel = GroupGemmSwigluBwdSm90(GroupGemmConfig(tile_m, 128, 1), epilogue="smem")
+    kernel.tile_n = tile_n
+    acc_el: list = []
+    sub_el: list = []
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        epi_mma = sm90_utils.make_trivial_tiled_mma(
+            kernel.ab_dtype, kernel.ab_dtype, kernel.a_layout.sm90_mma_major_mode(),
+            kernel.b_layout.sm90_mma_major_mode(), kernel.acc_dtype, (1, 1, 1), tiler_mn=kernel.epi_tile,
+        )
+        tile = cute.make_identity_tensor((tile_m, tile_n))
+        sub = cute.make_identity_tensor(kernel.epi_tile)
+        n = kernel.tile_mma_threads
+        acc_el.extend(partition_coords(lambda t: kernel.tiled_mma.get_slice(t).partition_C(tile), n))
+        sub_el.extend(partition_coords(lambda t: epi_mma.get_slice(t).partition_C(sub), n))
+
+    with expect_no_driver():
+        cute.compile(probe)
+    sub_m, sub_n = kernel.epi_tile
+    per_row = tile_n // sub_n
+    n_sub = (tile_m // sub_m) * per_row
+    per_block = len(acc_el[0]) // (tile_m // sub_m)
+    size = len(sub_el[0])
+    bad = 0
+    for acc, sub in zip(acc_el, sub_el):
+        for e in range(n_sub):
+            r0, c0 = (e // per_row) * sub_m, (e % per_row) * sub_n
+            first = (e // per_row) * per_block + (e % per_row) * size
+            bad += sum(1 for v in range(size) if (sub[v][0] + r0, sub[v][1] + c0) != acc[first + v])
+    return dict(threads=len(acc_el), subtiles=n_sub, per_subtile=size, covered=n_sub * size == len(acc_el[0]),
+                mismatches=bad)

@@ -75,7 +75,7 @@ class SwigluBwdSmemEpilogue:
         cute.arch.barrier(barrier_id=self.epi_wg_barrier_base + wg, number_of_threads=self.threads_per_wg)
         # The wgmma C fragment repeats per 8-column chunk, so a 64 x 32 tiled MMA's partition of a
         # sub-tile holds, element for element, the accumulator's 16 elements of it (the CPU test
-        # checks it: swiglu_bwd_smem_subtile_layout)
+        # checks it: swiglu_bwd.swiglu_bwd_smem_subtile_layout)
         epi_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype, (1, 1, 1), tiler_mn=self.epi_tile,
@@ -205,48 +205,3 @@ class SwigluBwdSmemEpilogue:
         cute.autovec_copy(rU, views[1])
         cute.autovec_copy(rHW, views[2])
 
-
-def swiglu_bwd_smem_subtile_layout(tile_m: int = 128, tile_n: int = 128) -> dict:
-    """CPU check of the shared-memory epilogue's element pairing (layout algebra at trace time only):
-    for every thread of a warp group and every 64 x 32 sub-tile e, element v of the 64 x 32 MMA's
-    partition of the sub-tile (offset by the sub-tile's origin) must be the (row, column) of the
-    accumulator's element ``first(e) + v`` (``smem_epilogue_math``). Returns the mismatches and counts."""
-    from csrc_cute.compile_check import expect_no_driver
-
-    from .base import partition_coords
-    from .config import GroupGemmConfig
-    from .swiglu_bwd import GroupGemmSwigluBwdSm90
-
-    kernel = GroupGemmSwigluBwdSm90(GroupGemmConfig(tile_m, 128, 1), epilogue="smem")
-    kernel.tile_n = tile_n
-    acc_el: list = []
-    sub_el: list = []
-
-    @cute.jit
-    def probe():
-        kernel._setup_mainloop()
-        epi_mma = sm90_utils.make_trivial_tiled_mma(
-            kernel.ab_dtype, kernel.ab_dtype, kernel.a_layout.sm90_mma_major_mode(),
-            kernel.b_layout.sm90_mma_major_mode(), kernel.acc_dtype, (1, 1, 1), tiler_mn=kernel.epi_tile,
-        )
-        tile = cute.make_identity_tensor((tile_m, tile_n))
-        sub = cute.make_identity_tensor(kernel.epi_tile)
-        n = kernel.tile_mma_threads
-        acc_el.extend(partition_coords(lambda t: kernel.tiled_mma.get_slice(t).partition_C(tile), n))
-        sub_el.extend(partition_coords(lambda t: epi_mma.get_slice(t).partition_C(sub), n))
-
-    with expect_no_driver():
-        cute.compile(probe)
-    sub_m, sub_n = kernel.epi_tile
-    per_row = tile_n // sub_n
-    n_sub = (tile_m // sub_m) * per_row
-    per_block = len(acc_el[0]) // (tile_m // sub_m)
-    size = len(sub_el[0])
-    bad = 0
-    for acc, sub in zip(acc_el, sub_el):
-        for e in range(n_sub):
-            r0, c0 = (e // per_row) * sub_m, (e % per_row) * sub_n
-            first = (e // per_row) * per_block + (e % per_row) * size
-            bad += sum(1 for v in range(size) if (sub[v][0] + r0, sub[v][1] + c0) != acc[first + v])
-    return dict(threads=len(acc_el), subtiles=n_sub, per_subtile=size, covered=n_sub * size == len(acc_el[0]),
-                mismatches=bad)
