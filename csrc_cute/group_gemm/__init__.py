@@ -9,7 +9,8 @@ warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), `
 descriptors), ``pairs`` (dgrad2's two operand pairs), and one module per kernel family: ``rows`` (forward,
 dgrad, dgrad2, row scale), ``swiglu``
 (with ``gather``: the gathered A operand, rows of x by index),
-``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue), ``wgrad``. This package exports
+``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue), ``wgrad`` (also with ``gather``:
+k rows of x by index). This package exports
 the host API.
 """
 
@@ -31,6 +32,7 @@ from .host import (
     compile_group_gemm_swiglu_bwd,
     compile_group_gemm_swiglu_gather,
     compile_group_gemm_wgrad,
+    compile_group_gemm_wgrad_gather,
     compile_op,
     group_gemm_dgrad,
     group_gemm_dgrad2,
@@ -40,6 +42,7 @@ from .host import (
     group_gemm_swiglu_bwd,
     group_gemm_swiglu_gather,
     group_gemm_wgrad,
+    group_gemm_wgrad_gather,
 )
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "compile_group_gemm_swiglu_bwd",
     "compile_group_gemm_swiglu_gather",
     "compile_group_gemm_wgrad",
+    "compile_group_gemm_wgrad_gather",
     "compile_op",
     "group_gemm_dgrad",
     "group_gemm_dgrad2",
@@ -67,4 +71,5 @@ __all__ = [
     "group_gemm_swiglu_bwd",
     "group_gemm_swiglu_gather",
     "group_gemm_wgrad",
+    "group_gemm_wgrad_gather",
 ]

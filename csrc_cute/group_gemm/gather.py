@@ -1,12 +1,16 @@
-"""The gathered A operand of the row-grouped kernels (varlen-M row gather by index).
+"""The gathered A operand of the grouped kernels: A's rows (varlen-M) or its k rows (varlen-K) by index.
 
-Row r of the virtual A [N, K] is ``x[row_src[r]]`` of ``x [S, K]``, or a zero row when ``row_src[r] < 0``
-(padding rows, rows past the last group) or ``r >= N``. Hopper's TMA cannot gather rows, so B stays on
-TMA and A is loaded with 16-byte ``cp.async`` by the 128 threads of the producer warp group, into the
-same swizzled A stage (``a_smem_staged``) that TMA would fill: thread t owns 16-byte chunk ``t % 8`` of
-rows ``t // 8 + 16 j`` of a (tile_m, 64) stage. A chunk whose row has no source is a predicated copy
-with source size 0, which writes 16 zero bytes (PTX ``cp.async`` zero fill), so a stage holds exactly
-the bytes TMA would have loaded from ``where(row_src >= 0, x[row_src], 0)``. Source offsets are 32-bit
+Row-grouped kernels (``GatherRowsMixin``): row r of the virtual A [N, K] is ``x[row_src[r]]`` of ``x [S,
+K]``, or a zero row when ``row_src[r] < 0`` (padding rows, rows past the last group) or ``r >= N``. The
+wgrad (``GatherKRowsMixin``): A = ``rows^T`` (M-major, M = H, K = the N grouped rows) and k row r of it
+is ``x[row_src[r]]`` the same way. Hopper's TMA cannot gather rows, so B stays on TMA and A is loaded
+with 16-byte ``cp.async`` by the 128 threads of the producer warp group, into the same swizzled A stage
+(``a_smem_staged``) that TMA would fill. K-major stage (tile_m, 64): thread t owns 16-byte chunk ``t %
+8`` of rows ``t // 8 + 16 j``. M-major stage: thread t owns the 8 columns ``8 (t % (tile_m / 8))`` .. of
+k rows ``t // (tile_m / 8) + (1024 / tile_m) j`` (8 consecutive H elements of one token row of x).
+A chunk whose row has no source (or that lies past K, past M) is a predicated copy with source size 0,
+which writes 16 zero bytes (PTX ``cp.async`` zero fill), so a stage holds exactly the bytes TMA would
+have loaded from ``where(row_src >= 0, x[row_src], 0)`` (or its transpose). Source offsets are 32-bit
 (the host requires x to have fewer than 2**31 elements).
 
 A stage's full mbarrier counts 1 + 128 arrivals: warp 0's elected lane arrives with the expected
@@ -24,7 +28,7 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import if_generate
 
-from .base import KernelParams
+from .base import KernelParams, partition_coords
 
 # the producer warp group copies A
 GATHER_THREADS = 128
@@ -59,24 +63,32 @@ class TmaCpAsyncPipeline(pipeline.PipelineTmaAsync):
         cute.arch.cp_async_mbarrier_arrive_noinc(self.producer_get_barrier(state, loc=loc, ip=ip), loc=loc, ip=ip)
 
 
-def make_gather_copy_a(tile_m: int, tile_k: int, dtype=cutlass.BFloat16):
-    """The tiled copy of a K-major (tile_m, tile_k) A stage by ``GATHER_THREADS`` threads, 16 bytes each:
-    ``tile_k / 8`` threads per row (one 128-byte line for tile_k = 64), 16 rows per pass."""
+def make_gather_copy_a(tile_m: int, tile_k: int, m_major: bool = False, dtype=cutlass.BFloat16):
+    """The tiled copy of a (tile_m, tile_k) A stage by ``GATHER_THREADS`` threads, 16 bytes each, along the
+    stage's contiguous mode: K-major, ``tile_k / 8`` threads per row (one 128-byte line for tile_k = 64),
+    16 rows per pass; M-major (``m_major``), ``tile_m / 8`` threads per k row (8 consecutive M elements
+    each), ``1024 / tile_m`` k rows per pass."""
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=CHUNK_ELEMS * dtype.width)
+    if m_major:
+        per_line = tile_m // CHUNK_ELEMS
+        assert GATHER_THREADS % per_line == 0 and tile_k % (GATHER_THREADS // per_line) == 0, (tile_m, tile_k)
+        threads = cute.make_layout((per_line, GATHER_THREADS // per_line), stride=(1, per_line))
+        return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((CHUNK_ELEMS, 1)))
     per_row = tile_k // CHUNK_ELEMS
     assert GATHER_THREADS % per_row == 0 and tile_m % (GATHER_THREADS // per_row) == 0, (tile_m, tile_k)
     threads = cute.make_layout((GATHER_THREADS // per_row, per_row), stride=(per_row, 1))
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, CHUNK_ELEMS)))
 
 
-class GatherRowsMixin:
-    """The row-grouped kernels' producer with a gathered A operand (see the module docstring). Put it
-    before the kernel class and call ``_init_gather`` after the kernel's ``__init__``; the kernel passes
-    ``p.tma_a = None`` and ``p.mA = (x [S, K], row_src [N] int32)`` and its m tiles come from N (the
-    output's rows), not S. The row scheduler's ``load_tiles`` runs unchanged in all four producer warps
-    (each computes the schedule itself); ``load_expert_tile`` loads a tile's row indices once, then its
-    k tiles (``load_gathered_k_tiles``)."""
+class GatherAMixin:
+    """What the kernels with a gathered A operand share (see the module docstring): the register budgets,
+    the ring's pipeline (``TmaCpAsyncPipeline``), the producer warp group (all four warps load) and the
+    partition of the gather copy. Put a subclass before the kernel class and call ``_init_gather`` after
+    the kernel's ``__init__``; the kernel passes ``p.tma_a = None`` and ``p.mA = (x, row_src [N] int32)``.
+    ``gather_m_major``: the A stage is M-major (the wgrad's ``rows^T``)."""
+
+    gather_m_major = False
 
     def _init_gather(self):
         # every producer thread holds the source rows and addresses of up to 8 rows: with two consumer
@@ -102,19 +114,16 @@ class GatherRowsMixin:
         )
 
     @cute.jit
-    def partition_loads(self, tma_a, mA, sA: cute.Tensor, b_operands):
+    def partition_gather(self, mA, sA: cute.Tensor):
         """``mA`` = (x, row_src): this producer thread's view of the gathered A (``KernelParams``: x, row_src,
-        the thread's slice of the gather copy and its (row, column) coordinates in a stage), its chunks
-        of the A stages (CPY, rows, 1, stage), the B loads as the base class has them, and the number of
-        k tiles."""
+        the thread's slice of the gather copy and its (row, column) coordinates in a stage) and its chunks
+        of the A stages (CPY, RestM, RestK, stage)."""
         x, row_src = mA
         tidx, _, _ = cute.arch.thread_idx()
-        thr_copy = make_gather_copy_a(self.tile_m, self.tile_k).get_slice(tidx % GATHER_THREADS)
+        thr_copy = make_gather_copy_a(self.tile_m, self.tile_k, self.gather_m_major).get_slice(tidx % GATHER_THREADS)
         tAsA = thr_copy.partition_D(sA)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
-        gather = KernelParams(x=x, row_src=row_src, thr_copy=thr_copy, tAcA=tAcA)
-        k_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_k)
-        return gather, tAsA, self.partition_b_loads(b_operands), k_tiles
+        return KernelParams(x=x, row_src=row_src, thr_copy=thr_copy, tAcA=tAcA), tAsA
 
     @cute.jit
     def produce(self, warp_idx, mainloop, p, tAgA, tAsA: cute.Tensor, b_loads):
@@ -126,6 +135,21 @@ class GatherRowsMixin:
         prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads)
         if warp_idx == 0:
             mainloop.producer_tail(prod_state)
+
+
+class GatherRowsMixin(GatherAMixin):
+    """The row-grouped kernels' producer with a gathered A operand (K-major, varlen-M): their m tiles come
+    from N (the output's rows), not S. The row scheduler's ``load_tiles`` runs unchanged in all four
+    producer warps (each computes the schedule itself); ``load_expert_tile`` loads a tile's row indices
+    once, then its k tiles (``load_gathered_k_tiles``)."""
+
+    @cute.jit
+    def partition_loads(self, tma_a, mA, sA: cute.Tensor, b_operands):
+        """The gathered A (``partition_gather``), the B loads as the base class has them, and the number
+        of k tiles."""
+        gather, tAsA = self.partition_gather(mA, sA)
+        k_tiles = cute.ceil_div(cute.size(gather.x, mode=[1]), self.tile_k)
+        return gather, tAsA, self.partition_b_loads(b_operands), k_tiles
 
     @cute.jit
     def load_expert_tile(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, m_idx, n_idx,
@@ -185,3 +209,112 @@ class GatherRowsMixin:
             prod_state.advance()
         return prod_state
 
+
+
+class GatherKRowsMixin(GatherAMixin):
+    """The wgrad's producer with a gathered A = ``rows^T`` (M-major, varlen-K): k row r of A is
+    ``x[row_src[r]]`` (M = H, the columns of x). The group scheduler's ``load_tiles`` runs unchanged in all
+    four producer warps; ``load_work_item`` loads one work item's k tiles, reading the token indices of
+    each k tile's rows one k tile ahead into registers (their global-memory latency overlaps the wait for
+    a free stage and the copies of the current k tile)."""
+
+    gather_m_major = True
+
+    @cute.jit
+    def partition_loads(self, tma_a, mA, sA: cute.Tensor, b_operands):
+        """The gathered A (``partition_gather``), the B loads as the base class has them, and the number
+        of k tiles of all N rows."""
+        gather, tAsA = self.partition_gather(mA, sA)
+        k_tiles = cute.ceil_div(cute.size(gather.row_src, mode=[0]), self.tile_k)
+        return gather, tAsA, self.partition_b_loads(b_operands), k_tiles
+
+    @cute.jit
+    def fetch_k_sources(self, gather, k_tile: cutlass.Int32, src: cute.Tensor):
+        """``src[j]`` = the token index of this thread's j-th k row of k tile ``k_tile`` (-1: none, also
+        for rows >= N, e.g. the k tile after the last group's)."""
+        num_rows = cute.size(gather.row_src, mode=[0])
+        for j in cutlass.range_constexpr(cute.size(src)):
+            r = k_tile * self.tile_k + gather.tAcA[(0, 0, j)][1]
+            idx = cutlass.Int32(-1)
+            if r < num_rows:
+                idx = gather.row_src[r]
+            src[j] = idx
+
+    @cute.jit
+    def load_work_item(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, b_load, m_idx, n_idx,
+                       k_start: cutlass.Int32, k_count: cutlass.Int32):
+        """Producer thread: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
+        ``n_idx``) into the ring. Per k tile warp 0 issues the B load (``b_load``: atom, (TMA, RestN,
+        RestK), (TMA, stage)) and every thread its A chunks, one 16-byte cp.async per k row from the row's
+        token of x (8 consecutive columns), predicated off (zero fill) for rows without a token and, in a
+        partial last m tile, columns past M (the address clamped to token 0)."""
+        tma_b, tBgB, tBsB = b_load
+        tBgB = tBgB[(None, n_idx, None)]
+        thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
+        k_rows = cute.size(tAcA, mode=[2])
+        m_extent = cute.size(x, mode=[1])
+        is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        in_m = cutlass.Boolean(True)
+        if cutlass.const_expr(m_extent % self.tile_m != 0):  # a partial last m tile: chunks past M
+            in_m = m_idx * self.tile_m + tAcA[(0, 0, 0)][0] < m_extent
+        src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
+        next_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
+        self.fetch_k_sources(gather, k_start, next_src)
+        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
+        for k in cutlass.range(k_count, unroll=1):
+            for j in cutlass.range_constexpr(k_rows):
+                src[j] = next_src[j]
+            self.fetch_k_sources(gather, k_start + k + 1, next_src)
+            mainloop.producer_acquire(prod_state, is_tma_warp)
+            stage = prod_state.index
+            if is_tma_warp:
+                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, stage)],
+                          tma_bar_ptr=mainloop.producer_get_barrier(prod_state))
+            for j in cutlass.range_constexpr(k_rows):
+                # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
+                # partition then picks this thread's chunk of it (same column offsets as the stage)
+                row = cute.local_tile(x, (1, self.tile_m), (cutlass.max(src[j], 0), m_idx))
+                tAgA = thr_copy.partition_S(
+                    cute.make_tensor(row.iterator, cute.make_layout((self.tile_m, self.tile_k), stride=(1, 0)))
+                )
+                pred[0] = (src[j] >= 0) & in_m
+                cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
+            mainloop.producer_cpasync_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+
+def gather_copy_coverage(kernel) -> dict:
+    """CPU check of a gathered-A kernel's copy on one A stage (layout algebra at trace time only). Per
+    thread (``GATHER_THREADS``) the (row, column) of every value of its partition of a (tile_m, 64) stage,
+    in copies of ``CHUNK_ELEMS`` values, and where the stage's shared layout (the swizzled
+    ``a_smem_staged`` that TMA fills, as ``kernel`` builds it) puts each of them. Returns: how many values
+    and distinct (row, column) the threads cover, the stage's size, how many copies are not one 16-byte
+    chunk along the stage's contiguous mode (8 consecutive columns of one row from a multiple of 8, or
+    for an M-major stage 8 consecutive rows of one column), and how many are not 8 consecutive elements
+    of shared memory at a 16-byte aligned offset. Run with ``CUTE_DSL_ARCH=sm_90a`` (see the tests)."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    seen: list[tuple[int, int]] = []
+    offsets: list[int] = []
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        copy = make_gather_copy_a(kernel.tile_m, kernel.tile_k, kernel.gather_m_major)
+        stage = cute.make_identity_tensor((kernel.tile_m, kernel.tile_k))
+        for coords in partition_coords(lambda t: copy.get_slice(t).partition_D(stage), GATHER_THREADS):
+            seen.extend(coords)
+        layout = cute.slice_(kernel.a_smem_staged, (None, None, 0))
+        offsets.extend(int(layout(crd)) for crd in seen)
+
+    with expect_no_driver():
+        cute.compile(probe)
+    step = (1, 0) if kernel.gather_m_major else (0, 1)
+    copies = [seen[i:i + CHUNK_ELEMS] for i in range(0, len(seen), CHUNK_ELEMS)]
+    bad_chunks = sum(1 for cp in copies if (cp[0][0] if kernel.gather_m_major else cp[0][1]) % CHUNK_ELEMS
+                     or cp != [(cp[0][0] + v * step[0], cp[0][1] + v * step[1]) for v in range(CHUNK_ELEMS)])
+    spans = [offsets[i:i + CHUNK_ELEMS] for i in range(0, len(offsets), CHUNK_ELEMS)]
+    bad_smem = sum(1 for sp in spans if sp[0] % CHUNK_ELEMS or sp != list(range(sp[0], sp[0] + CHUNK_ELEMS)))
+    return dict(values=len(seen), distinct=len(set(seen)), elements=kernel.tile_m * kernel.tile_k,
+                bad_chunks=bad_chunks, bad_smem=bad_smem, smem_distinct=len(set(offsets)))

@@ -1,7 +1,8 @@
 """Host side of the grouped GEMM: validation, compilation (once per static key) and launch.
 
 ``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_wgrad`` / ``group_gemm_row_scale`` /
-``group_gemm_swiglu`` / ``group_gemm_swiglu_gather`` / ``group_gemm_swiglu_bwd`` validate, compile through
+``group_gemm_wgrad_gather`` / ``group_gemm_swiglu`` / ``group_gemm_swiglu_gather`` / ``group_gemm_swiglu_bwd``
+validate, compile through
 ``_compile_cached`` (fake tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment
 stream) and launch on torch's current stream. ``compile_op`` names every kernel variant by op;
 ``compile_group_gemm_for_sm90`` compiles one on a CPU-only machine for CI (see ``compile_check``). The DSL
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moonep_ops.checks import check_tensor
+from moonep_ops.checks import ROW_DTYPES, check_pad, check_tensor
 from moonep_ops.fake import group_gemm as contracts  # the ops' contracts: the checks their fake kernels run
 
 from ..jit import KernelFamily, compiler, dry_running
@@ -141,6 +142,29 @@ def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
         )
 
     return _compile_cached(("group_gemm_wgrad", int(kd), int(nd), tuple(config)), build)
+
+
+@compiler
+def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig):
+    """The varlen-K wgrad kernel with a gathered A operand: takes (x [S, Kd], row_src [N] int32, dy [N, Nd],
+    cu_seqlens, dw_home bf16, dw_slot fp32) and computes what ``compile_group_gemm_wgrad``'s kernel does
+    for ``rows = where(row_src >= 0, x[row_src], 0)``; S and N are independent sizes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def build():
+        n, epn, nb, ng = _fake_sizes()
+        s = cute.sym_int()
+        from .wgrad import GroupGemmWgradGatherSm90
+
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        return _compile_for_torch(
+            GroupGemmWgradGatherSm90(config),
+            _fake(bf, (s, kd)), _fake(cutlass.Int32, (n,), 4), _fake(bf, (n, nd)), _fake(cutlass.Int32, (ng,), 4),
+            _fake(bf, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
+        )
+
+    return _compile_cached(("group_gemm_wgrad_gather", int(kd), int(nd), tuple(config)), build)
 
 
 def _fake_remote(num_peer_arrays: int):
@@ -367,8 +391,8 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
 def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
-    "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only": A rows gathered
-    from x by index) for static (Kd, Nd) (H, F for the SwiGLU ops), padding P
+    "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather": A
+    rows gathered from x by index) for static (Kd, Nd) (H, F for the SwiGLU ops), padding P
     and ``num_sms``."""
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
@@ -378,6 +402,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
         return compile_group_gemm_dgrad2(kd, nd, select_config(pad, kd, num_sms))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+    if op == "wgrad_gather":
+        return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op in ("row_scale", "row_scale_remote"):
         return compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms), op == "row_scale_remote")
     if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
@@ -704,12 +730,59 @@ def group_gemm_wgrad(
 
     sizes = _check_kernel_args("group_gemm_wgrad", contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)),
                                "dw_home", aligned=(("dw_slot", dw_slot),))
-    kd, nd, n, dev = sizes["Kd"], sizes["Nd"], x.shape[0], x.device
-    fn = _launcher("wgrad", kd, nd, pad, dev)
-    if n == 0:  # no rows: every group is empty, the home gradients are zero
+    _launch_wgrad("wgrad", sizes, pad, (x,), dy, cu_seqlens, dw_home, dw_slot)
+
+
+def group_gemm_wgrad_gather(
+    x: torch.Tensor,
+    row_src: torch.Tensor,
+    dy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dw_home: torch.Tensor,
+    dw_slot: torch.Tensor,
+    pad: int = 128,
+) -> None:
+    """``group_gemm_wgrad`` with its rows gathered from ``x [S, Kd]`` in the kernel: row r of the grouped
+    operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
+    group), for ``row_src`` int32 ``[N]`` (``dy`` has the N rows). Writes ``dw_home`` and adds into
+    ``dw_slot`` bitwise what ``group_gemm_wgrad(where(row_src >= 0, x[row_src], 0), dy, ...)`` does, without
+    the [N, Kd] copy. ``x`` has fewer than 2**31 elements (32-bit row offsets). Precondition (device values,
+    not checked: no host sync): every ``row_src[r] < S``; an index may repeat (a token routed to several
+    groups). No host sync."""
+    op = "group_gemm_wgrad_gather"
+
+    def contract(_):
+        # group_gemm_wgrad's contract (moonep_ops/fake/group_gemm.py) with x [S, Kd] + row_src [N] in place
+        # of the rows [N, Kd]: dy and the gradients as there
+        check_tensor(op, "x", x, ROW_DTYPES, (None, None))
+        check_pad(op, pad)
+        check_tensor(op, "row_src", row_src, (torch.int32,), (None,), x.device)
+        if x.numel() >= 2**31:
+            raise ValueError(f"moonep.{op}: x must have fewer than 2**31 elements for the CuTe kernel (its row "
+                             f"offsets row_src[r] * Kd are 32-bit), got {x.numel()}")
+        kd = x.shape[1]
+        check_tensor(op, "dy", dy, (x.dtype,), (row_src.shape[0], None), x.device)
+        nd = dy.shape[1]
+        check_tensor(op, "dw_home", dw_home, (x.dtype,), (None, kd, nd), x.device)
+        check_tensor(op, "dw_slot", dw_slot, (torch.float32,), (None, kd, nd), x.device)
+        contracts.check_groups(op, cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
+        return {"Kd": x.shape[1], "Nd": dy.shape[1]}, dw_home.shape[0]
+
+    sizes = _check_kernel_args(op, contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)), "dw_home",
+                               aligned=(("dw_slot", dw_slot),))
+    if x.shape[0] == 0:  # no tokens (every row_src < 0): the zero-size copies still take a valid address
+        x = x.new_zeros(1, sizes["Kd"])
+    _launch_wgrad("wgrad_gather", sizes, pad, (x, row_src), dy, cu_seqlens, dw_home, dw_slot)
+
+
+def _launch_wgrad(op: str, sizes: dict[str, int], pad: int, a_operands, dy, cu_seqlens, dw_home, dw_slot) -> None:
+    """Launch the (checked) wgrad kernel of ``op`` ("wgrad", "wgrad_gather") on its A operand(s) and the rest;
+    with no rows (N = 0) every group is empty: the home gradients are zeroed, nothing is launched."""
+    fn = _launcher(op, sizes["Kd"], sizes["Nd"], pad, dy.device)
+    if dy.shape[0] == 0:
         dw_home.zero_()
         return
-    fn(x, dy, cu_seqlens, dw_home, dw_slot if dw_slot.shape[0] else _no_slots_f32(dw_home))
+    fn(*a_operands, dy, cu_seqlens, dw_home, dw_slot if dw_slot.shape[0] else _no_slots_f32(dw_home))
 
 
 def _no_slots_f32(dw_home: torch.Tensor) -> torch.Tensor:
@@ -738,7 +811,8 @@ def compile_group_gemm_for_sm90(
     op: str = "fwd",
 ):
     """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
-    "swiglu_bwd", "swiglu_bwd_smem", "swiglu_gather", "swiglu_gather_h_only", or with remote groups "row_scale_remote",
+    "swiglu_bwd", "swiglu_bwd_smem", "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather", or with remote
+    groups "row_scale_remote",
     "swiglu_remote", "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,

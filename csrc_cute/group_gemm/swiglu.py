@@ -11,7 +11,7 @@ import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
 from . import gather
-from .base import GroupGemmSm90Base, KernelParams, partition_coords
+from .base import GroupGemmSm90Base, KernelParams
 from .config import GroupGemmConfig
 from .remote import RemoteWeightsMixin
 from .scheduler import RowTileScheduler
@@ -250,38 +250,8 @@ class GroupGemmSwigluGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluSm90):
 
 
 def swiglu_gather_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
-    """CPU check of the gather copy's thread -> element map on one A stage (layout algebra at trace time
-    only; ``tile_n`` is unused: the A stage is tile_m x 64). Per thread (``GATHER_THREADS``) the
-    (row, column) of every value of its partition of a stage, in copies of ``gather.CHUNK_ELEMS`` values, and
-    where the stage's shared layout (the swizzled ``a_smem_staged`` that TMA fills, as the SwiGLU kernel
-    builds it) puts each of them. Returns: how many values and distinct (row, column) the threads
-    cover, the stage's size, how many copies are not one 16-byte chunk of one row (8 consecutive
-    columns from a multiple of 8), and how many are not 8 consecutive elements of shared memory at a
-    16-byte aligned offset. Run with ``CUTE_DSL_ARCH=sm_90a`` (see the tests)."""
+    """CPU check of the SwiGLU kernel's K-major gather copy on one A stage: ``gather.gather_copy_coverage``
+    of ``GroupGemmSwigluGatherSm90`` (``tile_n`` unused: the A stage is tile_m x 64). Run with
+    ``CUTE_DSL_ARCH=sm_90a`` (see the tests)."""
     del tile_n
-    from csrc_cute.compile_check import expect_no_driver
-
-    kernel = GroupGemmSwigluGatherSm90(GroupGemmConfig(tile_m, 128, 1))
-    seen: list[tuple[int, int]] = []
-    offsets: list[int] = []
-
-    @cute.jit
-    def probe():
-        kernel._setup_mainloop()
-        copy = gather.make_gather_copy_a(kernel.tile_m, kernel.tile_k)
-        stage = cute.make_identity_tensor((kernel.tile_m, kernel.tile_k))
-        for coords in partition_coords(lambda t: copy.get_slice(t).partition_D(stage), gather.GATHER_THREADS):
-            seen.extend(coords)
-        layout = cute.slice_(kernel.a_smem_staged, (None, None, 0))
-        offsets.extend(int(layout(crd)) for crd in seen)
-
-    with expect_no_driver():
-        cute.compile(probe)
-    copies = [seen[i:i + gather.CHUNK_ELEMS] for i in range(0, len(seen), gather.CHUNK_ELEMS)]
-    bad_chunks = sum(1 for cp in copies if cp[0][1] % gather.CHUNK_ELEMS
-                     or cp != [(cp[0][0], cp[0][1] + v) for v in range(gather.CHUNK_ELEMS)])
-    spans = [offsets[i:i + gather.CHUNK_ELEMS] for i in range(0, len(offsets), gather.CHUNK_ELEMS)]
-    bad_smem = sum(1 for sp in spans
-                   if sp[0] % gather.CHUNK_ELEMS or sp != list(range(sp[0], sp[0] + gather.CHUNK_ELEMS)))
-    return dict(values=len(seen), distinct=len(set(seen)), elements=kernel.tile_m * kernel.tile_k,
-                bad_chunks=bad_chunks, bad_smem=bad_smem, smem_distinct=len(set(offsets)))
+    return gather.gather_copy_coverage(GroupGemmSwigluGatherSm90(GroupGemmConfig(tile_m, 128, 1)))
