@@ -63,10 +63,16 @@ def test_compile_sm90a_no_spills(tmp_path, pad):
         ("dgrad2", 520, 200, 64),  # partial output tile, partial last k tile of each pair, tile_M = 64
         ("wgrad", 7168, 2048, 128),
         ("wgrad", 520, 136, 64),  # partial tiles in M and N, tile_N = 128
+        # A's k rows gathered from x by index (cp.async), B by TMA: the gate/up projection's wgrad
+        ("wgrad_gather", 7168, 2048, 128),
+        ("wgrad_gather", 520, 136, 64),
     ],
 )
 def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
+    if op == "wgrad_gather":
+        check_gathered_wgrad_a(ptx, tile_m=128, tile_n=256 if nd >= 256 else 128)
+        op = "wgrad"
     # the tensor cores do the work: wgmma with the operand majorness of the op
     # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
@@ -170,6 +176,22 @@ def check_gathered_a(ptx: str, tile_m: int):
     assert ptx.count("prefetch.tensormap") == 4 + 3  # B's four atoms and the stores of h, gate, up
 
 
+def check_gathered_wgrad_a(ptx: str, tile_m: int, tile_n: int):
+    """The wgrad's gathered A operand (M-major, k rows by index): one 16-byte cp.async per k row a producer
+    thread owns (tile_m / 16 of a k tile's 64), predicated (zero fill: a source size chosen per copy), in
+    the one k-tile loop; each thread arrives on the stage's mbarrier when its copies land (noinc); the full
+    barriers count 1 + 128 arrivals; no TMA load (nor descriptor) of A: the k tile's 2-D loads are B's
+    (tile_n / 64 boxes of 64 columns), the prefetched descriptors B's and the store's."""
+    import re
+
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)
+    assert len(copies) == tile_m // 16, len(copies)
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == 1
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == tile_n // 64
+    assert re.search(r"mov\.b32\s+(%r\d+), 129;\s+mbarrier\.init\.shared\.b64 \[%r\d+\], \1;", ptx)
+    assert ptx.count("prefetch.tensormap") == 2
+
+
 def check_remote_descriptors(ptx: str, rings: int):
     """The remote variants (``rings`` B rings) build one descriptor per ring, once (its global address
     replaced, one release fence, one acquire per descriptor), and exactly one of the four B-load sets
@@ -207,6 +229,18 @@ def test_swiglu_gather_copy_covers_the_a_stage_once(tile_m):
     shared layout (the swizzled one TMA fills and wgmma reads) keeps every such chunk 8 consecutive,
     16-byte aligned elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
     res = layout_probe("swiglu", "swiglu_gather_copy_coverage", tile_m, 128)
+    n = tile_m * 64
+    assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
+
+
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_wgrad_gather_copy_covers_the_a_stage_once(tile_m):
+    """The gathered wgrad's M-major cp.async copy: the 128 producer threads' partitions of a (tile_m, 64) A
+    stage (M = H columns of x, 64 k rows) cover every element exactly once, each copy 8 consecutive M
+    elements of one k row (16 contiguous bytes of one token row of x), and the stage's shared layout (the
+    swizzled M-major one TMA fills and wgmma reads) keeps every such chunk 8 consecutive, 16-byte aligned
+    elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
+    res = layout_probe("wgrad", "wgrad_gather_copy_coverage", tile_m, 128)
     n = tile_m * 64
     assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
 

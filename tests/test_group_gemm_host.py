@@ -12,6 +12,7 @@ from csrc_cute.group_gemm import (
     group_gemm_dgrad2,
     group_gemm_fwd,
     group_gemm_wgrad,
+    group_gemm_wgrad_gather,
     select_config,
     select_wgrad_config,
 )
@@ -117,6 +118,49 @@ def test_wgrad_bad_inputs():
         group_gemm_wgrad(x, dy, cu[:2], dwh, dws)
     with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
         group_gemm_wgrad(x, dy, cu, dwh, dws)
+
+
+def test_wgrad_gather_bad_inputs():
+    """group_gemm_wgrad_gather: x [S, Kd] + row_src [N] in place of the rows; dy has the N rows. Checked before
+    any device check (CPU tensors suffice); errors name the gathered op."""
+    x, wh, ws, cu = zero_inputs()
+    src = torch.zeros(256, dtype=torch.int32)
+    dy, dwh, dws = x.clone(), wh.clone(), ws.float()
+    tokens = x[:100].contiguous()  # S = 100 tokens, N = 256 rows
+    op = r"^moonep\.group_gemm_wgrad_gather: "
+    for bad, rule in ((src.long(), "dtype int32"), (src.view(16, 16), "shape"),
+                      (torch.zeros(512, dtype=torch.int32)[::2], "contiguous"), (src.float(), "dtype int32")):
+        with pytest.raises(ValueError, match=op + f"row_src must .*{rule}"):
+            group_gemm_wgrad_gather(tokens, bad, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dy must have shape \[128, \*\], got \[256, 64\]"):
+        group_gemm_wgrad_gather(tokens, src[:128], dy, cu, dwh, dws)  # one row of dy per entry of row_src
+    with pytest.raises(ValueError, match=op + r"x must be bfloat16"):
+        group_gemm_wgrad_gather(tokens.float(), src, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"x must be contiguous"):
+        group_gemm_wgrad_gather(x.t(), src, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dy must be bfloat16"):
+        group_gemm_wgrad_gather(tokens, src, dy.half(), cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dw_home must have shape \[\*, 32, 64\], got \[2, 64, 64\]"):
+        group_gemm_wgrad_gather(tokens[:, :32].contiguous(), src, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dw_home must be bfloat16"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, wh.float(), dws)
+    with pytest.raises(ValueError, match=op + r"dw_slot must have dtype float32"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, ws)
+    with pytest.raises(ValueError, match=op + r"cu_seqlens must have shape \[3\]"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu[:2], dwh, dws)
+    with pytest.raises(ValueError, match=op + r"P must be a power of two"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, dws, pad=96)
+    with pytest.raises(ValueError, match=op + r"P must be >= 64 for the CuTe kernel"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, dws, pad=32)
+    with pytest.raises(ValueError, match=op + r"Kd must be a positive multiple of 8"):
+        group_gemm_wgrad_gather(tokens[:, :60].contiguous(), src, dy, cu, dwh[:, :60].contiguous(),
+                                dws[:, :60].contiguous())
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, dws)
+    # the kernel's 32-bit row offsets: x below 2**31 elements (meta tensors: no memory)
+    big = torch.empty(2**31 // 64, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=op + r"x must have fewer than 2\*\*31 elements"):
+        group_gemm_wgrad_gather(big, src.to("meta"), dy.to("meta"), cu.to("meta"), dwh.to("meta"), dws.to("meta"))
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,15 @@ from group_gemm_cases import (
     capture_graph,
     check_rows,
     check_swiglu,
+    gathered_rows,
     gpu,
     nan_home_grads,
     random_lengths,
     random_problem,
     random_routing,
+    random_row_src,
     random_swiglu_problem,
+    random_tokens,
     reference_swiglu,
     zero_swiglu_inputs,
 )
@@ -107,41 +110,6 @@ def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
 # ------------------------------------------------------------------------------------------------
 # gate/up + SwiGLU with A gathered from x by row index (group_gemm_swiglu_gather)
 # ------------------------------------------------------------------------------------------------
-
-
-def gathered_rows(x, row_src):
-    """What dispatch builds and the gathered kernel reads in place: ``where(row_src >= 0, x[row_src], 0)``."""
-    if x.shape[0] == 0:  # no tokens: every row is padding
-        return x.new_zeros(row_src.shape[0], x.shape[1])
-    rows = x[row_src.clamp(min=0).long()]
-    return torch.where((row_src >= 0)[:, None], rows, torch.zeros_like(rows))
-
-
-def random_row_src(cu, n, s, seed, all_padding=(), tail_valid=False):
-    """row_src [n] int32 (on cu's device) for group ends ``cu``: per group a random number of rows from random
-    tokens of x [s, H] (with repeats), the rest padding (-1); groups ``all_padding`` padding only; every group
-    with routed rows has token s - 1 and token 0 (one token in several groups); rows past the last group -1
-    or (``tail_valid``) valid tokens, which neither kernel reads."""
-    gen = torch.Generator().manual_seed(seed)
-    src = torch.full((n,), -1, dtype=torch.int32)
-    ends = cu.cpu().tolist()
-    start = 0
-    for g, end in enumerate(ends):
-        length = end - start
-        routed = 0 if g in all_padding or length == 0 else int(torch.randint(1, length + 1, (1,), generator=gen))
-        if routed:
-            src[start:start + routed] = torch.randint(0, s, (routed,), generator=gen, dtype=torch.int32)
-            src[start] = s - 1
-            src[start + routed - 1] = 0
-        start = end
-    if tail_valid and n > start:
-        src[start:] = torch.randint(0, s, (n - start,), generator=gen, dtype=torch.int32)
-    return src.to(cu.device)
-
-
-def random_tokens(s, kd, seed):
-    """x [s, H] bf16 on the GPU, of the scale ``random_problem`` uses."""
-    return (torch.randn(s, kd, generator=torch.Generator().manual_seed(seed)) * 0.5).bfloat16().cuda()
 
 
 def check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=128, store_preact=True):
