@@ -21,6 +21,10 @@ and the fused epilogues (same run, same shapes):
   swiglu_gather  group_gemm_swiglu_gather(x [S, H], row_src, ...): the rows gathered from S = 8192 tokens
                in the kernel (row_src random tokens, every row routed) vs group_gemm_swiglu on the
                pre-gathered rows x[row_src] (bitwise equal), and vs the gather copy + that kernel
+  wgrad_gather  group_gemm_wgrad_gather(x [S, H], row_src, dy, ...): the gate/up projection's wgrad
+               (dW = rows^T dy, H x F) with the rows gathered from S = 8192 tokens in the kernel (home
+               groups written bf16, slot groups accumulated fp32) vs group_gemm_wgrad on x[row_src]
+               (bitwise equal), and vs the gather copy + that kernel
   row_scale    y = (h @ W_down_g) * row_w (fp32 scale in the epilogue) vs _grouped_mm(...).mul_(row_w)
   swiglu_bwd   down-projection dgrad d = g_y @ W_down_g^T with the SwiGLU backward in the epilogue
                (g_gate, g_up, h_w = row_w * h, g_row_w = sum_f d * h from the saved gate/up) vs
@@ -31,6 +35,7 @@ FLOPs are the GEMM FLOPs only (swiglu: 2 * N * H * 2F).
     python benchmarks/bench_gemm.py --only swiglu,swiglu_h,row_scale,swiglu_bwd   # writes bench_gemm_fused.json
     python benchmarks/bench_gemm.py --only swiglu_bwd,swiglu_bwd_smem             # the two epilogues side by side
     python benchmarks/bench_gemm.py --only swiglu,swiglu_gather                    # gathered A vs pre-gathered rows
+    python benchmarks/bench_gemm.py --only wgrad_gather                             # the same for the wgrad
 """
 
 from __future__ import annotations
@@ -65,11 +70,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None,
                     help="comma-separated ops (fwd,dgrad,dgrad2,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd,"
-                         "swiglu_bwd_smem,swiglu_gather; wgrad includes wgrad_ep)")
+                         "swiglu_bwd_smem,swiglu_gather,wgrad_gather; wgrad includes wgrad_ep)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     from csrc_cute.group_gemm import (group_gemm_dgrad, group_gemm_dgrad2, group_gemm_fwd, group_gemm_row_scale, group_gemm_swiglu,
-                                      group_gemm_swiglu_bwd, group_gemm_swiglu_gather, group_gemm_wgrad)
+                                      group_gemm_swiglu_bwd, group_gemm_swiglu_gather, group_gemm_wgrad,
+                                      group_gemm_wgrad_gather)
 
     H, F, P = 7168, 2048, 128
     rows = []
@@ -153,6 +159,8 @@ def main() -> None:
             rows.extend(bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only))
         if only is None or "swiglu_gather" in only:
             rows.extend(bench_swiglu_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, group_gemm_swiglu_gather))
+        if only is None or "wgrad_gather" in only:
+            rows.extend(bench_wgrad_gather(name, G, epn, n, H, F, cu, P, group_gemm_wgrad, group_gemm_wgrad_gather))
     fname = "bench_gemm.json" if only is None else "bench_gemm_fused.json"
     path = write_json(fname, dict(run_info(), results=rows), args.out)
     print("wrote", path)
@@ -287,6 +295,42 @@ def bench_swiglu_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, group_g
                                ("index_select + group_gemm_swiglu", copy_and_plain)):
         base = cuda_time_ms(base_fn)
         rows.append(_report(dict(case=name, proj="gate/up H->F", op="swiglu_gather", groups=G, rows=n, kd=H, nd=F,
+                                 ours_ms=ours, baseline_ms=base, baseline=base_name, ours_tflops=flops / ours / 1e9,
+                                 baseline_tflops=flops / base / 1e9, speedup=base / ours, matches_baseline=ok,
+                                 max_abs_err=0.0 if ok else float("nan"))))
+    return rows
+
+
+def bench_wgrad_gather(name, G, epn, n, H, F, cu, P, group_gemm_wgrad, group_gemm_wgrad_gather, tokens=8192):
+    """The gathered-A wgrad of the gate/up projection (dW_g = x[row_src]_g^T dy_g, [H, F] per group): its
+    rows of ``tokens`` tokens (random, every row routed), against the plain kernel on the pre-gathered
+    rows (same gradients, bitwise) and against the copy plus the plain kernel. Home groups written bf16,
+    slot groups accumulated into fp32 (zeroed before the correctness call; the timed calls keep adding)."""
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.randint(0, tokens, (n,), device="cuda", dtype=torch.int32)
+    rows_g = x[row_src.long()]
+    dy = torch.randn(n, F, device="cuda", dtype=torch.bfloat16)
+    dw_home, ref_home = (torch.empty(epn, H, F, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dw_slot, ref_slot = (torch.zeros(G - epn, H, F, device="cuda") for _ in range(2))
+    ours_fn = lambda: group_gemm_wgrad_gather(x, row_src, dy, cu, dw_home, dw_slot, pad=P)  # noqa: E731
+    plain_fn = lambda: group_gemm_wgrad(rows_g, dy, cu, ref_home, ref_slot, pad=P)  # noqa: E731
+
+    def copy_and_plain():
+        torch.index_select(x, 0, row_src, out=rows_g)
+        plain_fn()
+
+    ours_fn()
+    plain_fn()
+    ok = torch.equal(dw_home, ref_home) and torch.equal(dw_slot, ref_slot)
+    if not ok:
+        print(f"MISMATCH {name} wgrad_gather: not bitwise equal to group_gemm_wgrad on x[row_src]", flush=True)
+    ours = cuda_time_ms(ours_fn)
+    flops = 2.0 * n * H * F
+    rows = []
+    for base_name, base_fn in (("group_gemm_wgrad on x[row_src]", plain_fn),
+                               ("index_select + group_gemm_wgrad", copy_and_plain)):
+        base = cuda_time_ms(base_fn)
+        rows.append(_report(dict(case=name, proj="gate/up H->F", op="wgrad_gather", groups=G, rows=n, kd=H, nd=F,
                                  ours_ms=ours, baseline_ms=base, baseline=base_name, ours_tflops=flops / ours / 1e9,
                                  baseline_tflops=flops / base / 1e9, speedup=base / ours, matches_baseline=ok,
                                  max_abs_err=0.0 if ok else float("nan"))))

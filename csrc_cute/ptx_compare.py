@@ -78,6 +78,8 @@ _GEMM_VARIANTS = [
     ("row_scale_remote", 520, 200, 64),
     ("swiglu_gather", 7168, 2048, 128),
     ("swiglu_gather", 520, 200, 64),
+    ("wgrad_gather", 7168, 2048, 128),
+    ("wgrad_gather", 520, 136, 64),
 ]
 
 # torch dtypes of the kernels' static arguments, written by name so that listing and diffing import
