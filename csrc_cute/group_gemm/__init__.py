@@ -9,9 +9,9 @@ warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), `
 descriptors), ``pairs`` (dgrad2's two operand pairs), and one module per kernel family: ``rows`` (forward,
 dgrad, dgrad2, row scale), ``swiglu``
 (with ``gather``: the gathered A operand, rows of x by index),
-``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue), ``wgrad`` (also with ``gather``:
-k rows of x by index). This package exports
-the host API.
+``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue, and ``gather``: g_y's rows by index),
+``wgrad`` (also with ``gather``: k rows of x, or of dy, by index); ``host_gather`` holds the host wrappers of
+the backward kernels that gather g_y. This package exports the host API.
 """
 
 from .config import (
@@ -30,9 +30,11 @@ from .host import (
     compile_group_gemm_row_scale,
     compile_group_gemm_swiglu,
     compile_group_gemm_swiglu_bwd,
+    compile_group_gemm_swiglu_bwd_gather,
     compile_group_gemm_swiglu_gather,
     compile_group_gemm_wgrad,
     compile_group_gemm_wgrad_gather,
+    compile_group_gemm_wgrad_gather_b,
     compile_op,
     group_gemm_dgrad,
     group_gemm_dgrad2,
@@ -44,6 +46,7 @@ from .host import (
     group_gemm_wgrad,
     group_gemm_wgrad_gather,
 )
+from .host_gather import group_gemm_swiglu_bwd_gather, group_gemm_wgrad_gather_b
 
 __all__ = [
     "H100_H200_NUM_SMS",
@@ -59,9 +62,11 @@ __all__ = [
     "compile_group_gemm_row_scale",
     "compile_group_gemm_swiglu",
     "compile_group_gemm_swiglu_bwd",
+    "compile_group_gemm_swiglu_bwd_gather",
     "compile_group_gemm_swiglu_gather",
     "compile_group_gemm_wgrad",
     "compile_group_gemm_wgrad_gather",
+    "compile_group_gemm_wgrad_gather_b",
     "compile_op",
     "group_gemm_dgrad",
     "group_gemm_dgrad2",
@@ -69,7 +74,9 @@ __all__ = [
     "group_gemm_row_scale",
     "group_gemm_swiglu",
     "group_gemm_swiglu_bwd",
+    "group_gemm_swiglu_bwd_gather",
     "group_gemm_swiglu_gather",
     "group_gemm_wgrad",
     "group_gemm_wgrad_gather",
+    "group_gemm_wgrad_gather_b",
 ]

@@ -199,11 +199,17 @@ class GroupGemmSm90Base:
         """TMA views of this CTA's mainloop loads: A as (TMA, RestM, RestK) and (TMA, stage), and per
         B operand (atom, tensor, shared ring) the (atom, (TMA, RestN, RestK[, E]), (TMA, stage)) that
         ``load_k_tiles`` takes; also the number of k tiles."""
+        tAgA, tAsA, k_tiles = self.partition_a_loads(tma_a, mA, sA)
+        return tAgA, tAsA, self.partition_b_loads(b_operands), k_tiles
+
+    @cute.jit
+    def partition_a_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor):
+        """TMA views of this CTA's A loads, (TMA, RestM, RestK) and (TMA, stage), and A's number of k tiles."""
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
         tAsA, tAgA = cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
-        return tAgA, tAsA, self.partition_b_loads(b_operands), cute.size(gA, mode=[3])
+        return tAgA, tAsA, cute.size(gA, mode=[3])
 
     @cute.jit
     def partition_b_loads(self, b_operands):
