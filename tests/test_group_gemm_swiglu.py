@@ -1,7 +1,8 @@
 """GPU (Hopper) tests of the fused SwiGLU kernels: gate/up + SwiGLU (group_gemm_swiglu, with and without
 the stored pre-activations; group_gemm_swiglu_gather, its rows gathered from x by index, bitwise against it)
 and the SwiGLU backward fused into the down projection's dgrad
-(group_gemm_swiglu_bwd), against the CPU reference ops and torch autograd; the registered ops and CUDA
+(group_gemm_swiglu_bwd; group_gemm_swiglu_bwd_gather, its g_y rows gathered from g_out by index, bitwise
+against it), against the CPU reference ops and torch autograd; the registered ops and CUDA
 graphs of the fused FFN forward (with the row-scaled down projection) and backward. Skipped without a
 Hopper GPU.
 """
@@ -335,3 +336,93 @@ def test_swiglu_bwd_op_autograd_chain_and_cuda_graph():
         torch.cuda.synchronize()
         assert all(torch.equal(o, e) for o, e in zip(outs, eager)), seed
         _check_swiglu_bwd((g_y, wdh, wds, cu, row_w, gate, up))
+
+
+# ------------------------------------------------------------------------------------------------
+# SwiGLU backward with g_y gathered from g_out by row index (group_gemm_swiglu_bwd_gather)
+# ------------------------------------------------------------------------------------------------
+
+
+def check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up, pad=128):
+    """The gathered kernel bitwise against ``group_gemm_swiglu_bwd`` (its default shared-memory epilogue)
+    on the gathered rows ``g_y = where(row_src >= 0, g_out[row_src], 0)``; returns its outputs."""
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd, group_gemm_swiglu_bwd_gather
+
+    got = group_gemm_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up, pad=pad)
+    want = group_gemm_swiglu_bwd(gathered_rows(g_out, row_src), wdh, wds, cu, row_w, gate, up, pad=pad)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_gate", "g_up", "h_w", "g_row_w"), got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.equal(a, b), f"{name} differs in {(a != b).reshape(a.shape[0], -1).any(1).sum().item()} rows"
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_swiglu_bwd_gather_equals_swiglu_bwd_on_gathered_rows(pad):
+    # H = 520: partial last k tile (chunks past H zero-filled); F = 200: partial n tile; empty home and slot
+    # groups, an all-padding group, padding rows in every group, rows past the last group (padding or
+    # valid tokens), token S - 1, a token in several groups and repeated within one
+    lengths = random_lengths(pad, 5, 4, 6, seed=100 + pad)
+    lengths[2] = max(lengths[2], pad)
+    n = sum(lengths) + 3 * pad
+    _, wdh, wds, cu, row_w, gate, up = _make_swiglu_bwd(lengths, 5, hd=520, f=200, n_total=n, seed=pad)
+    g_out = random_tokens(301, 520, seed=pad + 7)
+    for seed, tail_valid in ((0, False), (1, True)):
+        row_src = random_row_src(cu, n, g_out.shape[0], seed, all_padding=(2,), tail_valid=tail_valid)
+        got = check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up, pad=pad)
+    # the all-padding group (2): g_y = 0 there, so d = 0: g_gate, g_up, g_row_w zero; h_w is not
+    rows = slice(sum(lengths[:2]), sum(lengths[:3]))
+    assert not got[0][rows].any() and not got[1][rows].any() and not got[3][rows].any()
+    # every row padding, and no tokens at all (S = 0): d = 0 everywhere
+    none = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    for tokens in (g_out, g_out[:0]):
+        got = check_swiglu_bwd_gather(tokens, none, wdh, wds, cu, row_w, gate, up, pad=pad)
+        assert not got[0].any() and not got[3].any()
+    # N < S, one group, B = 0 (the slot map stands in for the empty slots)
+    lengths = [0, 2 * pad, 0]
+    _, wdh, wds, cu, row_w, gate, up = _make_swiglu_bwd(lengths, 3, hd=256, f=128, seed=pad + 3)
+    check_swiglu_bwd_gather(g_out[:, :256].contiguous(), random_row_src(cu, 2 * pad, 301, 4), wdh, wds, cu,
+                            row_w, gate, up, pad=pad)
+
+
+@gpu
+def test_swiglu_bwd_gather_design_shape():
+    # H = 7168, F = 2048, ~40k rows from S = 8192 tokens, 8 home + 2 slot groups (an empty one of each, an
+    # all-padding home group)
+    epn, nb, pad = 8, 2, 128
+    lengths = random_lengths(pad, epn, nb, 60, seed=39)
+    n = sum(lengths) + 2 * pad
+    _, wdh, wds, cu, row_w, gate, up = _make_swiglu_bwd(lengths, epn, hd=7168, f=2048, n_total=n, seed=39)
+    assert n > 20_000, n
+    g_out = random_tokens(8192, 7168, seed=40)
+    check_swiglu_bwd_gather(g_out, random_row_src(cu, n, g_out.shape[0], 41, all_padding=(3,)), wdh, wds, cu,
+                            row_w, gate, up)
+
+
+@gpu
+def test_swiglu_bwd_gather_cuda_graph_replay():
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd_gather
+
+    epn, nb, hd, f, n, s = 3, 2, 256, 384, 1536, 700
+    _, wdh, wds, _, row_w, gate, up = _make_swiglu_bwd([0] * (epn + nb), epn, hd, f, n_total=n, seed=42)
+    g_out = random_tokens(s, hd, seed=43)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    cu.copy_(random_routing(epn, nb, n, 0))
+    row_src.copy_(random_row_src(cu, n, s, 0))
+    outs = [torch.empty_like(t) for t in check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up)]
+
+    def bwd_into_outs():
+        for o, r in zip(outs, group_gemm_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up)):
+            o.copy_(r)
+
+    graph = capture_graph(bwd_into_outs)
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        want = check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up)
+        assert all(torch.equal(o, w) for o, w in zip(outs, want)), seed

@@ -2,15 +2,16 @@
 written in bf16, slot groups accumulated in fp32, against a float reference; empty groups, partial tiles,
 many work items per CTA; CUDA-graph replay of dgrad + wgrad; the registered ops; autograd of
 ``moonep::group_gemm`` on CUDA through the forward, dgrad and wgrad kernels; group_gemm_wgrad_gather (the
-rows gathered from x by index) bitwise against group_gemm_wgrad on the gathered rows. Skipped without a
-Hopper GPU.
+rows gathered from x by index) and group_gemm_wgrad_gather_b (dy's rows gathered from g_out by index, the
+down projection's wgrad) bitwise against group_gemm_wgrad on the gathered rows. Skipped without a Hopper
+GPU.
 """
 
 import pytest
 import torch
 
 import moonep_ops  # noqa: F401  (registers moonep::group_gemm*, the reference ops)
-from csrc_cute.group_gemm import group_gemm_dgrad, group_gemm_wgrad, group_gemm_wgrad_gather
+from csrc_cute.group_gemm import group_gemm_dgrad, group_gemm_wgrad, group_gemm_wgrad_gather, group_gemm_wgrad_gather_b
 from group_gemm_cases import (
     WGRAD_HOME_TOL,
     WGRAD_TOL,
@@ -191,16 +192,31 @@ def test_autograd_group_gemm_on_cuda(pad):
 
 
 def check_wgrad_gather(x, row_src, dy, cu, epn, pad=128, seed=0):
-    """The gathered kernel bitwise against ``group_gemm_wgrad`` on the gathered rows, both onto NaN home
-    gradients (every element must be written) and the same random fp32 slot gradients (the slot groups'
-    accumulation). Returns (initial slots, home gradients, slots)."""
+    """``group_gemm_wgrad_gather`` bitwise against ``group_gemm_wgrad`` on the gathered rows of x
+    (``check_gathered_wgrad``)."""
+    return check_gathered_wgrad(lambda h, s: group_gemm_wgrad_gather(x, row_src, dy, cu, h, s, pad=pad),
+                                gathered_rows(x, row_src), dy, cu, epn, pad, seed)
+
+
+def check_wgrad_gather_b(x, dy_src, row_src, cu, epn, pad=128, seed=0):
+    """``group_gemm_wgrad_gather_b`` bitwise against ``group_gemm_wgrad`` on the gathered rows of dy_src
+    (``check_gathered_wgrad``)."""
+    return check_gathered_wgrad(lambda h, s: group_gemm_wgrad_gather_b(x, dy_src, row_src, cu, h, s, pad=pad),
+                                x, gathered_rows(dy_src, row_src), cu, epn, pad, seed)
+
+
+def check_gathered_wgrad(run_gathered, x, dy, cu, epn, pad, seed):
+    """A gathered kernel (``run_gathered(dw_home, dw_slot)``) bitwise against ``group_gemm_wgrad`` on the
+    materialised operands ``x``, ``dy``, both onto NaN home gradients (every element must be written) and
+    the same random fp32 slot gradients (the slot groups' accumulation). Returns (initial slots, home
+    gradients, slots)."""
     g = torch.Generator().manual_seed(seed)
     kd, nd, groups = x.shape[1], dy.shape[1], cu.shape[0]
     dws0 = torch.randn(groups - epn, kd, nd, generator=g).to(dy.device)
     got_h, got_s = nan_home_grads(epn, kd, nd), dws0.clone()
-    group_gemm_wgrad_gather(x, row_src, dy, cu, got_h, got_s, pad=pad)
+    run_gathered(got_h, got_s)
     want_h, want_s = nan_home_grads(epn, kd, nd), dws0.clone()
-    group_gemm_wgrad(gathered_rows(x, row_src), dy, cu, want_h, want_s, pad=pad)
+    group_gemm_wgrad(x, dy, cu, want_h, want_s, pad=pad)
     torch.cuda.synchronize()
     assert not got_h.isnan().any(), "every tile of dw_home must be written"
     assert torch.equal(got_h, want_h), f"dw_home differs in {(got_h != want_h).sum().item()} elements"
@@ -273,5 +289,81 @@ def test_wgrad_gather_cuda_graph_replay():
         graph.replay()
         want_h, want_s = nan_home_grads(epn, kd, nd), init_s.clone()
         group_gemm_wgrad(gathered_rows(x, row_src), dy, cu, want_h, want_s)
+        torch.cuda.synchronize()
+        assert torch.equal(dwh, want_h) and torch.equal(dws, want_s), f"replay != wgrad on gathered rows ({seed})"
+
+
+# ------------------------------------------------------------------------------------------------
+# wgrad with dy's rows gathered from g_out by index (group_gemm_wgrad_gather_b: the down projection)
+# ------------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_wgrad_gather_b_equals_wgrad_on_gathered_rows(pad):
+    # Nd = 520: partial last n tile (chunks past H zero-filled); Kd = 200: partial m tile; empty home and
+    # slot groups, an all-padding group, slot groups with rows (fp32 accumulation), padding rows in every
+    # group, rows past the last group (padding or valid tokens: neither kernel reads them), token S - 1,
+    # a token in several groups and repeated within one
+    epn = 5
+    lengths = random_lengths(pad, epn, 4, 6, seed=80 + pad)
+    lengths[2] = max(lengths[2], pad)
+    x, _, _, _, cu = random_bwd_problem(lengths, epn, kd=200, nd=64, n_total=sum(lengths) + 3 * pad, seed=pad)
+    n = x.shape[0]
+    g_out = random_tokens(301, 520, seed=pad + 5)
+    for seed, tail_valid in ((0, False), (1, True)):
+        row_src = random_row_src(cu, n, g_out.shape[0], seed, all_padding=(2,), tail_valid=tail_valid)
+        _, dwh, _ = check_wgrad_gather_b(x, g_out, row_src, cu, epn, pad=pad, seed=seed)
+    assert not dwh[1].any() and not dwh[2].any(), "empty and all-padding home groups: zeros"
+    # every row padding: home gradients zeros, slot gradients + 0
+    none = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    dws0, dwh, dws = check_wgrad_gather_b(x, g_out, none, cu, epn, pad=pad, seed=2)
+    assert not dwh.any() and torch.equal(dws, dws0)
+    # tile_M = 64, tile_N = 128 (Kd <= 64, Nd = 128: 8 k rows per producer thread), N < S, B = 0
+    lengths = [0, pad, pad]
+    x, _, _, _, cu = random_bwd_problem(lengths, 3, kd=64, nd=64, seed=pad + 2)
+    g_out = g_out[:, :128].contiguous()
+    check_wgrad_gather_b(x, g_out, random_row_src(cu, x.shape[0], 301, 3), cu, 3, pad=pad)
+    # no tokens at all (S = 0): every row is padding, the home gradients zeros
+    none = torch.full((x.shape[0],), -1, dtype=torch.int32, device="cuda")
+    _, dwh, _ = check_wgrad_gather_b(x, g_out[:0], none, cu, 3, pad=pad)
+    assert not dwh.any()
+
+
+@gpu
+def test_wgrad_gather_b_design_shape():
+    # the down projection's wgrad: A = h_w^T [F = 2048, N], B = g_y [N, H = 7168] gathered from g_out
+    # [S = 8192, H], P = 128; ~22k rows, 8 home + 2 slot groups (an empty one of each, an all-padding home group)
+    epn, nb, pad = 8, 2, 128
+    lengths = random_lengths(pad, epn, nb, 60, seed=29)
+    x, _, _, _, cu = random_bwd_problem(lengths, epn, kd=2048, nd=64, n_total=sum(lengths) + 2 * pad, seed=29)
+    assert x.shape[0] > 20_000, x.shape
+    g_out = random_tokens(8192, 7168, seed=30)
+    check_wgrad_gather_b(x, g_out, random_row_src(cu, x.shape[0], g_out.shape[0], 31, all_padding=(3,)), cu, epn,
+                         seed=32)
+
+
+@gpu
+def test_wgrad_gather_b_cuda_graph_replay():
+    epn, nb, kd, nd, n, s = 4, 2, 256, 384, 2048, 700
+    x, _, _, _, _ = random_bwd_problem([0] * (epn + nb), epn, kd, 64, n_total=n, seed=33)
+    g_out = random_tokens(s, nd, seed=34)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    dwh = torch.zeros(epn, kd, nd, dtype=torch.bfloat16, device="cuda")
+    dws = torch.zeros(nb, kd, nd, device="cuda")
+    cu.copy_(random_routing(epn, nb, n, 0))
+    row_src.copy_(random_row_src(cu, n, s, 0))
+    group_gemm_wgrad_gather_b(x, g_out, row_src, cu, dwh, dws)  # compiled before the capture
+    graph = capture_graph(lambda: group_gemm_wgrad_gather_b(x, g_out, row_src, cu, dwh, dws))
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
+        init_s = torch.randn(nb, kd, nd, generator=torch.Generator().manual_seed(seed)).cuda()
+        dwh.fill_(float("nan"))
+        dws.copy_(init_s)
+        graph.replay()
+        want_h, want_s = nan_home_grads(epn, kd, nd), init_s.clone()
+        group_gemm_wgrad(x, gathered_rows(g_out, row_src), cu, want_h, want_s)
         torch.cuda.synchronize()
         assert torch.equal(dwh, want_h) and torch.equal(dws, want_s), f"replay != wgrad on gathered rows ({seed})"
