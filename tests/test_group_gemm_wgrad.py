@@ -267,19 +267,18 @@ def test_wgrad_gather_design_shape():
     check_wgrad_gather(x, random_row_src(cu, dy.shape[0], x.shape[0], 21, all_padding=(3,)), dy, cu, epn, seed=22)
 
 
-@gpu
-def test_wgrad_gather_cuda_graph_replay():
-    epn, nb, kd, nd, n, s = 4, 2, 384, 256, 2048, 700
-    _, dy, _, _, _ = random_bwd_problem([0] * (epn + nb), epn, kd, nd, n_total=n, seed=23)
-    x = random_tokens(s, kd, seed=24)
-    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
-    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+def replay_gathered_wgrad(run_gathered, plain_operands, cu, row_src, epn, kd, nd, s):
+    """Capture ``run_gathered(dw_home, dw_slot)`` (a gathered wgrad reading ``cu`` and ``row_src`` on the
+    device) once, then replay it with new routings and token indices (of ``s`` tokens): bitwise
+    ``group_gemm_wgrad(*plain_operands(), ...)`` on the rows gathered then, onto NaN home gradients and
+    random slot gradients each time."""
+    nb, n = cu.shape[0] - epn, row_src.shape[0]
     dwh = torch.zeros(epn, kd, nd, dtype=torch.bfloat16, device="cuda")
     dws = torch.zeros(nb, kd, nd, device="cuda")
     cu.copy_(random_routing(epn, nb, n, 0))
     row_src.copy_(random_row_src(cu, n, s, 0))
-    group_gemm_wgrad_gather(x, row_src, dy, cu, dwh, dws)  # compiled before the capture
-    graph = capture_graph(lambda: group_gemm_wgrad_gather(x, row_src, dy, cu, dwh, dws))
+    run_gathered(dwh, dws)  # compiled before the capture
+    graph = capture_graph(lambda: run_gathered(dwh, dws))
     for seed in range(1, 4):
         cu.copy_(random_routing(epn, nb, n, seed))
         row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
@@ -288,9 +287,20 @@ def test_wgrad_gather_cuda_graph_replay():
         dws.copy_(init_s)
         graph.replay()
         want_h, want_s = nan_home_grads(epn, kd, nd), init_s.clone()
-        group_gemm_wgrad(gathered_rows(x, row_src), dy, cu, want_h, want_s)
+        group_gemm_wgrad(*plain_operands(), cu, want_h, want_s)
         torch.cuda.synchronize()
         assert torch.equal(dwh, want_h) and torch.equal(dws, want_s), f"replay != wgrad on gathered rows ({seed})"
+
+
+@gpu
+def test_wgrad_gather_cuda_graph_replay():
+    epn, nb, kd, nd, n, s = 4, 2, 384, 256, 2048, 700
+    _, dy, _, _, _ = random_bwd_problem([0] * (epn + nb), epn, kd, nd, n_total=n, seed=23)
+    x = random_tokens(s, kd, seed=24)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    replay_gathered_wgrad(lambda h, w: group_gemm_wgrad_gather(x, row_src, dy, cu, h, w),
+                          lambda: (gathered_rows(x, row_src), dy), cu, row_src, epn, kd, nd, s)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,20 +360,5 @@ def test_wgrad_gather_b_cuda_graph_replay():
     g_out = random_tokens(s, nd, seed=34)
     cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
     row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
-    dwh = torch.zeros(epn, kd, nd, dtype=torch.bfloat16, device="cuda")
-    dws = torch.zeros(nb, kd, nd, device="cuda")
-    cu.copy_(random_routing(epn, nb, n, 0))
-    row_src.copy_(random_row_src(cu, n, s, 0))
-    group_gemm_wgrad_gather_b(x, g_out, row_src, cu, dwh, dws)  # compiled before the capture
-    graph = capture_graph(lambda: group_gemm_wgrad_gather_b(x, g_out, row_src, cu, dwh, dws))
-    for seed in range(1, 4):
-        cu.copy_(random_routing(epn, nb, n, seed))
-        row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
-        init_s = torch.randn(nb, kd, nd, generator=torch.Generator().manual_seed(seed)).cuda()
-        dwh.fill_(float("nan"))
-        dws.copy_(init_s)
-        graph.replay()
-        want_h, want_s = nan_home_grads(epn, kd, nd), init_s.clone()
-        group_gemm_wgrad(x, gathered_rows(g_out, row_src), cu, want_h, want_s)
-        torch.cuda.synchronize()
-        assert torch.equal(dwh, want_h) and torch.equal(dws, want_s), f"replay != wgrad on gathered rows ({seed})"
+    replay_gathered_wgrad(lambda h, w: group_gemm_wgrad_gather_b(x, g_out, row_src, cu, h, w),
+                          lambda: (x, gathered_rows(g_out, row_src)), cu, row_src, epn, kd, nd, s)
