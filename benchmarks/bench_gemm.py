@@ -315,9 +315,9 @@ def _gathered_rows(row, ok, flops, ours_fn, plain_fn, copy_and_plain, plain_name
     for base_name, base_fn in ((f"{plain_name} on {src_name}[row_src]", plain_fn),
                                (f"index_select + {plain_name}", copy_and_plain)):
         base = cuda_time_ms(base_fn)
-        rows.append(_report(dict(row, ours_ms=ours, baseline_ms=base, baseline=base_name, ours_tflops=flops / ours / 1e9,
-                                 baseline_tflops=flops / base / 1e9, speedup=base / ours, matches_baseline=ok,
-                                 max_abs_err=0.0 if ok else float("nan"))))
+        rows.append(_report(dict(row, ours_ms=ours, baseline_ms=base, baseline=base_name,
+                                 ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9,
+                                 speedup=base / ours, matches_baseline=ok, max_abs_err=0.0 if ok else float("nan"))))
     return rows
 
 

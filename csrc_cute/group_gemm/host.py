@@ -712,8 +712,8 @@ def group_gemm_swiglu_gather(
     gate = _out_tensor(op, "gate_out", gate_out, n, f, x.device) if store_preact else None
     up = _out_tensor(op, "up_out", up_out, n, f, x.device) if store_preact else None
     if n:
-        fn(_token_rows(x, hd), row_src, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home, _slot_map(w_up_slot, w_up_home),
-           cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
+        fn(_token_rows(x, hd), row_src, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home,
+           _slot_map(w_up_slot, w_up_home), cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
     return h, gate, up
 
 
@@ -823,7 +823,8 @@ def group_gemm_wgrad_gather(
 
     sizes = _check_kernel_args(op, contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)), "dw_home",
                                aligned=(("dw_slot", dw_slot),))
-    _launch_wgrad("wgrad_gather", sizes, pad, (_token_rows(x, sizes["Kd"]), row_src, dy), dy.shape[0], cu_seqlens, dw_home, dw_slot)
+    _launch_wgrad("wgrad_gather", sizes, pad, (_token_rows(x, sizes["Kd"]), row_src, dy), dy.shape[0], cu_seqlens,
+                  dw_home, dw_slot)
 
 
 def check_row_src(op: str, row_src, src_name: str, src: torch.Tensor, cols: str) -> None:
