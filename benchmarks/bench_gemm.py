@@ -18,6 +18,19 @@ and the fused epilogues (same run, same shapes):
                backward) vs _grouped_mm gate + _grouped_mm up + F.silu(gate) * up ("unfused pair"), and
                vs one _grouped_mm on [G, H, 2F] concatenated weights + the same activation ("cat 2F")
   swiglu_h     the same kernel storing h only (inference)
+  swiglu_gather  group_gemm_swiglu_gather(x [S, H], row_src, ...): the rows gathered from S = 8192 tokens
+               in the kernel (row_src random tokens, every row routed) vs group_gemm_swiglu on the
+               pre-gathered rows x[row_src] (bitwise equal), and vs the gather copy + that kernel
+  wgrad_gather  group_gemm_wgrad_gather(x [S, H], row_src, dy, ...): the gate/up projection's wgrad
+               (dW = rows^T dy, H x F) with the rows gathered from S = 8192 tokens in the kernel (home
+               groups written bf16, slot groups accumulated fp32) vs group_gemm_wgrad on x[row_src]
+               (bitwise equal), and vs the gather copy + that kernel
+  swiglu_bwd_gather  group_gemm_swiglu_bwd_gather(g_out [S, H], row_src, ...): the SwiGLU-backward dgrad
+               with g_y = g_out[row_src] gathered from S = 8192 tokens in the kernel vs group_gemm_swiglu_bwd
+               on the pre-gathered g_y (bitwise equal), and vs the gather copy + that kernel
+  wgrad_gather_b  group_gemm_wgrad_gather_b(h_w, g_out [S, H], row_src, ...): the down projection's wgrad
+               (dW = h_w^T g_y, F x H) with g_y's rows gathered from S = 8192 tokens in the kernel vs
+               group_gemm_wgrad on g_out[row_src] (bitwise equal), and vs the gather copy + that kernel
   row_scale    y = (h @ W_down_g) * row_w (fp32 scale in the epilogue) vs _grouped_mm(...).mul_(row_w)
   swiglu_bwd   down-projection dgrad d = g_y @ W_down_g^T with the SwiGLU backward in the epilogue
                (g_gate, g_up, h_w = row_w * h, g_row_w = sum_f d * h from the saved gate/up) vs
@@ -27,6 +40,9 @@ FLOPs are the GEMM FLOPs only (swiglu: 2 * N * H * 2F).
 
     python benchmarks/bench_gemm.py --only swiglu,swiglu_h,row_scale,swiglu_bwd   # writes bench_gemm_fused.json
     python benchmarks/bench_gemm.py --only swiglu_bwd,swiglu_bwd_smem             # the two epilogues side by side
+    python benchmarks/bench_gemm.py --only swiglu,swiglu_gather                    # gathered A vs pre-gathered rows
+    python benchmarks/bench_gemm.py --only wgrad_gather                             # the same for the wgrad
+    python benchmarks/bench_gemm.py --only swiglu_bwd_gather,wgrad_gather_b          # backward: g_y gathered
 """
 
 from __future__ import annotations
@@ -61,11 +77,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None,
                     help="comma-separated ops (fwd,dgrad,dgrad2,wgrad,swiglu,swiglu_h,row_scale,swiglu_bwd,"
-                         "swiglu_bwd_smem; wgrad includes wgrad_ep)")
+                         "swiglu_bwd_smem,swiglu_gather,wgrad_gather,swiglu_bwd_gather,wgrad_gather_b; wgrad "
+                         "includes wgrad_ep)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     from csrc_cute.group_gemm import (group_gemm_dgrad, group_gemm_dgrad2, group_gemm_fwd, group_gemm_row_scale, group_gemm_swiglu,
-                                      group_gemm_swiglu_bwd, group_gemm_wgrad)
+                                      group_gemm_swiglu_bwd, group_gemm_swiglu_bwd_gather, group_gemm_swiglu_gather,
+                                      group_gemm_wgrad, group_gemm_wgrad_gather, group_gemm_wgrad_gather_b)
 
     H, F, P = 7168, 2048, 128
     rows = []
@@ -147,6 +165,15 @@ def main() -> None:
                                                  epi))
         if only is None or only & {"swiglu", "swiglu_h"}:
             rows.extend(bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only))
+        if only is None or "swiglu_gather" in only:
+            rows.extend(bench_swiglu_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, group_gemm_swiglu_gather))
+        if only is None or "wgrad_gather" in only:
+            rows.extend(bench_wgrad_gather(name, G, epn, n, H, F, cu, P, group_gemm_wgrad, group_gemm_wgrad_gather))
+        if only is None or "swiglu_bwd_gather" in only:
+            rows.extend(bench_swiglu_bwd_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu_bwd,
+                                                group_gemm_swiglu_bwd_gather))
+        if only is None or "wgrad_gather_b" in only:
+            rows.extend(bench_wgrad_gather_b(name, G, epn, n, H, F, cu, P, group_gemm_wgrad, group_gemm_wgrad_gather_b))
     fname = "bench_gemm.json" if only is None else "bench_gemm_fused.json"
     path = write_json(fname, dict(run_info(), results=rows), args.out)
     print("wrote", path)
@@ -246,6 +273,125 @@ def bench_swiglu(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, only):
                                      ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9,
                                      speedup=base / ours, matches_baseline=ok, max_abs_err=err)))
     return rows
+
+
+def bench_swiglu_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu, group_gemm_swiglu_gather, tokens=8192):
+    """The gathered-A SwiGLU forward: its rows x[row_src] of ``tokens`` tokens (random, every row routed),
+    against the plain kernel on the pre-gathered rows (same outputs, bitwise) and against the copy
+    plus the plain kernel (what the layer does without the gather)."""
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.randint(0, tokens, (n,), device="cuda", dtype=torch.int32)
+    rows_g = x[row_src.long()]
+    wg = torch.randn(G, H, F, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    wu = torch.randn(G, H, F, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    weights = (wg[:epn], wg[epn:], wu[:epn], wu[epn:])
+    bufs = [torch.empty(n, F, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ref_bufs = [torch.empty(n, F, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    outs = dict(out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
+    ref_outs = dict(out=ref_bufs[0], gate_out=ref_bufs[1], up_out=ref_bufs[2])
+    ours_fn = lambda: group_gemm_swiglu_gather(x, row_src, *weights, cu, pad=P, **outs)  # noqa: E731
+    plain_fn = lambda: group_gemm_swiglu(rows_g, *weights, cu, pad=P, **ref_outs)  # noqa: E731
+
+    def copy_and_plain():
+        torch.index_select(x, 0, row_src, out=rows_g)
+        plain_fn()
+
+    ours_fn()
+    plain_fn()
+    ok = all(torch.equal(a, b) for a, b in zip(bufs, ref_bufs))
+    return _gathered_rows(dict(case=name, proj="gate/up H->F", op="swiglu_gather", groups=G, rows=n, kd=H, nd=F),
+                          ok, 2.0 * n * H * 2 * F, ours_fn, plain_fn, copy_and_plain, "group_gemm_swiglu", "x")
+
+
+def _gathered_rows(row, ok, flops, ours_fn, plain_fn, copy_and_plain, plain_name, src_name):
+    """The rows of one gathered kernel's benchmark (``row``: case, op, sizes): ``ours_fn`` timed against the
+    plain kernel ``plain_name`` on the pre-gathered rows (``plain_fn``) and against the gather copy plus
+    that kernel (``copy_and_plain``); ``ok``: the outputs were bitwise equal."""
+    if not ok:
+        print(f"MISMATCH {row['case']} {row['op']}: not bitwise equal to {plain_name} on {src_name}[row_src]",
+              flush=True)
+    ours = cuda_time_ms(ours_fn)
+    rows = []
+    for base_name, base_fn in ((f"{plain_name} on {src_name}[row_src]", plain_fn),
+                               (f"index_select + {plain_name}", copy_and_plain)):
+        base = cuda_time_ms(base_fn)
+        rows.append(_report(dict(row, ours_ms=ours, baseline_ms=base, baseline=base_name,
+                                 ours_tflops=flops / ours / 1e9, baseline_tflops=flops / base / 1e9,
+                                 speedup=base / ours, matches_baseline=ok, max_abs_err=0.0 if ok else float("nan"))))
+    return rows
+
+
+def bench_wgrad_gather(name, G, epn, n, H, F, cu, P, group_gemm_wgrad, group_gemm_wgrad_gather, tokens=8192):
+    """The gathered-A wgrad of the gate/up projection (dW_g = x[row_src]_g^T dy_g, [H, F] per group): its
+    rows of ``tokens`` tokens (random, every row routed), against the plain kernel on the pre-gathered
+    rows (same gradients, bitwise) and against the copy plus the plain kernel. Home groups written bf16,
+    slot groups accumulated into fp32 (zeroed before the correctness call; the timed calls keep adding)."""
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.randint(0, tokens, (n,), device="cuda", dtype=torch.int32)
+    rows_g = x[row_src.long()]
+    dy = torch.randn(n, F, device="cuda", dtype=torch.bfloat16)
+    dw_home, ref_home = (torch.empty(epn, H, F, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dw_slot, ref_slot = (torch.zeros(G - epn, H, F, device="cuda") for _ in range(2))
+    ours_fn = lambda: group_gemm_wgrad_gather(x, row_src, dy, cu, dw_home, dw_slot, pad=P)  # noqa: E731
+    plain_fn = lambda: group_gemm_wgrad(rows_g, dy, cu, ref_home, ref_slot, pad=P)  # noqa: E731
+
+    def copy_and_plain():
+        torch.index_select(x, 0, row_src, out=rows_g)
+        plain_fn()
+
+    ours_fn()
+    plain_fn()
+    ok = torch.equal(dw_home, ref_home) and torch.equal(dw_slot, ref_slot)
+    return _gathered_rows(dict(case=name, proj="gate/up H->F", op="wgrad_gather", groups=G, rows=n, kd=H, nd=F),
+                          ok, 2.0 * n * H * F, ours_fn, plain_fn, copy_and_plain, "group_gemm_wgrad", "x")
+
+
+def bench_swiglu_bwd_gather(name, G, epn, n, H, F, cu, P, group_gemm_swiglu_bwd, group_gemm_swiglu_bwd_gather,
+                            tokens=8192):
+    """The SwiGLU-backward dgrad with g_y = g_out[row_src] gathered in the kernel (``tokens`` tokens, random,
+    every row routed), against the plain kernel (shared-memory epilogue) on the pre-gathered g_y (same
+    outputs, bitwise) and against the copy plus the plain kernel (what combine's backward does at R = 1)."""
+    g_out = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.randint(0, tokens, (n,), device="cuda", dtype=torch.int32)
+    g_y = g_out[row_src.long()]
+    wd = torch.randn(G, F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+    gate, up = (torch.randn(n, F, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rest = (wd[:epn], wd[epn:], cu, torch.rand(n, device="cuda"), gate, up)
+    ours_fn = lambda: group_gemm_swiglu_bwd_gather(g_out, row_src, *rest, pad=P)  # noqa: E731
+    plain_fn = lambda: group_gemm_swiglu_bwd(g_y, *rest, pad=P)  # noqa: E731
+
+    def copy_and_plain():
+        torch.index_select(g_out, 0, row_src, out=g_y)
+        return plain_fn()
+
+    ok = all(torch.equal(a, b) for a, b in zip(ours_fn(), plain_fn()))
+    return _gathered_rows(dict(case=name, proj="down F->H", op="swiglu_bwd_gather", groups=G, rows=n, kd=F, nd=H),
+                          ok, 2.0 * n * H * F, ours_fn, plain_fn, copy_and_plain, "group_gemm_swiglu_bwd", "g_out")
+
+
+def bench_wgrad_gather_b(name, G, epn, n, H, F, cu, P, group_gemm_wgrad, group_gemm_wgrad_gather_b, tokens=8192):
+    """The down projection's wgrad (dW_g = h_w_g^T g_y_g, [F, H] per group) with g_y = g_out[row_src] gathered
+    in the kernel (``tokens`` tokens, random, every row routed), against the plain kernel on the pre-gathered
+    g_y (same gradients, bitwise) and against the copy plus the plain kernel. Home groups written bf16, slot
+    groups accumulated into fp32 (zeroed before the correctness call; the timed calls keep adding)."""
+    g_out = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    row_src = torch.randint(0, tokens, (n,), device="cuda", dtype=torch.int32)
+    g_y = g_out[row_src.long()]
+    h_w = torch.randn(n, F, device="cuda", dtype=torch.bfloat16)
+    dw_home, ref_home = (torch.empty(epn, F, H, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dw_slot, ref_slot = (torch.zeros(G - epn, F, H, device="cuda") for _ in range(2))
+    ours_fn = lambda: group_gemm_wgrad_gather_b(h_w, g_out, row_src, cu, dw_home, dw_slot, pad=P)  # noqa: E731
+    plain_fn = lambda: group_gemm_wgrad(h_w, g_y, cu, ref_home, ref_slot, pad=P)  # noqa: E731
+
+    def copy_and_plain():
+        torch.index_select(g_out, 0, row_src, out=g_y)
+        plain_fn()
+
+    ours_fn()
+    plain_fn()
+    ok = torch.equal(dw_home, ref_home) and torch.equal(dw_slot, ref_slot)
+    return _gathered_rows(dict(case=name, proj="down F->H", op="wgrad_gather_b", groups=G, rows=n, kd=F, nd=H),
+                          ok, 2.0 * n * H * F, ours_fn, plain_fn, copy_and_plain, "group_gemm_wgrad", "g_out")
 
 
 if __name__ == "__main__":

@@ -174,3 +174,38 @@ def capture_graph(fn, warm: bool = False) -> "torch.cuda.CUDAGraph":
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     return graph
+
+
+def gathered_rows(x, row_src):
+    """What dispatch builds and the gathered kernel reads in place: ``where(row_src >= 0, x[row_src], 0)``."""
+    if x.shape[0] == 0:  # no tokens: every row is padding
+        return x.new_zeros(row_src.shape[0], x.shape[1])
+    rows = x[row_src.clamp(min=0).long()]
+    return torch.where((row_src >= 0)[:, None], rows, torch.zeros_like(rows))
+
+
+def random_row_src(cu, n, s, seed, all_padding=(), tail_valid=False):
+    """row_src [n] int32 (on cu's device) for group ends ``cu``: per group a random number of rows from random
+    tokens of x [s, H] (with repeats), the rest padding (-1); groups ``all_padding`` padding only; every group
+    with routed rows has token s - 1 and token 0 (one token in several groups); rows past the last group -1
+    or (``tail_valid``) valid tokens, which neither kernel reads."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.full((n,), -1, dtype=torch.int32)
+    ends = cu.cpu().tolist()
+    start = 0
+    for g, end in enumerate(ends):
+        length = end - start
+        routed = 0 if g in all_padding or length == 0 else int(torch.randint(1, length + 1, (1,), generator=gen))
+        if routed:
+            src[start:start + routed] = torch.randint(0, s, (routed,), generator=gen, dtype=torch.int32)
+            src[start] = s - 1
+            src[start + routed - 1] = 0
+        start = end
+    if tail_valid and n > start:
+        src[start:] = torch.randint(0, s, (n - start,), generator=gen, dtype=torch.int32)
+    return src.to(cu.device)
+
+
+def random_tokens(s, kd, seed):
+    """x [s, H] bf16 on the GPU, of the scale ``random_problem`` uses."""
+    return (torch.randn(s, kd, generator=torch.Generator().manual_seed(seed)) * 0.5).bfloat16().cuda()

@@ -63,10 +63,21 @@ def test_compile_sm90a_no_spills(tmp_path, pad):
         ("dgrad2", 520, 200, 64),  # partial output tile, partial last k tile of each pair, tile_M = 64
         ("wgrad", 7168, 2048, 128),
         ("wgrad", 520, 136, 64),  # partial tiles in M and N, tile_N = 128
+        # A's k rows gathered from x by index (cp.async), B by TMA: the gate/up projection's wgrad
+        ("wgrad_gather", 7168, 2048, 128),
+        ("wgrad_gather", 520, 136, 64),
+        # B's k rows gathered from g_out by index (cp.async), A = h_w by TMA: the down projection's wgrad
+        ("wgrad_gather_b", 2048, 7168, 128),
     ],
 )
 def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
+    if op == "wgrad_gather":
+        check_gathered_wgrad_a(ptx, tile_m=128, tile_n=256 if nd >= 256 else 128)
+        op = "wgrad"
+    if op == "wgrad_gather_b":
+        check_gathered_wgrad_b(ptx, tile_m=128 if kd > 64 else 64, tile_n=256 if nd >= 256 else 128)
+        op = "wgrad"
     # the tensor cores do the work: wgmma with the operand majorness of the op
     # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
@@ -95,12 +106,17 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         ("swiglu", 7168, 2048, 128),  # gate/up projection, training (h, gate, up stored)
         ("swiglu_h_only", 7168, 2048, 128),  # inference: h only
         ("swiglu", 520, 200, 64),  # tile_M = 64, partial tiles
+        # A rows gathered from x by index (cp.async), B by TMA
+        ("swiglu_gather", 7168, 2048, 128),
+        ("swiglu_gather", 520, 200, 64),
         ("row_scale", 2048, 7168, 128),  # down projection with route weights
         ("row_scale", 520, 200, 64),
         ("swiglu_bwd", 7168, 2048, 128),  # down-projection dgrad + SwiGLU backward (Kd = H, Nd = F here)
         ("swiglu_bwd", 520, 200, 64),
         ("swiglu_bwd_smem", 7168, 2048, 128),  # its shared-memory (TMA) epilogue
         ("swiglu_bwd_smem", 520, 200, 64),
+        # its A rows (g_y) gathered from g_out by index (cp.async), W_down by TMA
+        ("swiglu_bwd_gather", 7168, 2048, 128),
         # inference with remote groups (weights read from the home rank through the peer mapping)
         ("swiglu_h_only_remote", 7168, 2048, 128),
         ("swiglu_remote", 520, 200, 64),
@@ -114,6 +130,12 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     assert "ld.local" not in ptx and "st.local" not in ptx
     check_remote_descriptors(ptx, rings=(2 if op.startswith("swiglu") else 1) if op.endswith("_remote") else 0)
     op = op.removesuffix("_remote")
+    if op.startswith("swiglu_gather"):
+        check_gathered_a(ptx, tile_m=pad)
+        op = "swiglu" + op.removeprefix("swiglu_gather")
+    if op == "swiglu_bwd_gather":
+        check_gathered_swiglu_bwd_a(ptx, tile_m=pad)
+        op = "swiglu_bwd_smem"  # the shared-memory epilogue's checks
     if op.startswith("swiglu_bwd"):
         # dgrad: A and B K-major; one 128-column accumulator; the activation's backward in the epilogue
         assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
@@ -147,6 +169,65 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         assert ptx.count("ld.global.f32") == 2, ptx.count("ld.global.f32")
 
 
+def check_cp_async_gather(ptx: str, copies: int, commits: int):
+    """A gathered operand's loads: ``copies`` 16-byte cp.async, each predicated (zero fill: a source size
+    chosen per copy); ``commits`` sites where each producer thread arrives on the stage's full mbarrier when
+    its copies land (noinc); the full barriers count 1 + 128 arrivals (the TMA warp and the 128 threads)."""
+    import re
+
+    found = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)
+    assert len(found) == copies, len(found)
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == commits
+    assert re.search(r"mov\.b32\s+(%r\d+), 129;\s+mbarrier\.init\.shared\.b64 \[%r\d+\], \1;", ptx)
+
+
+def check_gathered_a(ptx: str, tile_m: int):
+    """The gathered A operand: loaded by 16-byte cp.async (one per row a producer thread owns, tile_m / 16
+    rows, in each of the home and slot tile loads), predicated (zero fill: a source size chosen per
+    copy), each thread arriving on the stage's mbarrier when its copies land (noinc); the full barriers
+    count 1 + 128 arrivals; no TMA load (nor descriptor) of A, only B's 3-D loads (home and slot, gate and
+    up, in each of the home and slot tile loads)."""
+    check_cp_async_gather(ptx, copies=2 * (tile_m // 16), commits=2)
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" not in ptx
+    assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 8
+    assert ptx.count("prefetch.tensormap") == 4 + 3  # B's four atoms and the stores of h, gate, up
+
+
+def check_gathered_wgrad_a(ptx: str, tile_m: int, tile_n: int):
+    """The wgrad's gathered A operand (M-major, k rows by index): one 16-byte cp.async per k row a producer
+    thread owns (tile_m / 16 of a k tile's 64), predicated (zero fill: a source size chosen per copy), in
+    the one k-tile loop; each thread arrives on the stage's mbarrier when its copies land (noinc); the full
+    barriers count 1 + 128 arrivals; no TMA load (nor descriptor) of A: the k tile's 2-D loads are B's
+    (tile_n / 64 boxes of 64 columns), the prefetched descriptors B's and the store's."""
+    check_cp_async_gather(ptx, copies=tile_m // 16, commits=1)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == tile_n // 64
+    assert ptx.count("prefetch.tensormap") == 2
+
+
+def check_gathered_swiglu_bwd_a(ptx: str, tile_m: int):
+    """The SwiGLU-backward's gathered A operand (g_y rows of g_out by index, K-major): one 16-byte cp.async
+    per row a producer thread owns (tile_m / 16), in each of the home and slot tile loads, predicated (zero
+    fill), noinc arrivals, full barriers of 1 + 128 arrivals; no TMA load of A: the 3-D loads are W_down's
+    (home, slot), the 2-D loads only the shared-memory epilogue's gate/up sub-tiles (the plain kernel's 30
+    at this shape less A's home and slot loads), the prefetched descriptors W_down's two and the
+    epilogue's five."""
+    check_cp_async_gather(ptx, copies=2 * (tile_m // 16), commits=2)
+    assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 2
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 30 - 2
+    assert ptx.count("prefetch.tensormap") == 2 + 5
+
+
+def check_gathered_wgrad_b(ptx: str, tile_m: int, tile_n: int):
+    """The wgrad's gathered B operand (N-major, k rows of g_out by index): one 16-byte cp.async per k row a
+    producer thread owns (tile_n / 16 of a k tile's 64), predicated (zero fill), in the one k-tile loop;
+    noinc arrivals; full barriers of 1 + 128 arrivals; no TMA load (nor descriptor) of B: the k tile's
+    2-D loads are A's (tile_m / 64 boxes of 64 rows of h_w^T), the prefetched descriptors A's and the
+    store's."""
+    check_cp_async_gather(ptx, copies=tile_n // 16, commits=1)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == tile_m // 64
+    assert ptx.count("prefetch.tensormap") == 2
+
+
 def check_remote_descriptors(ptx: str, rings: int):
     """The remote variants (``rings`` B rings) build one descriptor per ring, once (its global address
     replaced, one release fence, one acquire per descriptor), and exactly one of the four B-load sets
@@ -175,6 +256,41 @@ def test_wgrad_epilogue_threads_cover_the_tile_once(tile_m, tile_n):
     res = layout_probe("wgrad", "wgrad_epilogue_coverage", tile_m, tile_n)
     n = tile_m * tile_n
     assert res == dict(writes=n, distinct=n, elements=n, inside=True), res
+
+
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_swiglu_gather_copy_covers_the_a_stage_once(tile_m):
+    """The gathered A operand's cp.async copy: the 128 producer threads' partitions of a (tile_m, 64) A
+    stage cover every element exactly once, each copy one 16-byte chunk of one row, and the stage's
+    shared layout (the swizzled one TMA fills and wgmma reads) keeps every such chunk 8 consecutive,
+    16-byte aligned elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
+    res = layout_probe("swiglu", "swiglu_gather_copy_coverage", tile_m, 128)
+    n = tile_m * 64
+    assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
+
+
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_wgrad_gather_copy_covers_the_a_stage_once(tile_m):
+    """The gathered wgrad's M-major cp.async copy: the 128 producer threads' partitions of a (tile_m, 64) A
+    stage (M = H columns of x, 64 k rows) cover every element exactly once, each copy 8 consecutive M
+    elements of one k row (16 contiguous bytes of one token row of x), and the stage's shared layout (the
+    swizzled M-major one TMA fills and wgmma reads) keeps every such chunk 8 consecutive, 16-byte aligned
+    elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
+    res = layout_probe("wgrad", "wgrad_gather_copy_coverage", tile_m, 128)
+    n = tile_m * 64
+    assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 256), (64, 128)])
+def test_wgrad_gather_b_copy_covers_the_b_stage_once(tile_m, tile_n):
+    """The gathered-B wgrad's N-major cp.async copy: the 128 producer threads' partitions of a (tile_n, 64) B
+    stage (N = H columns of g_out, 64 k rows) cover every element exactly once, each copy 8 consecutive N
+    elements of one k row (16 contiguous bytes of one token row of g_out), and the stage's shared layout
+    (the swizzled N-major one TMA fills and wgmma reads) keeps every such chunk 8 consecutive, 16-byte
+    aligned elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
+    res = layout_probe("wgrad", "wgrad_gather_b_copy_coverage", tile_m, tile_n)
+    n = tile_n * 64
+    assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
 
 
 @pytest.mark.parametrize("tile_m", [128, 64])

@@ -11,7 +11,10 @@ from csrc_cute.group_gemm import (
     group_gemm_dgrad,
     group_gemm_dgrad2,
     group_gemm_fwd,
+    group_gemm_swiglu_bwd_gather,
     group_gemm_wgrad,
+    group_gemm_wgrad_gather,
+    group_gemm_wgrad_gather_b,
     select_config,
     select_wgrad_config,
 )
@@ -119,6 +122,49 @@ def test_wgrad_bad_inputs():
         group_gemm_wgrad(x, dy, cu, dwh, dws)
 
 
+def test_wgrad_gather_bad_inputs():
+    """group_gemm_wgrad_gather: x [S, Kd] + row_src [N] in place of the rows; dy has the N rows. Checked before
+    any device check (CPU tensors suffice); errors name the gathered op."""
+    x, wh, ws, cu = zero_inputs()
+    src = torch.zeros(256, dtype=torch.int32)
+    dy, dwh, dws = x.clone(), wh.clone(), ws.float()
+    tokens = x[:100].contiguous()  # S = 100 tokens, N = 256 rows
+    op = r"^moonep\.group_gemm_wgrad_gather: "
+    for bad, rule in ((src.long(), "dtype int32"), (src.view(16, 16), "shape"),
+                      (torch.zeros(512, dtype=torch.int32)[::2], "contiguous"), (src.float(), "dtype int32")):
+        with pytest.raises(ValueError, match=op + f"row_src must .*{rule}"):
+            group_gemm_wgrad_gather(tokens, bad, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dy must have shape \[128, \*\], got \[256, 64\]"):
+        group_gemm_wgrad_gather(tokens, src[:128], dy, cu, dwh, dws)  # one row of dy per entry of row_src
+    with pytest.raises(ValueError, match=op + r"x must be bfloat16"):
+        group_gemm_wgrad_gather(tokens.float(), src, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"x must be contiguous"):
+        group_gemm_wgrad_gather(x.t(), src, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dy must be bfloat16"):
+        group_gemm_wgrad_gather(tokens, src, dy.half(), cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dw_home must have shape \[\*, 32, 64\], got \[2, 64, 64\]"):
+        group_gemm_wgrad_gather(tokens[:, :32].contiguous(), src, dy, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dw_home must be bfloat16"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, wh.float(), dws)
+    with pytest.raises(ValueError, match=op + r"dw_slot must have dtype float32"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, ws)
+    with pytest.raises(ValueError, match=op + r"cu_seqlens must have shape \[3\]"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu[:2], dwh, dws)
+    with pytest.raises(ValueError, match=op + r"P must be a power of two"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, dws, pad=96)
+    with pytest.raises(ValueError, match=op + r"P must be >= 64 for the CuTe kernel"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, dws, pad=32)
+    with pytest.raises(ValueError, match=op + r"Kd must be a positive multiple of 8"):
+        group_gemm_wgrad_gather(tokens[:, :60].contiguous(), src, dy, cu, dwh[:, :60].contiguous(),
+                                dws[:, :60].contiguous())
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
+        group_gemm_wgrad_gather(tokens, src, dy, cu, dwh, dws)
+    # the kernel's 32-bit row offsets: x below 2**31 elements (meta tensors: no memory)
+    big = torch.empty(2**31 // 64, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=op + r"x must have fewer than 2\*\*31 elements"):
+        group_gemm_wgrad_gather(big, src.to("meta"), dy.to("meta"), cu.to("meta"), dwh.to("meta"), dws.to("meta"))
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [
@@ -188,3 +234,81 @@ def test_swiglu_bwd_bad_inputs():
             args[i] = bad
         with pytest.raises(ValueError, match=r"^moonep\.group_gemm_swiglu_bwd: " + match):
             group_gemm_swiglu_bwd(*args)
+
+
+def test_wgrad_gather_b_bad_inputs():
+    """group_gemm_wgrad_gather_b: dy_src [S, Nd] + row_src [N] in place of dy's rows; x has the N rows.
+    Checked before any device check (CPU tensors suffice); errors name the gathered op."""
+    x, wh, ws, cu = zero_inputs()
+    src = torch.zeros(256, dtype=torch.int32)
+    dwh, dws = wh.clone(), ws.float()
+    tokens = x[:100].contiguous()  # S = 100 tokens of g_out, N = 256 rows of x
+    op = r"^moonep\.group_gemm_wgrad_gather_b: "
+    for bad, rule in ((src.long(), "dtype int32"), (src.view(16, 16), "shape"),
+                      (torch.zeros(512, dtype=torch.int32)[::2], "contiguous"), (src.float(), "dtype int32")):
+        with pytest.raises(ValueError, match=op + f"row_src must .*{rule}"):
+            group_gemm_wgrad_gather_b(x, tokens, bad, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"row_src must have one entry per row of x \(N = 256\)"):
+        group_gemm_wgrad_gather_b(x, tokens, src[:128], cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"x must be bfloat16"):
+        group_gemm_wgrad_gather_b(x.float(), tokens, src, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dy_src must .*bfloat16"):
+        group_gemm_wgrad_gather_b(x, tokens.half(), src, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dy_src must be contiguous"):
+        group_gemm_wgrad_gather_b(x, tokens.t(), src, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dw_home must have shape \[\*, 64, 32\], got \[2, 64, 64\]"):
+        group_gemm_wgrad_gather_b(x, tokens[:, :32].contiguous(), src, cu, dwh, dws)
+    with pytest.raises(ValueError, match=op + r"dw_slot must have dtype float32"):
+        group_gemm_wgrad_gather_b(x, tokens, src, cu, dwh, ws)
+    with pytest.raises(ValueError, match=op + r"cu_seqlens must have shape \[3\]"):
+        group_gemm_wgrad_gather_b(x, tokens, src, cu[:2], dwh, dws)
+    with pytest.raises(ValueError, match=op + r"P must be a power of two"):
+        group_gemm_wgrad_gather_b(x, tokens, src, cu, dwh, dws, pad=96)
+    with pytest.raises(ValueError, match=op + r"P must be >= 64 for the CuTe kernel"):
+        group_gemm_wgrad_gather_b(x, tokens, src, cu, dwh, dws, pad=32)
+    with pytest.raises(ValueError, match=op + r"Nd must be a positive multiple of 8"):
+        group_gemm_wgrad_gather_b(x, tokens[:, :60].contiguous(), src, cu, dwh[..., :60].contiguous(),
+                                  dws[..., :60].contiguous())
+    with pytest.raises(ValueError, match=op + r"x must be a CUDA tensor"):
+        group_gemm_wgrad_gather_b(x, tokens, src, cu, dwh, dws)
+    # the kernel's 32-bit row offsets: dy_src below 2**31 elements (meta tensors: no memory)
+    big = torch.empty(2**31 // 64, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=op + r"dy_src must have fewer than 2\*\*31 elements"):
+        group_gemm_wgrad_gather_b(x.to("meta"), big, src.to("meta"), cu.to("meta"), dwh.to("meta"), dws.to("meta"))
+
+
+def test_swiglu_bwd_gather_bad_inputs():
+    """group_gemm_swiglu_bwd_gather: g_out [S, H] + row_src [N] in place of g_y [N, H]; gate, up, row_w have
+    the N rows. Checked before any device check (CPU tensors suffice); errors name the gathered op."""
+    n, hd, f = 256, 64, 128
+    g_out = torch.zeros(100, hd, dtype=torch.bfloat16)  # S = 100 tokens
+    src = torch.zeros(n, dtype=torch.int32)
+    wdh, wds = torch.zeros(2, f, hd, dtype=torch.bfloat16), torch.zeros(1, f, hd, dtype=torch.bfloat16)
+    cu = torch.zeros(3, dtype=torch.int32)
+    row_w, gate = torch.zeros(n), torch.zeros(n, f, dtype=torch.bfloat16)
+    args = (g_out, src, wdh, wds, cu, row_w, gate, gate.clone())
+    op = r"^moonep\.group_gemm_swiglu_bwd_gather: "
+    cases = [
+        (lambda a: (a[0], a[1].long(), *a[2:]), r"row_src must .*dtype int32"),
+        (lambda a: (a[0], a[1].view(16, 16), *a[2:]), r"row_src must .*shape"),
+        (lambda a: (a[0], a[1][:128], *a[2:]), r"row_w must have shape \[128\]"),  # N from row_src
+        (lambda a: (a[0].float(), *a[1:]), r"g_out must be bfloat16"),
+        (lambda a: (a[0].t(), *a[1:]), r"g_out must be contiguous"),
+        (lambda a: (*a[:2], a[2][..., :32].contiguous(), *a[3:]), r"w_down_home must have shape \[\*, \*, 64\]"),
+        (lambda a: (*a[:3], a[3][:, :64].contiguous(), *a[4:]), r"w_down_slot must have shape \[\*, 128, 64\]"),
+        (lambda a: (*a[:4], a[4][:2], *a[5:]), r"cu_seqlens must have shape \[3\]"),
+        (lambda a: (*a[:5], a[5].double(), *a[6:]), r"row_w must have dtype float32"),
+        (lambda a: (*a[:6], a[6][:, :64].contiguous(), a[7]), r"gate must have shape \[256, 128\]"),
+        (lambda a: (*a[:7], a[7].half()), r"up must .*bfloat16"),
+    ]
+    for mutate, match in cases:
+        with pytest.raises(ValueError, match=op + match):
+            group_gemm_swiglu_bwd_gather(*mutate(args))
+    with pytest.raises(ValueError, match=op + r"P must be >= 64 for the CuTe kernel"):
+        group_gemm_swiglu_bwd_gather(*args, pad=32)
+    with pytest.raises(ValueError, match=op + r"g_out must be a CUDA tensor"):
+        group_gemm_swiglu_bwd_gather(*args)
+    # the kernel's 32-bit row offsets: g_out below 2**31 elements (meta tensors: no memory)
+    big = torch.empty(2**31 // 64, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=op + r"g_out must have fewer than 2\*\*31 elements"):
+        group_gemm_swiglu_bwd_gather(big, *(t.to("meta") for t in args[1:]))

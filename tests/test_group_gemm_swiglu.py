@@ -1,6 +1,8 @@
 """GPU (Hopper) tests of the fused SwiGLU kernels: gate/up + SwiGLU (group_gemm_swiglu, with and without
-the stored pre-activations) and the SwiGLU backward fused into the down projection's dgrad
-(group_gemm_swiglu_bwd), against the CPU reference ops and torch autograd; the registered ops and CUDA
+the stored pre-activations; group_gemm_swiglu_gather, its rows gathered from x by index, bitwise against it)
+and the SwiGLU backward fused into the down projection's dgrad
+(group_gemm_swiglu_bwd; group_gemm_swiglu_bwd_gather, its g_y rows gathered from g_out by index, bitwise
+against it), against the CPU reference ops and torch autograd; the registered ops and CUDA
 graphs of the fused FFN forward (with the row-scaled down projection) and backward. Skipped without a
 Hopper GPU.
 """
@@ -15,13 +17,17 @@ from group_gemm_cases import (
     capture_graph,
     check_rows,
     check_swiglu,
+    gathered_rows,
     gpu,
     nan_home_grads,
     random_lengths,
     random_problem,
     random_routing,
+    random_row_src,
     random_swiglu_problem,
+    random_tokens,
     reference_swiglu,
+    zero_swiglu_inputs,
 )
 
 
@@ -100,6 +106,111 @@ def test_swiglu_and_row_scale_registered_ops_and_cuda_graph():
         ref_h, ref_g, _ = reference_swiglu(x, wgh, wgs, wuh, wus, cu)
         check_rows(bufs[0], ref_h, cu)
         check_rows(bufs[1], ref_g, cu)
+
+
+# ------------------------------------------------------------------------------------------------
+# gate/up + SwiGLU with A gathered from x by row index (group_gemm_swiglu_gather)
+# ------------------------------------------------------------------------------------------------
+
+
+def check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=128, store_preact=True):
+    """The gathered kernel bitwise against ``group_gemm_swiglu`` on the gathered rows (outputs pre-filled
+    with NaN: every row must be written)."""
+    from csrc_cute.group_gemm import group_gemm_swiglu, group_gemm_swiglu_gather
+
+    n, nd = row_src.shape[0], wgh.shape[2]
+    bufs = [torch.full((n, nd), float("nan"), dtype=torch.bfloat16, device=x.device) for _ in range(3)]
+    got = group_gemm_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad, store_preact=store_preact,
+                                   out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
+    want = group_gemm_swiglu(gathered_rows(x, row_src), wgh, wgs, wuh, wus, cu, pad=pad, store_preact=store_preact)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("h", "gate", "up"), got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == (n, nd), (name, a.shape)
+        assert torch.equal(a, b), f"{name} differs in {(a != b).any(1).sum().item()} rows"
+    if not store_preact:
+        assert torch.isnan(bufs[1]).all() and torch.isnan(bufs[2]).all(), "h-only kernel wrote gate/up"
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_swiglu_gather_equals_swiglu_on_gathered_rows(pad):
+    # H = 520: partial last k tile (chunks past H zero-filled); F = 200: partial n tile; empty groups,
+    # an all-padding group, padding in every group, rows past the last group, token S - 1, repeats
+    lengths = random_lengths(pad, 5, 4, 6, seed=60 + pad)
+    lengths[2] = max(lengths[2], pad)
+    _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, 5, kd=520, nd=200, seed=pad)
+    n = sum(lengths) + 3 * pad
+    x = random_tokens(301, 520, seed=pad + 1)
+    for seed, tail_valid in ((0, False), (1, True)):
+        row_src = random_row_src(cu, n, x.shape[0], seed, all_padding=(2,), tail_valid=tail_valid)
+        check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad)
+    h, _, _ = check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad)
+    h_only, _, _ = check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, pad=pad, store_preact=False)
+    assert torch.equal(h, h_only)
+    # N < S, one group, B = 0 (the slot map stands in for the empty slots)
+    lengths = [0, 2 * pad, 0]
+    _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, 3, kd=256, nd=128, seed=pad + 2)
+    check_swiglu_gather(x[:, :256].contiguous(), random_row_src(cu, 2 * pad, 301, 2), wgh, wgs, wuh, wus, cu, pad=pad)
+    # no tokens at all (S = 0): every row is padding, h = silu(0) * 0 = 0
+    none = torch.full((2 * pad,), -1, dtype=torch.int32, device="cuda")
+    h, gate, _ = check_swiglu_gather(x[:0, :256], none, wgh, wgs, wuh, wus, cu, pad=pad)
+    assert not h.any() and not gate.any()
+
+
+@gpu
+def test_swiglu_gather_design_shape():
+    # H = 7168, F = 2048, ~65k rows from S = 8192 tokens (K = 8 routed rows a token), 8 home + 2 slot groups
+    epn, nb, pad = 8, 2, 128
+    lengths = random_lengths(pad, epn, nb, 100, seed=9)
+    _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, epn, kd=7168, nd=2048, n_total=pad, seed=9)
+    n = sum(lengths) + 2 * pad
+    assert n > 40_000, n
+    x = random_tokens(8192, 7168, seed=10)
+    check_swiglu_gather(x, random_row_src(cu, n, x.shape[0], 11, all_padding=(3,)), wgh, wgs, wuh, wus, cu)
+
+
+@gpu
+def test_swiglu_gather_cuda_graph_replay():
+    from csrc_cute.group_gemm import group_gemm_swiglu_gather
+
+    epn, nb, kd, nd, n, s = 4, 2, 384, 256, 2048, 700
+    _, wgh, wgs, wuh, wus, _ = random_swiglu_problem([0] * (epn + nb), epn, kd, nd, n_total=128, seed=21)
+    x = random_tokens(s, kd, seed=22)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    bufs = [torch.empty(n, nd, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    cu.copy_(random_routing(epn, nb, n, 0))
+    row_src.copy_(random_row_src(cu, n, s, 0))
+    check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu)  # compiled before the capture
+    graph = capture_graph(lambda: group_gemm_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu, out=bufs[0],
+                                                           gate_out=bufs[1], up_out=bufs[2]))
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
+        for b in bufs:
+            b.fill_(float("nan"))
+        graph.replay()
+        want = check_swiglu_gather(x, row_src, wgh, wgs, wuh, wus, cu)
+        assert all(torch.equal(a, b) for a, b in zip(bufs, want)), seed
+
+
+def test_swiglu_gather_rejects_bad_row_src():
+    """The host checks of row_src (before any device check: CPU tensors suffice)."""
+    from csrc_cute.group_gemm import group_gemm_swiglu_gather
+
+    x, wgh, wgs, wuh, wus, cu = zero_swiglu_inputs()
+    for bad, rule in ((torch.zeros(256, dtype=torch.int64), "dtype int32"),
+                      (torch.zeros(16, 16, dtype=torch.int32), "shape"),
+                      (torch.zeros(512, dtype=torch.int32)[::2], "contiguous"),
+                      (torch.zeros(256), "dtype int32")):
+        with pytest.raises(ValueError, match=f"group_gemm_swiglu_gather: row_src must .*{rule}"):
+            group_gemm_swiglu_gather(x, bad, wgh, wgs, wuh, wus, cu)
+    with pytest.raises(ValueError, match="group_gemm_swiglu_gather: x must be a CUDA tensor"):
+        group_gemm_swiglu_gather(x, torch.zeros(256, dtype=torch.int32), wgh, wgs, wuh, wus, cu)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,3 +336,93 @@ def test_swiglu_bwd_op_autograd_chain_and_cuda_graph():
         torch.cuda.synchronize()
         assert all(torch.equal(o, e) for o, e in zip(outs, eager)), seed
         _check_swiglu_bwd((g_y, wdh, wds, cu, row_w, gate, up))
+
+
+# ------------------------------------------------------------------------------------------------
+# SwiGLU backward with g_y gathered from g_out by row index (group_gemm_swiglu_bwd_gather)
+# ------------------------------------------------------------------------------------------------
+
+
+def check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up, pad=128):
+    """The gathered kernel bitwise against ``group_gemm_swiglu_bwd`` (its default shared-memory epilogue)
+    on the gathered rows ``g_y = where(row_src >= 0, g_out[row_src], 0)``; returns its outputs."""
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd, group_gemm_swiglu_bwd_gather
+
+    got = group_gemm_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up, pad=pad)
+    want = group_gemm_swiglu_bwd(gathered_rows(g_out, row_src), wdh, wds, cu, row_w, gate, up, pad=pad)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_gate", "g_up", "h_w", "g_row_w"), got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.equal(a, b), f"{name} differs in {(a != b).reshape(a.shape[0], -1).any(1).sum().item()} rows"
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_swiglu_bwd_gather_equals_swiglu_bwd_on_gathered_rows(pad):
+    # H = 520: partial last k tile (chunks past H zero-filled); F = 200: partial n tile; empty home and slot
+    # groups, an all-padding group, padding rows in every group, rows past the last group (padding or
+    # valid tokens), token S - 1, a token in several groups and repeated within one
+    lengths = random_lengths(pad, 5, 4, 6, seed=100 + pad)
+    lengths[2] = max(lengths[2], pad)
+    n = sum(lengths) + 3 * pad
+    _, wdh, wds, cu, row_w, gate, up = _make_swiglu_bwd(lengths, 5, hd=520, f=200, n_total=n, seed=pad)
+    g_out = random_tokens(301, 520, seed=pad + 7)
+    for seed, tail_valid in ((0, False), (1, True)):
+        row_src = random_row_src(cu, n, g_out.shape[0], seed, all_padding=(2,), tail_valid=tail_valid)
+        got = check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up, pad=pad)
+    # the all-padding group (2): g_y = 0 there, so d = 0: g_gate, g_up, g_row_w zero; h_w is not
+    rows = slice(sum(lengths[:2]), sum(lengths[:3]))
+    assert not got[0][rows].any() and not got[1][rows].any() and not got[3][rows].any()
+    # every row padding, and no tokens at all (S = 0): d = 0 everywhere
+    none = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    for tokens in (g_out, g_out[:0]):
+        got = check_swiglu_bwd_gather(tokens, none, wdh, wds, cu, row_w, gate, up, pad=pad)
+        assert not got[0].any() and not got[3].any()
+    # N < S, one group, B = 0 (the slot map stands in for the empty slots)
+    lengths = [0, 2 * pad, 0]
+    _, wdh, wds, cu, row_w, gate, up = _make_swiglu_bwd(lengths, 3, hd=256, f=128, seed=pad + 3)
+    check_swiglu_bwd_gather(g_out[:, :256].contiguous(), random_row_src(cu, 2 * pad, 301, 4), wdh, wds, cu,
+                            row_w, gate, up, pad=pad)
+
+
+@gpu
+def test_swiglu_bwd_gather_design_shape():
+    # H = 7168, F = 2048, ~40k rows from S = 8192 tokens, 8 home + 2 slot groups (an empty one of each, an
+    # all-padding home group)
+    epn, nb, pad = 8, 2, 128
+    lengths = random_lengths(pad, epn, nb, 60, seed=39)
+    n = sum(lengths) + 2 * pad
+    _, wdh, wds, cu, row_w, gate, up = _make_swiglu_bwd(lengths, epn, hd=7168, f=2048, n_total=n, seed=39)
+    assert n > 20_000, n
+    g_out = random_tokens(8192, 7168, seed=40)
+    check_swiglu_bwd_gather(g_out, random_row_src(cu, n, g_out.shape[0], 41, all_padding=(3,)), wdh, wds, cu,
+                            row_w, gate, up)
+
+
+@gpu
+def test_swiglu_bwd_gather_cuda_graph_replay():
+    from csrc_cute.group_gemm import group_gemm_swiglu_bwd_gather
+
+    epn, nb, hd, f, n, s = 3, 2, 256, 384, 1536, 700
+    _, wdh, wds, _, row_w, gate, up = _make_swiglu_bwd([0] * (epn + nb), epn, hd, f, n_total=n, seed=42)
+    g_out = random_tokens(s, hd, seed=43)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    cu.copy_(random_routing(epn, nb, n, 0))
+    row_src.copy_(random_row_src(cu, n, s, 0))
+    outs = [torch.empty_like(t) for t in check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up)]
+
+    def bwd_into_outs():
+        for o, r in zip(outs, group_gemm_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up)):
+            o.copy_(r)
+
+    graph = capture_graph(bwd_into_outs)
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        want = check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up)
+        assert all(torch.equal(o, w) for o, w in zip(outs, want)), seed

@@ -1,23 +1,29 @@
 """GPU (Hopper) tests of the grouped GEMM weight gradient (csrc_cute/group_gemm/wgrad.py): home groups
 written in bf16, slot groups accumulated in fp32, against a float reference; empty groups, partial tiles,
 many work items per CTA; CUDA-graph replay of dgrad + wgrad; the registered ops; autograd of
-``moonep::group_gemm`` on CUDA through the forward, dgrad and wgrad kernels. Skipped without a Hopper GPU.
+``moonep::group_gemm`` on CUDA through the forward, dgrad and wgrad kernels; group_gemm_wgrad_gather (the
+rows gathered from x by index) and group_gemm_wgrad_gather_b (dy's rows gathered from g_out by index, the
+down projection's wgrad) bitwise against group_gemm_wgrad on the gathered rows. Skipped without a Hopper
+GPU.
 """
 
 import pytest
 import torch
 
 import moonep_ops  # noqa: F401  (registers moonep::group_gemm*, the reference ops)
-from csrc_cute.group_gemm import group_gemm_dgrad, group_gemm_wgrad
+from csrc_cute.group_gemm import group_gemm_dgrad, group_gemm_wgrad, group_gemm_wgrad_gather, group_gemm_wgrad_gather_b
 from group_gemm_cases import (
     WGRAD_HOME_TOL,
     WGRAD_TOL,
     capture_graph,
+    gathered_rows,
     gpu,
     nan_home_grads,
     random_bwd_problem,
     random_lengths,
     random_routing,
+    random_row_src,
+    random_tokens,
     reference_dgrad,
 )
 
@@ -178,3 +184,181 @@ def test_autograd_group_gemm_on_cuda(pad):
     end = int(cu[-1])
     assert torch.count_nonzero(grads[0][0][end:]) == 0
     assert torch.count_nonzero(grads[0][1][1]) == 0 and torch.count_nonzero(grads[0][2][1]) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# wgrad with the rows gathered from x by index (group_gemm_wgrad_gather)
+# ------------------------------------------------------------------------------------------------
+
+
+def check_wgrad_gather(x, row_src, dy, cu, epn, pad=128, seed=0):
+    """``group_gemm_wgrad_gather`` bitwise against ``group_gemm_wgrad`` on the gathered rows of x
+    (``check_gathered_wgrad``)."""
+    return check_gathered_wgrad(lambda h, s: group_gemm_wgrad_gather(x, row_src, dy, cu, h, s, pad=pad),
+                                gathered_rows(x, row_src), dy, cu, epn, pad, seed)
+
+
+def check_wgrad_gather_b(x, dy_src, row_src, cu, epn, pad=128, seed=0):
+    """``group_gemm_wgrad_gather_b`` bitwise against ``group_gemm_wgrad`` on the gathered rows of dy_src
+    (``check_gathered_wgrad``)."""
+    return check_gathered_wgrad(lambda h, s: group_gemm_wgrad_gather_b(x, dy_src, row_src, cu, h, s, pad=pad),
+                                x, gathered_rows(dy_src, row_src), cu, epn, pad, seed)
+
+
+def check_gathered_wgrad(run_gathered, x, dy, cu, epn, pad, seed):
+    """A gathered kernel (``run_gathered(dw_home, dw_slot)``) bitwise against ``group_gemm_wgrad`` on the
+    materialised operands ``x``, ``dy``, both onto NaN home gradients (every element must be written) and
+    the same random fp32 slot gradients (the slot groups' accumulation). Returns (initial slots, home
+    gradients, slots)."""
+    g = torch.Generator().manual_seed(seed)
+    kd, nd, groups = x.shape[1], dy.shape[1], cu.shape[0]
+    dws0 = torch.randn(groups - epn, kd, nd, generator=g).to(dy.device)
+    got_h, got_s = nan_home_grads(epn, kd, nd), dws0.clone()
+    run_gathered(got_h, got_s)
+    want_h, want_s = nan_home_grads(epn, kd, nd), dws0.clone()
+    group_gemm_wgrad(x, dy, cu, want_h, want_s, pad=pad)
+    torch.cuda.synchronize()
+    assert not got_h.isnan().any(), "every tile of dw_home must be written"
+    assert torch.equal(got_h, want_h), f"dw_home differs in {(got_h != want_h).sum().item()} elements"
+    assert torch.equal(got_s, want_s), f"dw_slot differs in {(got_s != want_s).sum().item()} elements"
+    return dws0, got_h, got_s
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_wgrad_gather_equals_wgrad_on_gathered_rows(pad):
+    # Kd = 520: partial last m tile (chunks past H zero-filled); Nd = 200: partial n tile; empty home and
+    # slot groups, an all-padding group, slot groups with rows (fp32 accumulation), padding rows in every
+    # group, rows past the last group (padding or valid tokens: neither kernel reads them), token S - 1,
+    # a token in several groups and repeated within one
+    epn = 5
+    lengths = random_lengths(pad, epn, 4, 6, seed=70 + pad)
+    lengths[2] = max(lengths[2], pad)
+    _, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=520, nd=200, n_total=sum(lengths) + 3 * pad, seed=pad)
+    n = dy.shape[0]
+    x = random_tokens(301, 520, seed=pad + 1)
+    for seed, tail_valid in ((0, False), (1, True)):
+        row_src = random_row_src(cu, n, x.shape[0], seed, all_padding=(2,), tail_valid=tail_valid)
+        _, dwh, _ = check_wgrad_gather(x, row_src, dy, cu, epn, pad=pad, seed=seed)
+    assert not dwh[1].any() and not dwh[2].any(), "empty and all-padding home groups: zeros"
+    # every row padding: home gradients zeros, slot gradients + 0
+    none = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    dws0, dwh, dws = check_wgrad_gather(x, none, dy, cu, epn, pad=pad, seed=2)
+    assert not dwh.any() and torch.equal(dws, dws0)
+    # tile_M = 64 (Kd <= 64: one consumer warp group, 4 k rows per producer thread), N < S, B = 0
+    lengths = [0, pad, pad]
+    _, dy, _, _, cu = random_bwd_problem(lengths, 3, kd=64, nd=128, seed=pad + 2)
+    check_wgrad_gather(x[:, :64].contiguous(), random_row_src(cu, dy.shape[0], 301, 3), dy, cu, 3, pad=pad)
+    # no tokens at all (S = 0): every row is padding, the home gradients zeros
+    none = torch.full((dy.shape[0],), -1, dtype=torch.int32, device="cuda")
+    _, dwh, _ = check_wgrad_gather(x[:0, :64], none, dy, cu, 3, pad=pad)
+    assert not dwh.any()
+
+
+@gpu
+def test_wgrad_gather_design_shape():
+    # the gate/up projection's wgrad: A = x^T [H = 7168, N], B = dy [N, F = 2048], P = 128; ~22k rows from
+    # S = 8192 tokens, 8 home + 2 slot groups (an empty one of each, an all-padding home group)
+    epn, nb, pad = 8, 2, 128
+    lengths = random_lengths(pad, epn, nb, 60, seed=19)
+    _, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=64, nd=2048, n_total=sum(lengths) + 2 * pad, seed=19)
+    assert dy.shape[0] > 20_000, dy.shape
+    x = random_tokens(8192, 7168, seed=20)
+    check_wgrad_gather(x, random_row_src(cu, dy.shape[0], x.shape[0], 21, all_padding=(3,)), dy, cu, epn, seed=22)
+
+
+def replay_gathered_wgrad(run_gathered, plain_operands, cu, row_src, epn, kd, nd, s):
+    """Capture ``run_gathered(dw_home, dw_slot)`` (a gathered wgrad reading ``cu`` and ``row_src`` on the
+    device) once, then replay it with new routings and token indices (of ``s`` tokens): bitwise
+    ``group_gemm_wgrad(*plain_operands(), ...)`` on the rows gathered then, onto NaN home gradients and
+    random slot gradients each time."""
+    nb, n = cu.shape[0] - epn, row_src.shape[0]
+    dwh = torch.zeros(epn, kd, nd, dtype=torch.bfloat16, device="cuda")
+    dws = torch.zeros(nb, kd, nd, device="cuda")
+    cu.copy_(random_routing(epn, nb, n, 0))
+    row_src.copy_(random_row_src(cu, n, s, 0))
+    run_gathered(dwh, dws)  # compiled before the capture
+    graph = capture_graph(lambda: run_gathered(dwh, dws))
+    for seed in range(1, 4):
+        cu.copy_(random_routing(epn, nb, n, seed))
+        row_src.copy_(random_row_src(cu, n, s, seed, tail_valid=seed == 2))
+        init_s = torch.randn(nb, kd, nd, generator=torch.Generator().manual_seed(seed)).cuda()
+        dwh.fill_(float("nan"))
+        dws.copy_(init_s)
+        graph.replay()
+        want_h, want_s = nan_home_grads(epn, kd, nd), init_s.clone()
+        group_gemm_wgrad(*plain_operands(), cu, want_h, want_s)
+        torch.cuda.synchronize()
+        assert torch.equal(dwh, want_h) and torch.equal(dws, want_s), f"replay != wgrad on gathered rows ({seed})"
+
+
+@gpu
+def test_wgrad_gather_cuda_graph_replay():
+    epn, nb, kd, nd, n, s = 4, 2, 384, 256, 2048, 700
+    _, dy, _, _, _ = random_bwd_problem([0] * (epn + nb), epn, kd, nd, n_total=n, seed=23)
+    x = random_tokens(s, kd, seed=24)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    replay_gathered_wgrad(lambda h, w: group_gemm_wgrad_gather(x, row_src, dy, cu, h, w),
+                          lambda: (gathered_rows(x, row_src), dy), cu, row_src, epn, kd, nd, s)
+
+
+# ------------------------------------------------------------------------------------------------
+# wgrad with dy's rows gathered from g_out by index (group_gemm_wgrad_gather_b: the down projection)
+# ------------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_wgrad_gather_b_equals_wgrad_on_gathered_rows(pad):
+    # Nd = 520: partial last n tile (chunks past H zero-filled); Kd = 200: partial m tile; empty home and
+    # slot groups, an all-padding group, slot groups with rows (fp32 accumulation), padding rows in every
+    # group, rows past the last group (padding or valid tokens: neither kernel reads them), token S - 1,
+    # a token in several groups and repeated within one
+    epn = 5
+    lengths = random_lengths(pad, epn, 4, 6, seed=80 + pad)
+    lengths[2] = max(lengths[2], pad)
+    x, _, _, _, cu = random_bwd_problem(lengths, epn, kd=200, nd=64, n_total=sum(lengths) + 3 * pad, seed=pad)
+    n = x.shape[0]
+    g_out = random_tokens(301, 520, seed=pad + 5)
+    for seed, tail_valid in ((0, False), (1, True)):
+        row_src = random_row_src(cu, n, g_out.shape[0], seed, all_padding=(2,), tail_valid=tail_valid)
+        _, dwh, _ = check_wgrad_gather_b(x, g_out, row_src, cu, epn, pad=pad, seed=seed)
+    assert not dwh[1].any() and not dwh[2].any(), "empty and all-padding home groups: zeros"
+    # every row padding: home gradients zeros, slot gradients + 0
+    none = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    dws0, dwh, dws = check_wgrad_gather_b(x, g_out, none, cu, epn, pad=pad, seed=2)
+    assert not dwh.any() and torch.equal(dws, dws0)
+    # tile_M = 64, tile_N = 128 (Kd <= 64, Nd = 128: 8 k rows per producer thread), N < S, B = 0
+    lengths = [0, pad, pad]
+    x, _, _, _, cu = random_bwd_problem(lengths, 3, kd=64, nd=64, seed=pad + 2)
+    g_out = g_out[:, :128].contiguous()
+    check_wgrad_gather_b(x, g_out, random_row_src(cu, x.shape[0], 301, 3), cu, 3, pad=pad)
+    # no tokens at all (S = 0): every row is padding, the home gradients zeros
+    none = torch.full((x.shape[0],), -1, dtype=torch.int32, device="cuda")
+    _, dwh, _ = check_wgrad_gather_b(x, g_out[:0], none, cu, 3, pad=pad)
+    assert not dwh.any()
+
+
+@gpu
+def test_wgrad_gather_b_design_shape():
+    # the down projection's wgrad: A = h_w^T [F = 2048, N], B = g_y [N, H = 7168] gathered from g_out
+    # [S = 8192, H], P = 128; ~22k rows, 8 home + 2 slot groups (an empty one of each, an all-padding home group)
+    epn, nb, pad = 8, 2, 128
+    lengths = random_lengths(pad, epn, nb, 60, seed=29)
+    x, _, _, _, cu = random_bwd_problem(lengths, epn, kd=2048, nd=64, n_total=sum(lengths) + 2 * pad, seed=29)
+    assert x.shape[0] > 20_000, x.shape
+    g_out = random_tokens(8192, 7168, seed=30)
+    check_wgrad_gather_b(x, g_out, random_row_src(cu, x.shape[0], g_out.shape[0], 31, all_padding=(3,)), cu, epn,
+                         seed=32)
+
+
+@gpu
+def test_wgrad_gather_b_cuda_graph_replay():
+    epn, nb, kd, nd, n, s = 4, 2, 256, 384, 2048, 700
+    x, _, _, _, _ = random_bwd_problem([0] * (epn + nb), epn, kd, 64, n_total=n, seed=33)
+    g_out = random_tokens(s, nd, seed=34)
+    cu = torch.zeros(epn + nb, dtype=torch.int32, device="cuda")
+    row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    replay_gathered_wgrad(lambda h, w: group_gemm_wgrad_gather_b(x, g_out, row_src, cu, h, w),
+                          lambda: (x, gathered_rows(g_out, row_src)), cu, row_src, epn, kd, nd, s)

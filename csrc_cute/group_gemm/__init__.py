@@ -7,9 +7,11 @@ Modules: ``config`` (tile configurations), ``host`` (validation, compile cache, 
 DSL until a kernel is compiled), ``base`` (the shared mainloop, epilogue helpers and the one
 warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), ``remote`` (remote-weight
 descriptors), ``pairs`` (dgrad2's two operand pairs), and one module per kernel family: ``rows`` (forward,
-dgrad, dgrad2, row scale), ``swiglu``,
-``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue), ``wgrad``. This package exports
-the host API.
+dgrad, dgrad2, row scale), ``swiglu``
+(with ``gather``: the gathered A operand, rows of x by index),
+``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue, and ``gather``: g_y's rows by index),
+``wgrad`` (also with ``gather``: k rows of x, or of dy, by index); ``host_gather`` holds the host wrappers of
+the backward kernels that gather g_y. This package exports the host API.
 """
 
 from .config import (
@@ -28,7 +30,11 @@ from .host import (
     compile_group_gemm_row_scale,
     compile_group_gemm_swiglu,
     compile_group_gemm_swiglu_bwd,
+    compile_group_gemm_swiglu_bwd_gather,
+    compile_group_gemm_swiglu_gather,
     compile_group_gemm_wgrad,
+    compile_group_gemm_wgrad_gather,
+    compile_group_gemm_wgrad_gather_b,
     compile_op,
     group_gemm_dgrad,
     group_gemm_dgrad2,
@@ -36,8 +42,11 @@ from .host import (
     group_gemm_row_scale,
     group_gemm_swiglu,
     group_gemm_swiglu_bwd,
+    group_gemm_swiglu_gather,
     group_gemm_wgrad,
+    group_gemm_wgrad_gather,
 )
+from .host_gather import group_gemm_swiglu_bwd_gather, group_gemm_wgrad_gather_b
 
 __all__ = [
     "H100_H200_NUM_SMS",
@@ -53,7 +62,11 @@ __all__ = [
     "compile_group_gemm_row_scale",
     "compile_group_gemm_swiglu",
     "compile_group_gemm_swiglu_bwd",
+    "compile_group_gemm_swiglu_bwd_gather",
+    "compile_group_gemm_swiglu_gather",
     "compile_group_gemm_wgrad",
+    "compile_group_gemm_wgrad_gather",
+    "compile_group_gemm_wgrad_gather_b",
     "compile_op",
     "group_gemm_dgrad",
     "group_gemm_dgrad2",
@@ -61,5 +74,9 @@ __all__ = [
     "group_gemm_row_scale",
     "group_gemm_swiglu",
     "group_gemm_swiglu_bwd",
+    "group_gemm_swiglu_bwd_gather",
+    "group_gemm_swiglu_gather",
     "group_gemm_wgrad",
+    "group_gemm_wgrad_gather",
+    "group_gemm_wgrad_gather_b",
 ]

@@ -199,19 +199,30 @@ class GroupGemmSm90Base:
         """TMA views of this CTA's mainloop loads: A as (TMA, RestM, RestK) and (TMA, stage), and per
         B operand (atom, tensor, shared ring) the (atom, (TMA, RestN, RestK[, E]), (TMA, stage)) that
         ``load_k_tiles`` takes; also the number of k tiles."""
+        tAgA, tAsA, k_tiles = self.partition_a_loads(tma_a, mA, sA)
+        return tAgA, tAsA, self.partition_b_loads(b_operands), k_tiles
+
+    @cute.jit
+    def partition_a_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor):
+        """TMA views of this CTA's A loads, (TMA, RestM, RestK) and (TMA, stage), and A's number of k tiles."""
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-        gBs = [cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
-               for _, mB, _ in b_operands]
         tAsA, tAgA = cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
+        return tAgA, tAsA, cute.size(gA, mode=[3])
+
+    @cute.jit
+    def partition_b_loads(self, b_operands):
+        """Per B operand (atom, tensor, shared ring): the (atom, (TMA, RestN, RestK[, E]), (TMA, stage))
+        that ``load_k_tiles`` takes."""
         b_loads = []
-        for (tma_b, _, sB), gB in zip(b_operands, gBs):
+        for tma_b, mB, sB in b_operands:
+            gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
             tBsB, tBgB = cpasync.tma_partition(
                 tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
             )
             b_loads.append((tma_b, tBgB, tBsB))
-        return tAgA, tAsA, b_loads, cute.size(gA, mode=[3])
+        return b_loads
 
     @cute.jit
     def mma_operands(self, tiled_mma: cute.TiledMma, tidx, wg_idx, sA: cute.Tensor, sBs):

@@ -1,11 +1,13 @@
 """Host side of the grouped GEMM: validation, compilation (once per static key) and launch.
 
 ``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_wgrad`` / ``group_gemm_row_scale`` /
-``group_gemm_swiglu`` / ``group_gemm_swiglu_bwd`` validate, compile through ``_compile_cached`` (fake
-tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment stream) and launch on
-torch's current stream. ``compile_op`` names every kernel variant by op; ``compile_group_gemm_for_sm90``
-compiles one on a CPU-only machine for CI (see ``compile_check``). The DSL (cutlass) is imported only
-inside the compile path, so importing this module stays cheap.
+``group_gemm_wgrad_gather`` / ``group_gemm_swiglu`` / ``group_gemm_swiglu_gather`` / ``group_gemm_swiglu_bwd``
+(and, in ``host_gather``, ``group_gemm_swiglu_bwd_gather`` / ``group_gemm_wgrad_gather_b``) validate, compile
+through
+``_compile_cached`` (fake tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment
+stream) and launch on torch's current stream. ``compile_op`` names every kernel variant by op;
+``compile_group_gemm_for_sm90`` compiles one on a CPU-only machine for CI (see ``compile_check``). The DSL
+(cutlass) is imported only inside the compile path, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from moonep_ops.checks import ROW_DTYPES, check_pad, check_tensor
 from moonep_ops.fake import group_gemm as contracts  # the ops' contracts: the checks their fake kernels run
 
 from ..jit import KernelFamily, compiler, dry_running
@@ -142,6 +145,52 @@ def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
     return _compile_cached(("group_gemm_wgrad", int(kd), int(nd), tuple(config)), build)
 
 
+@compiler
+def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig):
+    """The varlen-K wgrad kernel with a gathered A operand: takes (x [S, Kd], row_src [N] int32, dy [N, Nd],
+    cu_seqlens, dw_home bf16, dw_slot fp32) and computes what ``compile_group_gemm_wgrad``'s kernel does
+    for ``rows = where(row_src >= 0, x[row_src], 0)``; S and N are independent sizes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def build():
+        n, epn, nb, ng = _fake_sizes()
+        s = cute.sym_int()
+        from .wgrad import GroupGemmWgradGatherSm90
+
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        return _compile_for_torch(
+            GroupGemmWgradGatherSm90(config),
+            _fake(bf, (s, kd)), _fake(cutlass.Int32, (n,), 4), _fake(bf, (n, nd)), _fake(cutlass.Int32, (ng,), 4),
+            _fake(bf, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
+        )
+
+    return _compile_cached(("group_gemm_wgrad_gather", int(kd), int(nd), tuple(config)), build)
+
+
+@compiler
+def compile_group_gemm_wgrad_gather_b(kd: int, nd: int, config: GroupGemmConfig):
+    """The varlen-K wgrad kernel with a gathered B operand: takes (x [N, Kd], dy [S, Nd], row_src [N] int32,
+    cu_seqlens, dw_home bf16, dw_slot fp32) and computes what ``compile_group_gemm_wgrad``'s kernel does
+    for ``dy = where(row_src >= 0, dy[row_src], 0)``; S and N are independent sizes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def build():
+        n, epn, nb, ng = _fake_sizes()
+        s = cute.sym_int()
+        from .wgrad import GroupGemmWgradGatherBSm90
+
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        return _compile_for_torch(
+            GroupGemmWgradGatherBSm90(config),
+            _fake(bf, (n, kd)), _fake(bf, (s, nd)), _fake(cutlass.Int32, (n,), 4), _fake(cutlass.Int32, (ng,), 4),
+            _fake(bf, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
+        )
+
+    return _compile_cached(("group_gemm_wgrad_gather_b", int(kd), int(nd), tuple(config)), build)
+
+
 def _fake_remote(num_peer_arrays: int):
     """Fakes of the remote arguments: remote_experts (n_remote,) int32, ``num_peer_arrays`` x peers (R,)
     int64 and the descriptor workspace (int64, 128-byte aligned), all of symbolic length."""
@@ -179,6 +228,31 @@ def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_pr
 
     name = "group_gemm_swiglu_remote" if remote else "group_gemm_swiglu"
     return _compile_cached((name, bool(store_preact), int(hd), int(f), tuple(config)), build)
+
+
+@compiler
+def compile_group_gemm_swiglu_gather(hd: int, f: int, config: GroupGemmConfig, store_preact: bool = True):
+    """The fused gate/up + SwiGLU kernel with a gathered A operand: takes (x [S, H], row_src [N] int32,
+    w_gate_home, w_gate_slot, w_up_home, w_up_slot [*, H, F], cu_seqlens, h [N, F], gate [N, F], up [N, F])
+    and computes what ``compile_group_gemm_swiglu``'s kernel does for ``rows = where(row_src >= 0,
+    x[row_src], 0)``; S and N are independent sizes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def build():
+        n, epn, nb, ng = _fake_sizes()
+        s = cute.sym_int()
+        bf = cutlass.BFloat16
+        from .swiglu import GroupGemmSwigluGatherSm90
+
+        return _compile_for_torch(
+            GroupGemmSwigluGatherSm90(config, store_preact=store_preact),
+            _fake(bf, (s, hd)), _fake(cutlass.Int32, (n,), 4), _fake(bf, (epn, hd, f)), _fake(bf, (nb, hd, f)),
+            _fake(bf, (epn, hd, f)), _fake(bf, (nb, hd, f)), _fake(cutlass.Int32, (ng,), 4), _fake(bf, (n, f)),
+            _fake(bf, (n, f)), _fake(bf, (n, f)),
+        )
+
+    return _compile_cached(("group_gemm_swiglu_gather", bool(store_preact), int(hd), int(f), tuple(config)), build)
 
 
 @compiler
@@ -227,6 +301,31 @@ def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig, epil
         )
 
     return _compile_cached(("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config), epilogue), build)
+
+
+@compiler
+def compile_group_gemm_swiglu_bwd_gather(hd: int, f: int, config: GroupGemmConfig):
+    """The SwiGLU-backward dgrad (shared-memory epilogue) with a gathered A operand: takes (g_out [S, H],
+    row_src [N] int32, then ``compile_group_gemm_swiglu_bwd``'s arguments after g_y) and computes what that
+    kernel does for ``g_y = where(row_src >= 0, g_out[row_src], 0)``; S and N are independent sizes."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def build():
+        n, epn, nb, ng = _fake_sizes()
+        s = cute.sym_int()
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        n_tiles = (f + config.tile_n - 1) // config.tile_n
+        from .swiglu_bwd import GroupGemmSwigluBwdGatherSm90
+
+        return _compile_for_torch(
+            GroupGemmSwigluBwdGatherSm90(config),
+            _fake(bf, (s, hd)), _fake(cutlass.Int32, (n,), 4), _fake(bf, (epn, f, hd)), _fake(bf, (nb, f, hd)),
+            _fake(cutlass.Int32, (ng,), 4), _fake(f32, (n,), 4), *(_fake(bf, (n, f)) for _ in range(5)),
+            _fake(f32, (n, n_tiles), 4),
+        )
+
+    return _compile_cached(("group_gemm_swiglu_bwd_gather", int(hd), int(f), tuple(config)), build)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,8 +440,9 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
 def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
-    "swiglu_h_only_remote": with remote groups) for static (Kd, Nd) (H, F for the SwiGLU ops), padding P
-    and ``num_sms``."""
+    "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
+    "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index) for static
+    (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
@@ -351,14 +451,22 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
         return compile_group_gemm_dgrad2(kd, nd, select_config(pad, kd, num_sms))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+    if op == "wgrad_gather":
+        return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+    if op == "wgrad_gather_b":
+        return compile_group_gemm_wgrad_gather_b(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op in ("row_scale", "row_scale_remote"):
         return compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms), op == "row_scale_remote")
     if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
         return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms),
                                          op in ("swiglu", "swiglu_remote"), op.endswith("_remote"))
+    if op in ("swiglu_gather", "swiglu_gather_h_only"):
+        return compile_group_gemm_swiglu_gather(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu_gather")
     if op in ("swiglu_bwd", "swiglu_bwd_smem"):
         return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms),
                                              "smem" if op == "swiglu_bwd_smem" else "registers")
+    if op == "swiglu_bwd_gather":
+        return compile_group_gemm_swiglu_bwd_gather(kd, nd, select_swiglu_bwd_config(pad, num_sms))
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -562,6 +670,53 @@ def group_gemm_swiglu(
     return h, gate, up
 
 
+def group_gemm_swiglu_gather(
+    x: torch.Tensor,
+    row_src: torch.Tensor,
+    w_gate_home: torch.Tensor,
+    w_gate_slot: torch.Tensor,
+    w_up_home: torch.Tensor,
+    w_up_slot: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    pad: int = 128,
+    store_preact: bool = True,
+    out: torch.Tensor | None = None,
+    gate_out: torch.Tensor | None = None,
+    up_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``group_gemm_swiglu`` with its rows gathered from ``x [S, H]`` in the kernel: row r of the grouped
+    operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
+    group), for ``row_src`` int32 ``[N]``. Returns ``(h, gate, up)`` of N rows, bitwise what
+    ``group_gemm_swiglu(where(row_src >= 0, x[row_src], 0), ...)`` returns, without the [N, H] copy.
+    ``cu_seqlens`` groups the N rows as there; ``x`` has fewer than 2**31 elements (32-bit row offsets).
+    Precondition (device values, not checked: no host sync): every ``row_src[r] < S``; an index may repeat
+    (a token routed to several groups). No host sync."""
+    op = "group_gemm_swiglu_gather"
+    weights = (w_gate_home, w_gate_slot, w_up_home, w_up_slot)
+    swiglu_contract = _weights_contract(contracts.check_swiglu_args, (x, *weights, cu_seqlens, pad), w_gate_home,
+                                        ("H", "F"))
+
+    def contract(experts_remote):
+        sizes, epn = swiglu_contract(experts_remote)
+        check_row_src(op, row_src, "x", x, "H")
+        return sizes, epn
+
+    sizes = _check_kernel_args(
+        op, contract, pad,
+        (("x", x), ("w_gate_home", w_gate_home), ("w_gate_slot", w_gate_slot), ("w_up_home", w_up_home),
+         ("w_up_slot", w_up_slot)), "w_gate_home",
+    )
+    hd, f, n = sizes["H"], sizes["F"], row_src.shape[0]
+    fn = _launcher("swiglu_gather" if store_preact else "swiglu_gather_h_only", hd, f, pad, x.device)
+    h = _out_tensor(op, "out", out, n, f, x.device)
+    gate = _out_tensor(op, "gate_out", gate_out, n, f, x.device) if store_preact else None
+    up = _out_tensor(op, "up_out", up_out, n, f, x.device) if store_preact else None
+    if n:
+        fn(_token_rows(x, hd), row_src, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home,
+           _slot_map(w_up_slot, w_up_home), cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
+    return h, gate, up
+
+
 def group_gemm_swiglu_bwd(
     g_y: torch.Tensor,
     w_down_home: torch.Tensor,
@@ -592,15 +747,23 @@ def group_gemm_swiglu_bwd(
         (("g_y", g_y), ("w_down_home", w_down_home), ("w_down_slot", w_down_slot), ("gate", gate), ("up", up)),
         "w_down_home", aligned=(("row_w", row_w),),
     )
-    f, hd, n = sizes["F"], sizes["H"], g_y.shape[0]
-    fn = _launcher("swiglu_bwd" if epilogue == "registers" else "swiglu_bwd_smem", hd, f, pad, g_y.device)
+    return _launch_swiglu_bwd("swiglu_bwd" if epilogue == "registers" else "swiglu_bwd_smem", sizes, pad, (g_y,),
+                              w_down_home, w_down_slot, cu_seqlens, row_w, gate, up)
+
+
+def _launch_swiglu_bwd(op: str, sizes: dict[str, int], pad: int, a_operands, w_down_home, w_down_slot, cu_seqlens,
+                       row_w, gate, up) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the (checked) SwiGLU-backward kernel of ``op`` ("swiglu_bwd", "swiglu_bwd_smem",
+    "swiglu_bwd_gather") on its A operand(s) and the rest: (g_gate, g_up, h_w, g_row_w) of gate's N rows."""
+    f, hd, n = sizes["F"], sizes["H"], gate.shape[0]
+    dev = gate.device
+    fn = _launcher(op, hd, f, pad, dev)
     tile_n = 128  # select_swiglu_bwd_config
-    dev = g_y.device
     g_gate, g_up, h_w = (torch.empty(n, f, dtype=torch.bfloat16, device=dev) for _ in range(3))
     part = torch.empty(n, (f + tile_n - 1) // tile_n, dtype=torch.float32, device=dev)
     if n:
-        fn(g_y, w_down_home, _slot_map(w_down_slot, w_down_home), cu_seqlens, row_w, gate, up, g_gate, g_up, h_w,
-           part)
+        fn(*a_operands, w_down_home, _slot_map(w_down_slot, w_down_home), cu_seqlens, row_w, gate, up, g_gate, g_up,
+           h_w, part)
     return g_gate, g_up, h_w, part.sum(1)
 
 
@@ -623,12 +786,72 @@ def group_gemm_wgrad(
 
     sizes = _check_kernel_args("group_gemm_wgrad", contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)),
                                "dw_home", aligned=(("dw_slot", dw_slot),))
-    kd, nd, n, dev = sizes["Kd"], sizes["Nd"], x.shape[0], x.device
-    fn = _launcher("wgrad", kd, nd, pad, dev)
-    if n == 0:  # no rows: every group is empty, the home gradients are zero
+    _launch_wgrad("wgrad", sizes, pad, (x, dy), x.shape[0], cu_seqlens, dw_home, dw_slot)
+
+
+def group_gemm_wgrad_gather(
+    x: torch.Tensor,
+    row_src: torch.Tensor,
+    dy: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dw_home: torch.Tensor,
+    dw_slot: torch.Tensor,
+    pad: int = 128,
+) -> None:
+    """``group_gemm_wgrad`` with its rows gathered from ``x [S, Kd]`` in the kernel: row r of the grouped
+    operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
+    group), for ``row_src`` int32 ``[N]`` (``dy`` has the N rows). Writes ``dw_home`` and adds into
+    ``dw_slot`` bitwise what ``group_gemm_wgrad(where(row_src >= 0, x[row_src], 0), dy, ...)`` does, without
+    the [N, Kd] copy. ``x`` has fewer than 2**31 elements (32-bit row offsets). Precondition (device values,
+    not checked: no host sync): every ``row_src[r] < S``; an index may repeat (a token routed to several
+    groups). No host sync."""
+    op = "group_gemm_wgrad_gather"
+
+    def contract(_):
+        # group_gemm_wgrad's contract (moonep_ops/fake/group_gemm.py) with x [S, Kd] + row_src [N] in place
+        # of the rows [N, Kd]: dy and the gradients as there
+        check_tensor(op, "x", x, ROW_DTYPES, (None, None))
+        check_pad(op, pad)
+        check_row_src(op, row_src, "x", x, "Kd")
+        kd = x.shape[1]
+        check_tensor(op, "dy", dy, (x.dtype,), (row_src.shape[0], None), x.device)
+        nd = dy.shape[1]
+        check_tensor(op, "dw_home", dw_home, (x.dtype,), (None, kd, nd), x.device)
+        check_tensor(op, "dw_slot", dw_slot, (torch.float32,), (None, kd, nd), x.device)
+        contracts.check_groups(op, cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
+        return {"Kd": x.shape[1], "Nd": dy.shape[1]}, dw_home.shape[0]
+
+    sizes = _check_kernel_args(op, contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)), "dw_home",
+                               aligned=(("dw_slot", dw_slot),))
+    _launch_wgrad("wgrad_gather", sizes, pad, (_token_rows(x, sizes["Kd"]), row_src, dy), dy.shape[0], cu_seqlens,
+                  dw_home, dw_slot)
+
+
+def check_row_src(op: str, row_src, src_name: str, src: torch.Tensor, cols: str) -> None:
+    """A gathered operand's index: ``row_src`` int32 [N] on ``src``'s device, and the (checked) source rows
+    ``src`` [S, cols] with fewer than 2**31 elements (the kernels' row offsets ``row_src[r] * cols`` are
+    32-bit)."""
+    check_tensor(op, "row_src", row_src, (torch.int32,), (None,), src.device)
+    if src.numel() >= 2**31:
+        raise ValueError(f"moonep.{op}: {src_name} must have fewer than 2**31 elements for the CuTe kernel (its row "
+                         f"offsets row_src[r] * {cols} are 32-bit), got {src.numel()}")
+
+
+def _token_rows(src: torch.Tensor, cols: int) -> torch.Tensor:
+    """A gathered operand's source rows ``src``, or one zero row in their place when there are no tokens
+    (S = 0, every row_src < 0): the kernels' zero-size copies still take a valid address."""
+    return src.new_zeros(1, cols) if src.shape[0] == 0 else src
+
+
+def _launch_wgrad(op: str, sizes: dict[str, int], pad: int, operands, n: int, cu_seqlens, dw_home, dw_slot) -> None:
+    """Launch the (checked) wgrad kernel of ``op`` ("wgrad", "wgrad_gather", "wgrad_gather_b") on its
+    ``operands`` (its arguments before cu_seqlens) and the rest; with no rows (N = ``n`` = 0) every group is
+    empty: the home gradients are zeroed, nothing is launched."""
+    fn = _launcher(op, sizes["Kd"], sizes["Nd"], pad, dw_home.device)
+    if n == 0:
         dw_home.zero_()
         return
-    fn(x, dy, cu_seqlens, dw_home, dw_slot if dw_slot.shape[0] else _no_slots_f32(dw_home))
+    fn(*operands, cu_seqlens, dw_home, dw_slot if dw_slot.shape[0] else _no_slots_f32(dw_home))
 
 
 def _no_slots_f32(dw_home: torch.Tensor) -> torch.Tensor:
@@ -657,7 +880,9 @@ def compile_group_gemm_for_sm90(
     op: str = "fwd",
 ):
     """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
-    "swiglu_bwd", "swiglu_bwd_smem", or with remote groups "row_scale_remote", "swiglu_remote", "swiglu_h_only_remote"; for
+    "swiglu_bwd", "swiglu_bwd_smem", "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
+    "swiglu_bwd_gather", "wgrad_gather_b", or with remote groups "row_scale_remote", "swiglu_remote",
+    "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,
     spills)."""

@@ -110,14 +110,24 @@ class GroupTileScheduler:
 
     @cute.jit
     def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
-        """Producer warp: over this CTA's work items, the item's k tiles of A = x^T and B = dy^T."""
-        ((tma_b, tBgB, tBsB),) = b_loads
+        """Producer warp: over this CTA's work items, the item's k tiles of A = x^T and B = dy^T
+        (``load_work_item``)."""
+        (b_load,) = b_loads
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
             g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
-            prod_state = self.load_k_tiles(
-                mainloop, prod_state, p.tma_a, tAgA[(None, m_idx, None)], tAsA,
-                [(tma_b, tBgB[(None, n_idx, None)], tBsB)], k_start, k_count,
-            )
+            prod_state = self.load_work_item(mainloop, prod_state, p.tma_a, tAgA, tAsA, b_load, m_idx, n_idx,
+                                             k_start, k_count)
         return prod_state
+
+    @cute.jit
+    def load_work_item(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
+                       b_load, m_idx, n_idx, k_start: cutlass.Int32, k_count: cutlass.Int32):
+        """Producer warp: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
+        ``n_idx``), A (TMA, RestM, RestK) and B (``b_load``: atom, (TMA, RestN, RestK), (TMA, stage)) by TMA."""
+        tma_b, tBgB, tBsB = b_load
+        return self.load_k_tiles(
+            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
+            [(tma_b, tBgB[(None, n_idx, None)], tBsB)], k_start, k_count,
+        )

@@ -10,6 +10,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
+from . import gather
 from .base import GroupGemmSm90Base, KernelParams
 from .config import GroupGemmConfig
 from .remote import RemoteWeightsMixin
@@ -59,17 +60,22 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def _launch(self, x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream,
-                remote_experts=None, gate_peers=None, up_peers=None, desc_ws=None):
-        """Shared by the plain kernel and the one with remote groups (``remote_experts`` not None)."""
+                remote_experts=None, gate_peers=None, up_peers=None, desc_ws=None, row_src=None):
+        """Shared by the plain kernel, the one with remote groups (``remote_experts`` not None) and the
+        one with a gathered A operand (``row_src`` not None: A row r is x[row_src[r]], no TMA for A, and
+        the m tiles come from h's rows)."""
         self._setup_mainloop()
         self._setup_tma_store_epilogue()
-        tma_a, mA = self._tma_load_a(x)
+        if cutlass.const_expr(row_src is None):
+            tma_a, mA = self._tma_load_a(x)
+        else:
+            tma_a, mA = None, x
         bg_view, tma_gh, mGh, tma_gs, mGs = self._tma_load_weights(wg_home, wg_slot)
         bu_view, tma_uh, mUh, tma_us, mUs = self._tma_load_weights(wu_home, wu_slot)
         tma_h, mH = self._tma_store_c(h)
         tma_g, mG = self._tma_store_c(gate)
         tma_u, mU = self._tma_store_c(up)
-        num_n_tiles, num_tiles = self._row_tiles(x, h)
+        num_n_tiles, num_tiles = self._row_tiles(x if cutlass.const_expr(row_src is None) else h, h)
         self._make_shared_storage(b_buffers=("sBg", "sBu"), with_c=True)
         if cutlass.const_expr(remote_experts is None):
             bg_view, bu_view = None, None
@@ -78,7 +84,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
                 tma_a, mA, tma_gh, mGh, tma_gs, mGs, tma_uh, mUh, tma_us, mUs,
                 tma_h, mH, tma_g, mG, tma_u, mU, cu_seqlens,
                 self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-                num_n_tiles, num_tiles, remote_experts, gate_peers, up_peers, bg_view, bu_view, desc_ws,
+                num_n_tiles, num_tiles, remote_experts, gate_peers, up_peers, bg_view, bu_view, desc_ws, row_src,
             ),
             num_tiles,
             stream,
@@ -107,13 +113,17 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         bg_view,  # None, or the home gate weights viewed as B (the layout of a donor's weights)
         bu_view,  # None, or the same for up
         desc_ws,  # None, or the remote descriptors' workspace (int64, 2 x 16 per CTA)
+        row_src,  # None, or (N,) int32: the gathered A's source rows of x (mA; tma_a is None)
     ):
         stores = (tma_h, tma_g, tma_u) if cutlass.const_expr(self.store_preact) else (tma_h,)
+        a_atoms = (tma_a,)
+        if cutlass.const_expr(row_src is not None):
+            a_atoms, mA = (), (mA, row_src)  # GatherRowsMixin.partition_loads takes the pair
         remote = None
         if cutlass.const_expr(remote_experts is not None):
             remote = (remote_experts, [gate_peers, up_peers], [bg_view, bu_view], desc_ws)
         self.warp_specialized(KernelParams(
-            atoms=(tma_a, tma_gh, tma_gs, tma_uh, tma_us) + stores, tma_a=tma_a, mA=mA,
+            atoms=a_atoms + (tma_gh, tma_gs, tma_uh, tma_us) + stores, tma_a=tma_a, mA=mA,
             b_operands=[(tma_gh, mGh, 0), (tma_gs, mGs, 0), (tma_uh, mUh, 1), (tma_us, mUs, 1)],
             b_buffers=("sBg", "sBu"), home_rings=(0, 2), slot_rings=(1, 3),
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
@@ -209,3 +219,39 @@ class GroupGemmSwigluRemoteSm90(RemoteWeightsMixin, GroupGemmSwigluSm90):
     ):
         self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream, remote_experts,
                      gate_peers, up_peers, desc_ws)
+
+
+class GroupGemmSwigluGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluSm90):
+    """The fused gate/up + SwiGLU kernel with a gathered A operand: row r of A is ``x[row_src[r]]``, a
+    zero row where ``row_src[r] < 0`` (``gather``: cp.async by the producer warp group; B by TMA as in
+    the plain kernel). Bitwise the plain kernel's outputs for ``rows = where(row_src >= 0, x[row_src],
+    0)``: the A stages hold the same bytes in the same layout."""
+
+    def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
+        super().__init__(config, store_preact)
+        self._init_gather()
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # (S, H)
+        row_src: cute.Tensor,  # (N,) int32: A row r is x[row_src[r]], zero when row_src[r] < 0
+        wg_home: cute.Tensor,  # (epn, H, F)
+        wg_slot: cute.Tensor,  # (B, H, F)
+        wu_home: cute.Tensor,  # (epn, H, F)
+        wu_slot: cute.Tensor,  # (B, H, F)
+        cu_seqlens: cute.Tensor,  # (G,) int32
+        h: cute.Tensor,  # (N, F)
+        gate: cute.Tensor,  # (N, F), written only with store_preact
+        up: cute.Tensor,  # (N, F), written only with store_preact
+        stream: cuda.CUstream,
+    ):
+        self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream, row_src=row_src)
+
+
+def swiglu_gather_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
+    """CPU check of the SwiGLU kernel's K-major gather copy on one A stage: ``gather.gather_copy_coverage``
+    of ``GroupGemmSwigluGatherSm90`` (``tile_n`` unused: the A stage is tile_m x 64). Run with
+    ``CUTE_DSL_ARCH=sm_90a`` (see the tests)."""
+    del tile_n
+    return gather.gather_copy_coverage(GroupGemmSwigluGatherSm90(GroupGemmConfig(tile_m, 128, 1)))

@@ -9,6 +9,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils import LayoutEnum
 
+from . import gather
 from .base import GroupGemmSm90Base, KernelParams, partition_coords
 from .config import GroupGemmConfig
 from .scheduler import RowTileScheduler
@@ -87,11 +88,22 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         part: cute.Tensor,  # (N, ceil(F / tile_n)) fp32 out
         stream: cuda.CUstream,
     ):
+        self._launch(g_y, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, stream)
+
+    @cute.jit
+    def _launch(self, g_y, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, stream,
+                row_src=None):
+        """Shared by the plain kernel (g_y = the grouped rows [N, H]) and the one with a gathered A operand
+        (``row_src`` not None: g_y is [S, H], A row r is g_y[row_src[r]], no TMA for A, and the m tiles
+        come from gate's rows)."""
         self._setup_mainloop()
         self._row_slots()
-        tma_a, mA = self._tma_load_a(g_y)
+        if cutlass.const_expr(row_src is None):
+            tma_a, mA = self._tma_load_a(g_y)
+        else:
+            tma_a, mA = None, g_y
         _, tma_bh, mBh, tma_bs, mBs = self._tma_load_weights(w_home, w_slot)
-        num_n_tiles, num_tiles = self._row_tiles(g_y, gate)
+        num_n_tiles, num_tiles = self._row_tiles(g_y if cutlass.const_expr(row_src is None) else gate, gate)
         if cutlass.const_expr(self.epilogue == "smem"):
             epi_atoms = self._smem_epilogue_atoms(gate, up, g_gate, g_up, h_w)
             epi_smem_staged = self.epi_smem_staged
@@ -103,7 +115,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             self.kernel(
                 tma_a, mA, tma_bh, mBh, tma_bs, mBs, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part,
                 self.tiled_mma, self.a_smem_staged, self.b_smem_staged, num_n_tiles, num_tiles,
-                epi_smem_staged, *epi_atoms,
+                epi_smem_staged, *epi_atoms, row_src,
             ),
             num_tiles,
             stream,
@@ -220,8 +232,11 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         # the shared-memory epilogue's TMA atoms and tensors (None for the register epilogue): loads of
         # gate, up; stores of g_gate, g_up, h_w
         tma_ld_gate, mLdGate, tma_ld_up, mLdUp, tma_st_gg, mStGG, tma_st_gu, mStGU, tma_st_hw, mStHW,
+        row_src,  # None, or (N,) int32: the gathered A's source rows of g_y (mA; tma_a is None)
     ):
         atoms = (tma_a, tma_bh, tma_bs)
+        if cutlass.const_expr(row_src is not None):
+            atoms, mA = (tma_bh, tma_bs), (mA, row_src)  # GatherRowsMixin.partition_loads takes the pair
         if cutlass.const_expr(self.epilogue == "smem"):
             atoms = atoms + (tma_ld_gate, tma_ld_up, tma_st_gg, tma_st_gu, tma_st_hw)
         self.warp_specialized(KernelParams(
@@ -326,6 +341,42 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         if cutlass.const_expr(self.epilogue == "smem"):
             if warp_idx % 4 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+class GroupGemmSwigluBwdGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluBwdSm90):
+    """The SwiGLU-backward dgrad with a gathered A operand: row r of A is ``g_out[row_src[r]]``, a zero
+    row where ``row_src[r] < 0`` (``gather``: cp.async by the producer warp group; W_down by TMA as in the
+    plain kernel). At R = 1 combine's backward would write g_y = g_out[row_src]: this reads it in place.
+    Bitwise the plain kernel's outputs for ``g_y = where(row_src >= 0, g_out[row_src], 0)``: the A stages
+    hold the same bytes in the same layout; mainloop, pingpong schedule and epilogue are the plain
+    kernel's (the producer warp group, all four warps of it, loads; its 56 registers come from the two
+    consumer warp groups, 224 each)."""
+
+    def __init__(self, config: GroupGemmConfig):
+        # the shared-memory epilogue only (the default, and the one compiled and tested here): the register
+        # epilogue's batches were sized for 232 consumer registers and the gather leaves 224
+        super().__init__(config, "smem")
+        self._init_gather()
+
+    @cute.jit
+    def __call__(
+        self,
+        g_out: cute.Tensor,  # (S, H)
+        row_src: cute.Tensor,  # (N,) int32: A row r is g_out[row_src[r]], zero when row_src[r] < 0
+        w_home: cute.Tensor,  # (epn, F, H)
+        w_slot: cute.Tensor,  # (B, F, H)
+        cu_seqlens: cute.Tensor,  # (G,) int32
+        row_w: cute.Tensor,  # (N,) fp32
+        gate: cute.Tensor,  # (N, F) bf16
+        up: cute.Tensor,  # (N, F) bf16
+        g_gate: cute.Tensor,  # (N, F) bf16 out
+        g_up: cute.Tensor,  # (N, F) bf16 out
+        h_w: cute.Tensor,  # (N, F) bf16 out
+        part: cute.Tensor,  # (N, ceil(F / tile_n)) fp32 out
+        stream: cuda.CUstream,
+    ):
+        self._launch(g_out, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, stream,
+                     row_src=row_src)
 
 
 def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:

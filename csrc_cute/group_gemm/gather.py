@@ -1,0 +1,374 @@
+"""The gathered operand of the grouped kernels: A's rows (varlen-M), or A's or B's k rows (varlen-K), by index.
+
+Row-grouped kernels (``GatherRowsMixin``): row r of the virtual A [N, K] is ``x[row_src[r]]`` of ``x [S,
+K]``, or a zero row when ``row_src[r] < 0`` (padding rows, rows past the last group) or ``r >= N``. The
+wgrad (``GatherKRowsMixin``): A = ``rows^T`` (M-major, M = H, K = the N grouped rows) and k row r of it
+is ``x[row_src[r]]`` the same way; or (``GatherKRowsBMixin``) B = ``dy^T`` (N-major, N = H) with k row r
+``dy[row_src[r]]`` of ``dy [S, H]``, A on TMA. Hopper's TMA cannot gather rows, so the other operand
+stays on TMA and the gathered one is loaded with 16-byte ``cp.async`` by the 128 threads of the producer
+warp group, into the same swizzled stage (``a_smem_staged`` / ``b_smem_staged``) that TMA would fill.
+K-major stage (tile_m, 64): thread t owns 16-byte chunk ``t % 8`` of rows ``t // 8 + 16 j``. M- (or N-)
+major stage of ``rows`` = tile_m (tile_n) by 64: thread t owns the 8 columns ``8 (t % (rows / 8))`` ..
+of k rows ``t // (rows / 8) + (1024 / rows) j`` (8 consecutive H elements of one token row).
+A chunk whose row has no source (or that lies past K, past M or N) is a predicated copy with source size
+0, which writes 16 zero bytes (PTX ``cp.async`` zero fill), so a stage holds exactly the bytes TMA would
+have loaded from ``where(row_src >= 0, x[row_src], 0)`` (or its transpose). Source offsets are 32-bit
+(the host requires the gathered tensor to have fewer than 2**31 elements).
+
+A stage's full mbarrier counts 1 + 128 arrivals: warp 0's elected lane arrives with the expected
+transaction bytes of the TMA operand's tiles (the gathered one is no TMA transaction), and every producer
+thread arrives through ``cp.async.mbarrier.arrive.noinc`` once its copies of the stage have landed
+(``TmaCpAsyncPipeline``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import if_generate
+
+from .base import KernelParams, partition_coords
+
+# the producer warp group copies the gathered operand
+GATHER_THREADS = 128
+# bf16 elements of one 16-byte cp.async
+CHUNK_ELEMS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaCpAsyncPipeline(pipeline.PipelineTmaAsync):
+    """A TMA pipeline whose stages are also filled by ``cp.async`` from every producer thread: all of
+    them wait for a free stage, only the TMA warp arrives with the transaction bytes
+    (``producer_acquire(state, is_tma_warp)``) and each thread arrives once more when its copies have
+    landed (``producer_cpasync_commit``). The full barriers' arrival count is the producer group's size
+    (1 + the cp.async threads); ``tx_count`` counts the TMA bytes only."""
+
+    @staticmethod
+    def create(**kwargs):
+        """``PipelineTmaAsync.create(**kwargs)`` as this class."""
+        base = pipeline.PipelineTmaAsync.create(**kwargs)
+        return TmaCpAsyncPipeline(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+
+    def producer_acquire(self, state, is_tma_warp=True, *, loc=None, ip=None):
+        """Wait for stage ``state`` to be free; the TMA warp (``is_tma_warp``, warp-uniform) also arrives on
+        its full barrier with the expected TMA bytes (one elected lane). ``producer_tail`` calls it with
+        the default (the TMA warp runs the tail)."""
+        self.sync_object_empty.wait(state.index, state.phase, loc=loc, ip=ip)
+        if_generate(is_tma_warp, lambda: self.sync_object_full.arrive(state.index, self.producer_mask, loc=loc,
+                                                                       ip=ip), loc=loc, ip=ip)
+
+    def producer_cpasync_commit(self, state, *, loc=None, ip=None):
+        """This thread's arrival on stage ``state``'s full barrier, once its cp.async copies have landed."""
+        cute.arch.cp_async_mbarrier_arrive_noinc(self.producer_get_barrier(state, loc=loc, ip=ip), loc=loc, ip=ip)
+
+
+def make_gather_copy(tile_m: int, tile_k: int, m_major: bool = False, dtype=cutlass.BFloat16):
+    """The tiled copy of a (tile_m, tile_k) operand stage (A's, or B's with tile_m = tile_n) by
+    ``GATHER_THREADS`` threads, 16 bytes each, along the stage's contiguous mode: K-major, ``tile_k / 8``
+    threads per row (one 128-byte line for tile_k = 64), 16 rows per pass; M-major (``m_major``), ``tile_m
+    / 8`` threads per k row (8 consecutive M elements each), ``1024 / tile_m`` k rows per pass."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=CHUNK_ELEMS * dtype.width)
+    if m_major:
+        per_line = tile_m // CHUNK_ELEMS
+        assert GATHER_THREADS % per_line == 0 and tile_k % (GATHER_THREADS // per_line) == 0, (tile_m, tile_k)
+        threads = cute.make_layout((per_line, GATHER_THREADS // per_line), stride=(1, per_line))
+        return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((CHUNK_ELEMS, 1)))
+    per_row = tile_k // CHUNK_ELEMS
+    assert GATHER_THREADS % per_row == 0 and tile_m % (GATHER_THREADS // per_row) == 0, (tile_m, tile_k)
+    threads = cute.make_layout((GATHER_THREADS // per_row, per_row), stride=(per_row, 1))
+    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, CHUNK_ELEMS)))
+
+
+class GatherOperandMixin:
+    """What the kernels with a gathered operand share (see the module docstring): the register budgets,
+    the ring's pipeline (``TmaCpAsyncPipeline``), the producer warp group (all four warps load) and the
+    partition of the gather copy. Put a subclass before the kernel class and call ``_init_gather`` after
+    the kernel's ``__init__``; the kernel passes no TMA atom for the gathered operand and (x, row_src [N]
+    int32) as its tensor. ``gather_m_major``: the gathered stage is M- (N-) major (the wgrad's ``rows^T``);
+    ``gather_b``: B is the gathered operand (its stage tile_n x tile_k), A stays on TMA."""
+
+    gather_m_major = False
+    gather_b = False
+
+    def _init_gather(self):
+        # every producer thread holds the source rows and addresses of up to 8 rows: with two consumer
+        # warp groups registers move from them (128 x (56 + 2 x 224) = 64 512 <= 65 536, as 40 / 232
+        # today); one consumer warp group keeps its 240
+        self.load_regs = 56
+        if self.num_mma_wg == 2:
+            self.mma_regs = 224
+
+    @cute.jit
+    def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
+        # the transaction bytes: the TMA operand's tiles of a stage
+        if cutlass.const_expr(self.gather_b):
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+        else:
+            tx_bytes = num_b_rings * cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        return TmaCpAsyncPipeline.create(
+            barrier_storage=mbar_ptr,
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + GATHER_THREADS),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.tile_mma_threads // 32  # one arrival per consumer warp
+            ),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+
+    @property
+    def gather_tile(self) -> int:
+        """The gathered stage's non-K extent: tile_n for a gathered B, tile_m for A."""
+        return self.tile_n if self.gather_b else self.tile_m
+
+    @cute.jit
+    def partition_gather(self, mA, sA: cute.Tensor):
+        """``mA`` = (x, row_src): this producer thread's view of the gathered operand (``KernelParams``: x,
+        row_src, the thread's slice of the gather copy and its (row, column) coordinates in a stage) and
+        its chunks of the operand's stages ``sA`` (CPY, RestM, RestK, stage)."""
+        x, row_src = mA
+        tidx, _, _ = cute.arch.thread_idx()
+        thr_copy = make_gather_copy(self.gather_tile, self.tile_k, self.gather_m_major).get_slice(tidx % GATHER_THREADS)
+        tAsA = thr_copy.partition_D(sA)
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.gather_tile, self.tile_k)))
+        return KernelParams(x=x, row_src=row_src, thr_copy=thr_copy, tAcA=tAcA), tAsA
+
+    @cute.jit
+    def produce(self, warp_idx, mainloop, p, tAgA, tAsA: cute.Tensor, b_loads):
+        """Producer warp group: lowers its register budget; all four warps load this CTA's tiles
+        (``load_tiles``: the gathered operand by cp.async from every thread, the other by TMA from warp 0),
+        then warp 0 waits for the consumers to drain the ring."""
+        cute.arch.setmaxregister_decrease(self.load_regs)
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads)
+        if warp_idx == 0:
+            mainloop.producer_tail(prod_state)
+
+
+class GatherRowsMixin(GatherOperandMixin):
+    """The row-grouped kernels' producer with a gathered A operand (K-major, varlen-M): their m tiles come
+    from N (the output's rows), not S. The row scheduler's ``load_tiles`` runs unchanged in all four
+    producer warps (each computes the schedule itself); ``load_expert_tile`` loads a tile's row indices
+    once, then its k tiles (``load_gathered_k_tiles``)."""
+
+    @cute.jit
+    def partition_loads(self, tma_a, mA, sA: cute.Tensor, b_operands):
+        """The gathered A (``partition_gather``), the B loads as the base class has them, and the number
+        of k tiles."""
+        gather, tAsA = self.partition_gather(mA, sA)
+        k_tiles = cute.ceil_div(cute.size(gather.x, mode=[1]), self.tile_k)
+        return gather, tAsA, self.partition_b_loads(b_operands), k_tiles
+
+    @cute.jit
+    def load_expert_tile(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, m_idx, n_idx,
+                         k_tiles: cutlass.Int32, rings, expert, descs=None):
+        """Producer thread: every k tile of output tile (m_idx, n_idx), A gathered by ``gather``'s row
+        indices, B from expert ``expert`` of the weights in ``rings`` (through ``descs`` when given)."""
+        return self.load_gathered_k_tiles(
+            mainloop, prod_state, gather, tAsA, m_idx,
+            [(tma, tBgB[(None, n_idx, None, expert)], tBsB) for tma, tBgB, tBsB in rings], k_tiles, descs,
+        )
+
+    @cute.jit
+    def load_gathered_k_tiles(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, b_loads,
+                              k_count: cutlass.Int32, b_descs=None):
+        """Producer thread: k tiles [0, k_count) of m tile ``m_idx`` into the ring. The source rows of the
+        thread's rows are read once (rows >= N or with a negative index: zero rows, the address clamped to
+        row 0); per k tile warp 0 issues the B loads (per ring (atom, (TMA, RestK), (TMA, stage))) and
+        every thread its A chunks, one 16-byte cp.async per row, predicated off (zero fill) for rows
+        without a source and chunks past K."""
+        if cutlass.const_expr(b_descs is None):
+            b_descs = [None] * len(b_loads)
+        thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
+        rows = cute.size(tAcA, mode=[1])
+        num_rows = cute.size(gather.row_src, mode=[0])
+        k_extent = cute.size(x, mode=[1])
+        is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        src = cute.make_rmem_tensor(rows, cutlass.Int32)
+        has_src = cute.make_rmem_tensor(rows, cutlass.Boolean)
+        for j in cutlass.range_constexpr(rows):
+            r = m_idx * self.tile_m + tAcA[(0, j, 0)][0]
+            idx = cutlass.Int32(-1)
+            if r < num_rows:
+                idx = gather.row_src[r]
+            has_src[j] = idx >= 0
+            src[j] = cutlass.max(idx, 0)
+        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
+        for k in cutlass.range(k_count, unroll=1):
+            mainloop.producer_acquire(prod_state, is_tma_warp)
+            stage = prod_state.index
+            if is_tma_warp:
+                bar = mainloop.producer_get_barrier(prod_state)
+                for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
+                    cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, stage)], tma_bar_ptr=bar, tma_desc_ptr=desc)
+            in_k = cutlass.Boolean(True)
+            if cutlass.const_expr(k_extent % self.tile_k != 0):  # a partial last k tile: chunks past K
+                in_k = k * self.tile_k + tAcA[(0, 0, 0)][1] < k_extent
+            for j in cutlass.range_constexpr(rows):
+                # the source row, broadcast over the stage's rows: the copy's partition then picks this
+                # thread's chunk of it (same column offsets as the stage)
+                row = cute.local_tile(x, (1, self.tile_k), (src[j], k))
+                tAgA = thr_copy.partition_S(
+                    cute.make_tensor(row.iterator, cute.make_layout((self.tile_m, self.tile_k), stride=(0, 1)))
+                )
+                pred[0] = has_src[j] & in_k
+                cute.copy(thr_copy, tAgA[(None, j, None)], tAsA[(None, j, None, stage)], pred=pred)
+            mainloop.producer_cpasync_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+
+
+class GatherKRowsMixin(GatherOperandMixin):
+    """The wgrad's producer with a gathered A = ``rows^T`` (M-major, varlen-K): k row r of A is
+    ``x[row_src[r]]`` (M = H, the columns of x). The group scheduler's ``load_tiles`` runs unchanged in all
+    four producer warps; ``load_work_item`` loads one work item's k tiles, reading the token indices of
+    each k tile's rows one k tile ahead into registers (their global-memory latency overlaps the wait for
+    a free stage and the copies of the current k tile)."""
+
+    gather_m_major = True
+
+    @cute.jit
+    def partition_loads(self, tma_a, mA, sA: cute.Tensor, b_operands):
+        """The gathered A (``partition_gather``), the B loads as the base class has them, and the number
+        of k tiles of all N rows."""
+        gather, tAsA = self.partition_gather(mA, sA)
+        k_tiles = cute.ceil_div(cute.size(gather.row_src, mode=[0]), self.tile_k)
+        return gather, tAsA, self.partition_b_loads(b_operands), k_tiles
+
+    @cute.jit
+    def fetch_k_sources(self, gather, k_tile: cutlass.Int32, src: cute.Tensor):
+        """``src[j]`` = the token index of this thread's j-th k row of k tile ``k_tile`` (-1: none, also
+        for rows >= N, e.g. the k tile after the last group's)."""
+        num_rows = cute.size(gather.row_src, mode=[0])
+        for j in cutlass.range_constexpr(cute.size(src)):
+            r = k_tile * self.tile_k + gather.tAcA[(0, 0, j)][1]
+            idx = cutlass.Int32(-1)
+            if r < num_rows:
+                idx = gather.row_src[r]
+            src[j] = idx
+
+    @cute.jit
+    def load_work_item(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, b_load, m_idx, n_idx,
+                       k_start: cutlass.Int32, k_count: cutlass.Int32):
+        """Producer thread: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
+        ``n_idx``) into the ring: A gathered (m tile ``m_idx`` of x's columns), B (``b_load``: atom, (TMA,
+        RestN, RestK), (TMA, stage)) by TMA (``load_gathered_k_rows``)."""
+        tma_b, tBgB, tBsB = b_load
+        return self.load_gathered_k_rows(mainloop, prod_state, gather, tAsA, m_idx,
+                                         (tma_b, tBgB[(None, n_idx, None)], tBsB), k_start, k_count)
+
+    @cute.jit
+    def load_gathered_k_rows(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, tma_load,
+                             k_start: cutlass.Int32, k_count: cutlass.Int32):
+        """Producer thread: k tiles [k_start, k_start + k_count) into the ring. Per k tile warp 0 issues the
+        TMA operand's load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every thread its
+        chunks of the gathered operand's tile ``m_idx`` (``gather_tile`` columns of x from ``m_idx *
+        gather_tile``, into ``tAsA``), one 16-byte cp.async per k row from the row's token of x (8
+        consecutive columns), predicated off (zero fill) for rows without a token and, in a partial last
+        tile, columns past x's (the address clamped to token 0)."""
+        tma_b, tBgB, tBsB = tma_load
+        tile_g = self.gather_tile
+        thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
+        k_rows = cute.size(tAcA, mode=[2])
+        m_extent = cute.size(x, mode=[1])
+        is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        in_m = cutlass.Boolean(True)
+        if cutlass.const_expr(m_extent % tile_g != 0):  # a partial last tile: chunks past x's columns
+            in_m = m_idx * tile_g + tAcA[(0, 0, 0)][0] < m_extent
+        src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
+        next_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
+        self.fetch_k_sources(gather, k_start, next_src)
+        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
+        for k in cutlass.range(k_count, unroll=1):
+            for j in cutlass.range_constexpr(k_rows):
+                src[j] = next_src[j]
+            self.fetch_k_sources(gather, k_start + k + 1, next_src)
+            mainloop.producer_acquire(prod_state, is_tma_warp)
+            stage = prod_state.index
+            if is_tma_warp:
+                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, stage)],
+                          tma_bar_ptr=mainloop.producer_get_barrier(prod_state))
+            for j in cutlass.range_constexpr(k_rows):
+                # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
+                # partition then picks this thread's chunk of it (same column offsets as the stage)
+                row = cute.local_tile(x, (1, tile_g), (cutlass.max(src[j], 0), m_idx))
+                tAgA = thr_copy.partition_S(
+                    cute.make_tensor(row.iterator, cute.make_layout((tile_g, self.tile_k), stride=(1, 0)))
+                )
+                pred[0] = (src[j] >= 0) & in_m
+                cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
+            mainloop.producer_cpasync_commit(prod_state)
+            prod_state.advance()
+        return prod_state
+
+
+class GatherKRowsBMixin(GatherKRowsMixin):
+    """The wgrad's producer with a gathered B = ``dy^T`` (N-major, varlen-K): k row r of B is
+    ``dy[row_src[r]]`` of ``dy [S, Nd]`` (N = Nd, its columns); A stays on TMA. The same k-row gather as
+    ``GatherKRowsMixin`` (indices one k tile ahead), over B's (tile_n, 64) stages."""
+
+    gather_b = True
+
+    @cute.jit
+    def partition_loads(self, tma_a, mA, sA: cute.Tensor, b_operands):
+        """A's TMA loads as the base class has them (and its number of k tiles, of all N rows), the
+        gathered B (``partition_gather``) as the one B load: (gather, its chunks of the B stages)."""
+        tAgA, tAsA, k_tiles = self.partition_a_loads(tma_a, mA, sA)
+        ((_, mB, sB),) = b_operands
+        gather, tBsB = self.partition_gather(mB, sB)
+        return tAgA, tAsA, [(gather, tBsB)], k_tiles
+
+    @cute.jit
+    def load_work_item(self, mainloop, prod_state, tma_a, tAgA: cute.Tensor, tAsA: cute.Tensor, b_load, m_idx,
+                       n_idx, k_start: cutlass.Int32, k_count: cutlass.Int32):
+        """Producer thread: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
+        ``n_idx``): A (TMA, RestM, RestK) by TMA, B gathered (``b_load`` = (gather, chunks of the B stages):
+        n tile ``n_idx`` of dy's columns; ``load_gathered_k_rows``)."""
+        gather, tBsB = b_load
+        return self.load_gathered_k_rows(mainloop, prod_state, gather, tBsB, n_idx,
+                                         (tma_a, tAgA[(None, m_idx, None)], tAsA), k_start, k_count)
+
+
+def gather_copy_coverage(kernel) -> dict:
+    """CPU check of a gathered-operand kernel's copy on one stage of that operand (layout algebra at trace
+    time only). Per thread (``GATHER_THREADS``) the (row, column) of every value of its partition of a
+    (``gather_tile``, 64) stage, in copies of ``CHUNK_ELEMS`` values, and where the stage's shared layout
+    (the swizzled ``a_smem_staged``, or ``b_smem_staged`` for a gathered B, that TMA fills, as ``kernel``
+    builds it) puts each of them. Returns: how many values
+    and distinct (row, column) the threads cover, the stage's size, how many copies are not one 16-byte
+    chunk along the stage's contiguous mode (8 consecutive columns of one row from a multiple of 8, or
+    for an M-major stage 8 consecutive rows of one column), and how many are not 8 consecutive elements
+    of shared memory at a 16-byte aligned offset. Run with ``CUTE_DSL_ARCH=sm_90a`` (see the tests)."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    seen: list[tuple[int, int]] = []
+    offsets: list[int] = []
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        copy = make_gather_copy(kernel.gather_tile, kernel.tile_k, kernel.gather_m_major)
+        stage = cute.make_identity_tensor((kernel.gather_tile, kernel.tile_k))
+        for coords in partition_coords(lambda t: copy.get_slice(t).partition_D(stage), GATHER_THREADS):
+            seen.extend(coords)
+        staged = kernel.b_smem_staged if kernel.gather_b else kernel.a_smem_staged
+        layout = cute.slice_(staged, (None, None, 0))
+        offsets.extend(int(layout(crd)) for crd in seen)
+
+    with expect_no_driver():
+        cute.compile(probe)
+    step = (1, 0) if kernel.gather_m_major else (0, 1)
+    copies = [seen[i:i + CHUNK_ELEMS] for i in range(0, len(seen), CHUNK_ELEMS)]
+    bad_chunks = sum(1 for cp in copies if (cp[0][0] if kernel.gather_m_major else cp[0][1]) % CHUNK_ELEMS
+                     or cp != [(cp[0][0] + v * step[0], cp[0][1] + v * step[1]) for v in range(CHUNK_ELEMS)])
+    spans = [offsets[i:i + CHUNK_ELEMS] for i in range(0, len(offsets), CHUNK_ELEMS)]
+    bad_smem = sum(1 for sp in spans if sp[0] % CHUNK_ELEMS or sp != list(range(sp[0], sp[0] + CHUNK_ELEMS)))
+    return dict(values=len(seen), distinct=len(set(seen)), elements=kernel.gather_tile * kernel.tile_k,
+                bad_chunks=bad_chunks, bad_smem=bad_smem, smem_distinct=len(set(offsets)))
