@@ -16,7 +16,8 @@ Sections
            fwd         y = x_g @ W_g                 [M, H] x [G, H, F]
            dgrad       dx = dy_g @ W_g^T             [M, F] x [G, H, F]^T
            dgrad2      dx = g_gate_g @ W_gate_g^T + g_up_g @ W_up_g^T  (the gate/up input gradient; ours one
-                       GEMM with one fp32 accumulator, QuACK and torch two dgrads and a bf16 add)
+                       GEMM with one fp32 accumulator; QuACK one GEMM with K = 2F on the interleaved
+                       gradient and weights, as SonicMoE's backward runs it; torch two dgrads and a bf16 add)
            wgrad       dW_g = x_g^T @ dy_g           -> [G, H, F], bf16 out, fp32 accumulation
            swiglu      h = silu(x W_gate) * (x W_up) (pre-activations stored for backward)
            swiglu_bwd  d = g_y_g @ W_down_g^T with the SwiGLU backward and the route weight in the epilogue:
@@ -471,12 +472,12 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
         w_int = torch.stack([w, w_up], dim=3).reshape(G, H, 2 * F)  # gate/up columns interleaved
         preact = torch.stack([gate, up], dim=2).reshape(M, 2 * F)
         wd_t = w_down.transpose(-1, -2)  # [G, H, F] view: B (K=H, N=F) of the down dgrad
-        out_h_up = torch.empty(M, H, dtype=x.dtype, device=x.device)
+        # the gate/up input gradient as SonicMoE's backward computes it: one GEMM with K = 2F over the
+        # interleaved gradient (gemm_dgated's dx layout) and the interleaved weights' transpose
+        dy_int = torch.stack([dy, dy_up], dim=2).reshape(M, 2 * F)
 
-        def dgrad2():  # two dgrads and a bf16 add, as our layer did before group_gemm_dgrad2
-            qgi.gemm(dy, w.transpose(-1, -2), out_h, cu_seqlens_m=cu0, tuned=False)
-            qgi.gemm(dy_up, w_up.transpose(-1, -2), out_h_up, cu_seqlens_m=cu0, tuned=False)
-            return out_h.add_(out_h_up)
+        def dgrad2():
+            return qgi.gemm(dy_int, w_int.transpose(-1, -2), out_h, cu_seqlens_m=cu0, tuned=False)
 
         def dgated():
             dx, h_w, g_rw = qgi.gemm_dgated(g_y, wd_t, preact, activation="swiglu", colvec_scale=row_w,
@@ -486,7 +487,7 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
             fwd=(lambda: qgi.gemm(x, w, out_f, cu_seqlens_m=cu0, tuned=False), lambda r: (out_f,)),
             dgrad=(lambda: qgi.gemm(dy, w.transpose(-1, -2), out_h, cu_seqlens_m=cu0, tuned=False),
                    lambda r: (out_h,)),
-            dgrad2=(dgrad2, lambda r: (r,)),
+            dgrad2=(dgrad2, lambda r: (out_h,)),
             wgrad=(lambda: qgi.gemm(x.t(), dy, dw, cu_seqlens_k=cu0, tuned=False), lambda r: (dw,)),
             swiglu=(lambda: qgi.gemm_gated(x, w_int, activation="swiglu", cu_seqlens_m=cu0, store_preact=True,
                                            tuned=False), lambda r: (r[1],)),
