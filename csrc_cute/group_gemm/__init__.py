@@ -11,7 +11,7 @@ dgrad, dgrad2, row scale), ``swiglu``
 (with ``gather``: the gathered A operand, rows of x by index),
 ``swiglu_bwd`` (with ``swiglu_bwd_smem``, its shared-memory epilogue, and ``gather``: g_y's rows by index),
 ``wgrad`` (also with ``gather``: k rows of x, or of dy, by index); ``host_gather`` holds the host wrappers of
-the backward kernels that gather g_y. This package exports the host API.
+the kernels that gather an operand's rows by index. This package exports the host API.
 """
 
 from .config import (
@@ -42,11 +42,14 @@ from .host import (
     group_gemm_row_scale,
     group_gemm_swiglu,
     group_gemm_swiglu_bwd,
-    group_gemm_swiglu_gather,
     group_gemm_wgrad,
-    group_gemm_wgrad_gather,
 )
-from .host_gather import group_gemm_swiglu_bwd_gather, group_gemm_wgrad_gather_b
+from .host_gather import (
+    group_gemm_swiglu_bwd_gather,
+    group_gemm_swiglu_gather,
+    group_gemm_wgrad_gather,
+    group_gemm_wgrad_gather_b,
+)
 
 __all__ = [
     "H100_H200_NUM_SMS",

@@ -1,13 +1,12 @@
 """Host side of the grouped GEMM: validation, compilation (once per static key) and launch.
 
-``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_wgrad`` / ``group_gemm_row_scale`` /
-``group_gemm_wgrad_gather`` / ``group_gemm_swiglu`` / ``group_gemm_swiglu_gather`` / ``group_gemm_swiglu_bwd``
-(and, in ``host_gather``, ``group_gemm_swiglu_bwd_gather`` / ``group_gemm_wgrad_gather_b``) validate, compile
-through
-``_compile_cached`` (fake tensors, symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment
-stream) and launch on torch's current stream. ``compile_op`` names every kernel variant by op;
-``compile_group_gemm_for_sm90`` compiles one on a CPU-only machine for CI (see ``compile_check``). The DSL
-(cutlass) is imported only inside the compile path, so importing this module stays cheap.
+``group_gemm_fwd`` / ``group_gemm_dgrad`` / ``group_gemm_dgrad2`` / ``group_gemm_wgrad`` /
+``group_gemm_row_scale`` / ``group_gemm_swiglu`` / ``group_gemm_swiglu_bwd`` (and, in ``host_gather``, the
+four that read an operand's rows by index) validate, compile through ``_compile_cached`` (fake tensors,
+symbolic ``N``/``epn``/``B``/``G``, ``--enable-tvm-ffi``, environment stream) and launch on torch's current
+stream. ``compile_op`` names every kernel variant by op; ``compile_group_gemm_for_sm90`` compiles one on a
+CPU-only machine for CI (see ``compile_check``). The DSL (cutlass) is imported only inside the compile path,
+so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from typing import Any
 
 import torch
 
-from moonep_ops.checks import ROW_DTYPES, check_pad, check_tensor
 from moonep_ops.fake import group_gemm as contracts  # the ops' contracts: the checks their fake kernels run
 
 from ..jit import KernelFamily, compiler, dry_running
@@ -670,53 +668,6 @@ def group_gemm_swiglu(
     return h, gate, up
 
 
-def group_gemm_swiglu_gather(
-    x: torch.Tensor,
-    row_src: torch.Tensor,
-    w_gate_home: torch.Tensor,
-    w_gate_slot: torch.Tensor,
-    w_up_home: torch.Tensor,
-    w_up_slot: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    pad: int = 128,
-    store_preact: bool = True,
-    out: torch.Tensor | None = None,
-    gate_out: torch.Tensor | None = None,
-    up_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``group_gemm_swiglu`` with its rows gathered from ``x [S, H]`` in the kernel: row r of the grouped
-    operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
-    group), for ``row_src`` int32 ``[N]``. Returns ``(h, gate, up)`` of N rows, bitwise what
-    ``group_gemm_swiglu(where(row_src >= 0, x[row_src], 0), ...)`` returns, without the [N, H] copy.
-    ``cu_seqlens`` groups the N rows as there; ``x`` has fewer than 2**31 elements (32-bit row offsets).
-    Precondition (device values, not checked: no host sync): every ``row_src[r] < S``; an index may repeat
-    (a token routed to several groups). No host sync."""
-    op = "group_gemm_swiglu_gather"
-    weights = (w_gate_home, w_gate_slot, w_up_home, w_up_slot)
-    swiglu_contract = _weights_contract(contracts.check_swiglu_args, (x, *weights, cu_seqlens, pad), w_gate_home,
-                                        ("H", "F"))
-
-    def contract(experts_remote):
-        sizes, epn = swiglu_contract(experts_remote)
-        check_row_src(op, row_src, "x", x, "H")
-        return sizes, epn
-
-    sizes = _check_kernel_args(
-        op, contract, pad,
-        (("x", x), ("w_gate_home", w_gate_home), ("w_gate_slot", w_gate_slot), ("w_up_home", w_up_home),
-         ("w_up_slot", w_up_slot)), "w_gate_home",
-    )
-    hd, f, n = sizes["H"], sizes["F"], row_src.shape[0]
-    fn = _launcher("swiglu_gather" if store_preact else "swiglu_gather_h_only", hd, f, pad, x.device)
-    h = _out_tensor(op, "out", out, n, f, x.device)
-    gate = _out_tensor(op, "gate_out", gate_out, n, f, x.device) if store_preact else None
-    up = _out_tensor(op, "up_out", up_out, n, f, x.device) if store_preact else None
-    if n:
-        fn(_token_rows(x, hd), row_src, w_gate_home, _slot_map(w_gate_slot, w_gate_home), w_up_home,
-           _slot_map(w_up_slot, w_up_home), cu_seqlens, h, gate if store_preact else h, up if store_preact else h)
-    return h, gate, up
-
-
 def group_gemm_swiglu_bwd(
     g_y: torch.Tensor,
     w_down_home: torch.Tensor,
@@ -787,60 +738,6 @@ def group_gemm_wgrad(
     sizes = _check_kernel_args("group_gemm_wgrad", contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)),
                                "dw_home", aligned=(("dw_slot", dw_slot),))
     _launch_wgrad("wgrad", sizes, pad, (x, dy), x.shape[0], cu_seqlens, dw_home, dw_slot)
-
-
-def group_gemm_wgrad_gather(
-    x: torch.Tensor,
-    row_src: torch.Tensor,
-    dy: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    dw_home: torch.Tensor,
-    dw_slot: torch.Tensor,
-    pad: int = 128,
-) -> None:
-    """``group_gemm_wgrad`` with its rows gathered from ``x [S, Kd]`` in the kernel: row r of the grouped
-    operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
-    group), for ``row_src`` int32 ``[N]`` (``dy`` has the N rows). Writes ``dw_home`` and adds into
-    ``dw_slot`` bitwise what ``group_gemm_wgrad(where(row_src >= 0, x[row_src], 0), dy, ...)`` does, without
-    the [N, Kd] copy. ``x`` has fewer than 2**31 elements (32-bit row offsets). Precondition (device values,
-    not checked: no host sync): every ``row_src[r] < S``; an index may repeat (a token routed to several
-    groups). No host sync."""
-    op = "group_gemm_wgrad_gather"
-
-    def contract(_):
-        # group_gemm_wgrad's contract (moonep_ops/fake/group_gemm.py) with x [S, Kd] + row_src [N] in place
-        # of the rows [N, Kd]: dy and the gradients as there
-        check_tensor(op, "x", x, ROW_DTYPES, (None, None))
-        check_pad(op, pad)
-        check_row_src(op, row_src, "x", x, "Kd")
-        kd = x.shape[1]
-        check_tensor(op, "dy", dy, (x.dtype,), (row_src.shape[0], None), x.device)
-        nd = dy.shape[1]
-        check_tensor(op, "dw_home", dw_home, (x.dtype,), (None, kd, nd), x.device)
-        check_tensor(op, "dw_slot", dw_slot, (torch.float32,), (None, kd, nd), x.device)
-        contracts.check_groups(op, cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
-        return {"Kd": x.shape[1], "Nd": dy.shape[1]}, dw_home.shape[0]
-
-    sizes = _check_kernel_args(op, contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)), "dw_home",
-                               aligned=(("dw_slot", dw_slot),))
-    _launch_wgrad("wgrad_gather", sizes, pad, (_token_rows(x, sizes["Kd"]), row_src, dy), dy.shape[0], cu_seqlens,
-                  dw_home, dw_slot)
-
-
-def check_row_src(op: str, row_src, src_name: str, src: torch.Tensor, cols: str) -> None:
-    """A gathered operand's index: ``row_src`` int32 [N] on ``src``'s device, and the (checked) source rows
-    ``src`` [S, cols] with fewer than 2**31 elements (the kernels' row offsets ``row_src[r] * cols`` are
-    32-bit)."""
-    check_tensor(op, "row_src", row_src, (torch.int32,), (None,), src.device)
-    if src.numel() >= 2**31:
-        raise ValueError(f"moonep.{op}: {src_name} must have fewer than 2**31 elements for the CuTe kernel (its row "
-                         f"offsets row_src[r] * {cols} are 32-bit), got {src.numel()}")
-
-
-def _token_rows(src: torch.Tensor, cols: int) -> torch.Tensor:
-    """A gathered operand's source rows ``src``, or one zero row in their place when there are no tokens
-    (S = 0, every row_src < 0): the kernels' zero-size copies still take a valid address."""
-    return src.new_zeros(1, cols) if src.shape[0] == 0 else src
 
 
 def _launch_wgrad(op: str, sizes: dict[str, int], pad: int, operands, n: int, cu_seqlens, dw_home, dw_slot) -> None:
