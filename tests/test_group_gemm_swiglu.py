@@ -199,7 +199,7 @@ def test_swiglu_gather_cuda_graph_replay():
 
 
 def test_swiglu_gather_rejects_bad_row_src():
-    """The host checks of row_src (before any device check: CPU tensors suffice)."""
+    """The host checks of row_src and the weights (before any device check: CPU tensors suffice)."""
     from csrc_cute.group_gemm import group_gemm_swiglu_gather
 
     x, wgh, wgs, wuh, wus, cu = zero_swiglu_inputs()
@@ -211,6 +211,9 @@ def test_swiglu_gather_rejects_bad_row_src():
             group_gemm_swiglu_gather(x, bad, wgh, wgs, wuh, wus, cu)
     with pytest.raises(ValueError, match="group_gemm_swiglu_gather: x must be a CUDA tensor"):
         group_gemm_swiglu_gather(x, torch.zeros(256, dtype=torch.int32), wgh, wgs, wuh, wus, cu)
+    # the weights' contract is group_gemm_swiglu's, its errors naming the gathered op
+    with pytest.raises(ValueError, match="group_gemm_swiglu_gather: w_up_home must be bfloat16"):
+        group_gemm_swiglu_gather(x, torch.zeros(256, dtype=torch.int32), wgh, wgs, wuh.float(), wus, cu)
 
 
 # ------------------------------------------------------------------------------------------------

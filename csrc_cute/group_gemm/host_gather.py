@@ -3,14 +3,15 @@
 [S, H] (R = 1: dispatch's [N, H] copy is not made); ``group_gemm_swiglu_bwd_gather`` (g_y as the
 SwiGLU-backward dgrad's A operand) and ``group_gemm_wgrad_gather_b`` (g_y as the down projection's wgrad
 B operand) read the output gradient g_out [S, H] (combine's backward would write ``g_y = where(row_src >=
-0, g_out[row_src], 0)``). Validation and launch as in ``host`` (same checks, compile cache and launch
-helpers)."""
+0, g_out[row_src], 0)``). Validation and launch as in ``host``: the op's contract
+(moonep_ops/fake/group_gemm.py, the check its fake and CPU reference run), then the kernels' own checks
+(the 32-bit row offsets among them), compile cache and launch helpers."""
 
 from __future__ import annotations
 
 import torch
 
-from moonep_ops.checks import ROW_DTYPES, check_pad, check_tensor
+from moonep_ops.checks import check_tensor
 from moonep_ops.fake import group_gemm as contracts
 
 from .host import (
@@ -63,8 +64,8 @@ def group_gemm_swiglu_gather(
     (a token routed to several groups). No host sync."""
     op = "group_gemm_swiglu_gather"
     weights = (w_gate_home, w_gate_slot, w_up_home, w_up_slot)
-    swiglu_contract = _weights_contract(contracts.check_swiglu_args, (x, *weights, cu_seqlens, pad), w_gate_home,
-                                        ("H", "F"))
+    swiglu_contract = _weights_contract(contracts.check_swiglu_gather_args, (x, row_src, *weights, cu_seqlens, pad),
+                                        w_gate_home, ("H", "F"))
 
     def contract(experts_remote):
         sizes, epn = swiglu_contract(experts_remote)
@@ -106,17 +107,8 @@ def group_gemm_wgrad_gather(
     op = "group_gemm_wgrad_gather"
 
     def contract(_):
-        # group_gemm_wgrad's contract (moonep_ops/fake/group_gemm.py) with x [S, Kd] + row_src [N] in place
-        # of the rows [N, Kd]: dy and the gradients as there
-        check_tensor(op, "x", x, ROW_DTYPES, (None, None))
-        check_pad(op, pad)
+        contracts.check_wgrad_gather_args(x, row_src, dy, cu_seqlens, dw_home, dw_slot, pad)
         check_row_src(op, row_src, "x", x, "Kd")
-        kd = x.shape[1]
-        check_tensor(op, "dy", dy, (x.dtype,), (row_src.shape[0], None), x.device)
-        nd = dy.shape[1]
-        check_tensor(op, "dw_home", dw_home, (x.dtype,), (None, kd, nd), x.device)
-        check_tensor(op, "dw_slot", dw_slot, (torch.float32,), (None, kd, nd), x.device)
-        contracts.check_groups(op, cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
         return {"Kd": x.shape[1], "Nd": dy.shape[1]}, dw_home.shape[0]
 
     sizes = _check_kernel_args(op, contract, pad, (("x", x), ("dy", dy), ("dw_home", dw_home)), "dw_home",
@@ -145,22 +137,14 @@ def group_gemm_swiglu_bwd_gather(
     checked: no host sync): every ``row_src[r] < S``; an index may repeat (a token routed to several
     groups). No host sync."""
     op = "group_gemm_swiglu_bwd_gather"
+    swiglu_bwd_contract = _weights_contract(
+        contracts.check_swiglu_bwd_gather_args, (g_out, row_src, w_down_home, w_down_slot, cu_seqlens, row_w, gate,
+                                                 up, pad), w_down_home, ("F", "H"))
 
     def contract(_):
-        # group_gemm_swiglu_bwd's contract (moonep_ops/fake/group_gemm.py) with g_out [S, H] + row_src [N] in
-        # place of g_y [N, H]: N from gate
-        check_tensor(op, "g_out", g_out, ROW_DTYPES, (None, None))
-        check_pad(op, pad)
+        sizes, epn = swiglu_bwd_contract(None)
         check_row_src(op, row_src, "g_out", g_out, "H")
-        n, hd = row_src.shape[0], g_out.shape[1]
-        check_tensor(op, "w_down_home", w_down_home, (g_out.dtype,), (None, None, hd), g_out.device)
-        epn, f, _ = w_down_home.shape
-        check_tensor(op, "w_down_slot", w_down_slot, (g_out.dtype,), (None, f, hd), g_out.device)
-        contracts.check_groups(op, cu_seqlens, epn + w_down_slot.shape[0], None, g_out.device)
-        check_tensor(op, "row_w", row_w, (torch.float32,), (n,), g_out.device)
-        check_tensor(op, "gate", gate, (g_out.dtype,), (n, f), g_out.device)
-        check_tensor(op, "up", up, (g_out.dtype,), (n, f), g_out.device)
-        return {"F": f, "H": hd}, epn
+        return sizes, epn
 
     sizes = _check_kernel_args(
         op, contract, pad,
@@ -190,20 +174,9 @@ def group_gemm_wgrad_gather_b(
     op = "group_gemm_wgrad_gather_b"
 
     def contract(_):
-        # group_gemm_wgrad's contract (moonep_ops/fake/group_gemm.py) with dy_src [S, Nd] + row_src [N] in
-        # place of dy [N, Nd]: x and the gradients as there
-        check_tensor(op, "x", x, ROW_DTYPES, (None, None))
-        check_pad(op, pad)
-        check_tensor(op, "dy_src", dy_src, (x.dtype,), (None, None), x.device)
+        contracts.check_wgrad_gather_b_args(x, dy_src, row_src, cu_seqlens, dw_home, dw_slot, pad)
         check_row_src(op, row_src, "dy_src", dy_src, "Nd")
-        if row_src.shape[0] != x.shape[0]:
-            raise ValueError(f"moonep.{op}: row_src must have one entry per row of x (N = {x.shape[0]}), got "
-                             f"shape {tuple(row_src.shape)}")
-        kd, nd = x.shape[1], dy_src.shape[1]
-        check_tensor(op, "dw_home", dw_home, (x.dtype,), (None, kd, nd), x.device)
-        check_tensor(op, "dw_slot", dw_slot, (torch.float32,), (None, kd, nd), x.device)
-        contracts.check_groups(op, cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
-        return {"Kd": kd, "Nd": nd}, dw_home.shape[0]
+        return {"Kd": x.shape[1], "Nd": dy_src.shape[1]}, dw_home.shape[0]
 
     sizes = _check_kernel_args(op, contract, pad, (("x", x), ("dy_src", dy_src), ("dw_home", dw_home)),
                                "dw_home", aligned=(("dw_slot", dw_slot),))

@@ -1,6 +1,8 @@
 """Fake kernels of moonep::group_gemm, group_gemm_dgrad, group_gemm_dgrad2, group_gemm_wgrad, group_gemm_swiglu,
 group_gemm_row_scale and group_gemm_swiglu_bwd, and their contracts (``check_*_args``: the checks the fake,
-the CPU reference and the CUDA path each run once)."""
+the CPU reference and the CUDA path each run once); also the contracts of the kernels that read an
+operand's rows by index (csrc_cute/group_gemm/host_gather.py: x [S, H] or g_out [S, H] and row_src [N] in
+place of the rows [N, H]), which their host wrappers run."""
 
 import torch
 
@@ -84,23 +86,58 @@ def group_gemm_dgrad2(dy_a, w_a_home, w_a_slot, dy_b, w_b_home, w_b_slot, cu_seq
 
 
 def check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P) -> None:
-    check_tensor("group_gemm_wgrad", "x", x, ROW_DTYPES, (None, None))
-    check_pad("group_gemm_wgrad", P)
-    N, Kd = x.shape
-    check_tensor("group_gemm_wgrad", "dy", dy, (x.dtype,), (N, None), x.device)
-    Nd = dy.shape[1]
+    op = "group_gemm_wgrad"
+    check_tensor(op, "x", x, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    _check_wgrad_rest(op, x, x.shape[0], dy, cu_seqlens, dw_home, dw_slot)
+
+
+def check_wgrad_gather_args(x, row_src, dy, cu_seqlens, dw_home, dw_slot, P) -> None:
+    """group_gemm_wgrad's contract with x [S, Kd] and row_src int32 [N] (the rows' token indices, -1: a
+    zero row) in place of the rows [N, Kd]."""
+    op = "group_gemm_wgrad_gather"
+    check_tensor(op, "x", x, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    check_tensor(op, "row_src", row_src, (torch.int32,), (None,), x.device)
+    _check_wgrad_rest(op, x, row_src.shape[0], dy, cu_seqlens, dw_home, dw_slot)
+
+
+def check_wgrad_gather_b_args(x, dy_src, row_src, cu_seqlens, dw_home, dw_slot, P) -> None:
+    """group_gemm_wgrad's contract with dy_src [S, Nd] and row_src int32 [N] (the rows' token indices, -1: a
+    zero row) in place of dy's rows [N, Nd]; x has the N rows (the down projection's wgrad: x = h_w, dy_src =
+    the tokens' gradient g_out)."""
+    op = "group_gemm_wgrad_gather_b"
+    check_tensor(op, "x", x, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    check_tensor(op, "dy_src", dy_src, (x.dtype,), (None, None), x.device)
+    check_tensor(op, "row_src", row_src, (torch.int32,), (None,), x.device)
+    if row_src.shape[0] != x.shape[0]:
+        raise ValueError(f"moonep.{op}: row_src must have one entry per row of x (N = {x.shape[0]}), got "
+                         f"shape {tuple(row_src.shape)}")
+    _check_wgrad_outputs(op, x, dy_src.shape[1], cu_seqlens, dw_home, dw_slot)
+
+
+def _check_wgrad_rest(op: str, x, N: int, dy, cu_seqlens, dw_home, dw_slot) -> None:
+    """dy [N, Nd] and the gradients of a wgrad whose A operand has N rows of x's width and dtype."""
+    check_tensor(op, "dy", dy, (x.dtype,), (N, None), x.device)
+    _check_wgrad_outputs(op, x, dy.shape[1], cu_seqlens, dw_home, dw_slot)
+
+
+def _check_wgrad_outputs(op: str, x, Nd: int, cu_seqlens, dw_home, dw_slot) -> None:
+    """The gradients [*, Kd, Nd] of a wgrad whose A operand has x's width Kd and dtype, and their groups."""
+    Kd = x.shape[1]
     # home gradients are written in the rows' dtype; slot gradients (the reduce buffers) accumulate in fp32
-    check_tensor("group_gemm_wgrad", "dw_home", dw_home, (x.dtype,), (None, Kd, Nd), x.device)
-    check_tensor("group_gemm_wgrad", "dw_slot", dw_slot, (torch.float32,), (None, Kd, Nd), x.device)
-    check_groups("group_gemm_wgrad", cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
+    check_tensor(op, "dw_home", dw_home, (x.dtype,), (None, Kd, Nd), x.device)
+    check_tensor(op, "dw_slot", dw_slot, (torch.float32,), (None, Kd, Nd), x.device)
+    check_groups(op, cu_seqlens, dw_home.shape[0] + dw_slot.shape[0], None, x.device)
 
 
 def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, P: int) -> None:
     check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
 
 
-def check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote=None) -> int:
-    op = "group_gemm_swiglu"
+def check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote=None, *,
+                      op: str = "group_gemm_swiglu") -> int:
     check_tensor(op, "x", x, ROW_DTYPES, (None, None))
     check_pad(op, P)
     check_tensor(op, "w_gate_home", w_gate_home, (x.dtype,), (None, x.shape[1], None), x.device)
@@ -117,6 +154,16 @@ def group_gemm_swiglu(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seql
     F = check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote)
     n_pre = x.shape[0] if save_preact else 0
     return x.new_empty((x.shape[0], F)), x.new_empty((n_pre, F)), x.new_empty((n_pre, F))
+
+
+def check_swiglu_gather_args(x, row_src, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P,
+                             experts_remote=None) -> int:
+    """group_gemm_swiglu's contract with x [S, H] and row_src int32 [N] (the rows' token indices, -1: a zero
+    row) in place of the rows [N, H]."""
+    op = "group_gemm_swiglu_gather"
+    F = check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote, op=op)
+    check_tensor(op, "row_src", row_src, (torch.int32,), (None,), x.device)
+    return F
 
 
 def check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote=None) -> int:
@@ -137,14 +184,31 @@ def check_swiglu_bwd_args(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate
     op = "group_gemm_swiglu_bwd"
     check_tensor(op, "g_y", g_y, ROW_DTYPES, (None, None))
     check_pad(op, P)
-    N, H = g_y.shape
-    check_tensor(op, "w_down_home", w_down_home, (g_y.dtype,), (None, None, H), g_y.device)
+    return _check_swiglu_bwd_rest(op, g_y, g_y.shape[0], w_down_home, w_down_slot, cu_seqlens, row_w, gate, up)
+
+
+def check_swiglu_bwd_gather_args(g_out, row_src, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P) -> int:
+    """group_gemm_swiglu_bwd's contract with g_out [S, H] and row_src int32 [N] (the rows' token indices, -1: a
+    zero row) in place of g_y [N, H]: N is row_src's length, which row_w, gate and up hold to."""
+    op = "group_gemm_swiglu_bwd_gather"
+    check_tensor(op, "g_out", g_out, ROW_DTYPES, (None, None))
+    check_pad(op, P)
+    check_tensor(op, "row_src", row_src, (torch.int32,), (None,), g_out.device)
+    return _check_swiglu_bwd_rest(op, g_out, row_src.shape[0], w_down_home, w_down_slot, cu_seqlens, row_w, gate,
+                                  up)
+
+
+def _check_swiglu_bwd_rest(op: str, g, N: int, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up) -> int:
+    """The arguments after the output gradient ``g`` (its rows, or the tokens they are read from: [*, H]) of a
+    SwiGLU backward of N rows -> F."""
+    H = g.shape[1]
+    check_tensor(op, "w_down_home", w_down_home, (g.dtype,), (None, None, H), g.device)
     epn, F, _ = w_down_home.shape
-    check_tensor(op, "w_down_slot", w_down_slot, (g_y.dtype,), (None, F, H), g_y.device)
-    check_groups(op, cu_seqlens, epn + w_down_slot.shape[0], None, g_y.device)
-    check_tensor(op, "row_w", row_w, (torch.float32,), (N,), g_y.device)
-    check_tensor(op, "gate", gate, (g_y.dtype,), (N, F), g_y.device)
-    check_tensor(op, "up", up, (g_y.dtype,), (N, F), g_y.device)
+    check_tensor(op, "w_down_slot", w_down_slot, (g.dtype,), (None, F, H), g.device)
+    check_groups(op, cu_seqlens, epn + w_down_slot.shape[0], None, g.device)
+    check_tensor(op, "row_w", row_w, (torch.float32,), (N,), g.device)
+    check_tensor(op, "gate", gate, (g.dtype,), (N, F), g.device)
+    check_tensor(op, "up", up, (g.dtype,), (N, F), g.device)
     return F
 
 
