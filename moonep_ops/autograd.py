@@ -9,8 +9,10 @@ its op; Dynamo traces those under torch.compile. Backward never re-plans: it reu
   experts   (prefetch + fused SwiGLU GEMMs, one Function) backward = experts_ffn_backward: prefetch
             again, the down dgrad with the SwiGLU backward in its epilogue, the other dgrad/wgrad GEMMs,
             and reduce_grad of the copies' weight gradients into the home experts
-The steps of a MoE forward (`plan`, `dispatch`, `experts_ffn`, `combine`) take and return the named
-handles of handles.py; the Functions and ops underneath keep flat arguments.
+  experts + combine (one Function, what a MoE forward runs) backward = experts_combine_backward: the
+            two backwards above in one op, which frees the row gradients between them early
+The steps of a MoE forward (`plan`, `dispatch`, `experts_combine`; or `experts_ffn` then `combine`)
+take and return the named handles of handles.py; the Functions and ops underneath keep flat arguments.
 """
 
 from __future__ import annotations
@@ -135,9 +137,20 @@ def combine(ep: EPGroup, rows: Tensor, plan: Plan, dispatched: Dispatch) -> Tens
 
 
 # ---------------------------------------------------------------------------------------- experts
+def _experts_rows(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote, pool_gate,
+                  pool_up, pool_down, ctrl, P, group_name, save_preact, copies):
+    """The experts' forward: prefetch -> fused gate/up GEMM with the SwiGLU epilogue -> down GEMM with the
+    route-weight scaling epilogue: (outputs [NvS, H], gate, up; the pre-activations when `save_preact`)."""
+    if copies:
+        ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl, group_name)
+    cu, remote = ops.gemm_groups(cu_seqlens, experts_remote, copies, w_gate.shape[0])
+    hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu, P, save_preact, remote,
+                                             group_name)
+    return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu, row_w, P, remote, group_name), gate, up
+
+
 class _ExpertsFFN(torch.autograd.Function):
-    """One layer's SwiGLU experts on this rank's rows: prefetch -> fused gate/up GEMM with the SwiGLU
-    epilogue -> down GEMM with the route-weight scaling epilogue. The slot pools are shared by every
+    """One layer's SwiGLU experts on this rank's rows (`_experts_rows`). The slot pools are shared by every
     layer, so forward reads them in place; backward (`moonep::experts_ffn_backward`) prefetches this
     layer's copies again. `copies` False (the group has no copy buffers: R = 1 on CUDA): nothing to
     prefetch, the GEMMs get the home groups alone (`ops.gemm_groups`)."""
@@ -145,15 +158,11 @@ class _ExpertsFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
                 pool_gate, pool_up, pool_down, ctrl, P, group_name, ep_key, save_preact, copies):
-        if copies:
-            ops.prefetch_weights(w_gate, w_up, w_down, experts_to_copy, pool_gate, pool_up, pool_down, ctrl,
-                                 group_name)
-        cu, remote = ops.gemm_groups(cu_seqlens, experts_remote, copies, w_gate.shape[0])
-        hidden, gate, up = ops.group_gemm_swiglu(rows, w_gate, pool_gate, w_up, pool_up, cu, P, save_preact, remote,
-                                                 group_name)
+        y, gate, up = _experts_rows(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
+                                    pool_gate, pool_up, pool_down, ctrl, P, group_name, save_preact, copies)
         ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up)
         ctx.P, ctx.ep_key = P, ep_key
-        return ops.group_gemm_row_scale(hidden, w_down, pool_down, cu, row_w, P, remote, group_name)
+        return y
 
     @staticmethod
     def backward(ctx, g_y):
@@ -169,17 +178,69 @@ class _ExpertsFFN(torch.autograd.Function):
 _EXPERTS_FFN_ARGS = _forward_args(_ExpertsFFN)
 
 
+def _check_train(ep: EPGroup, *inputs: Tensor) -> bool:
+    """Whether the experts keep their pre-activations (a backward is to come: grad mode on and an input
+    requiring grad; inference keeps none), refused with B < epn, which has no gradient path."""
+    save_preact = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if save_preact and ep.cfg.B < ep.cfg.epn:
+        raise RuntimeError(
+            f"MoE experts: EPConfig.B={ep.cfg.B} < epn={ep.cfg.epn} is inference only (remote weight reads "
+            f"have no gradient path); run under torch.no_grad() / inference_mode, or train with B = epn")
+    return save_preact
+
+
 def experts_ffn(ep: EPGroup, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                 plan: Plan) -> Tensor:
     """Differentiable SwiGLU experts with copied slots: rows [NvS, H] with route weights row_w [NvS],
     grouped along `plan` -> route-weighted outputs [NvS, H]. With B < epn (inference) the copies without
     a slot (`plan.experts_remote`) are read from their home rank."""
-    # inference (no_grad, or nothing requires grad) keeps no pre-activations for a backward that never runs
-    save_preact = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, row_w, w_gate, w_up, w_down))
-    if save_preact and ep.cfg.B < ep.cfg.epn:
-        raise RuntimeError(
-            f"MoE experts: EPConfig.B={ep.cfg.B} < epn={ep.cfg.epn} is inference only (remote weight reads "
-            f"have no gradient path); run under torch.no_grad() / inference_mode, or train with B = epn")
+    save_preact = _check_train(ep, rows, row_w, w_gate, w_up, w_down)
     return _ExpertsFFN.apply(rows, row_w, w_gate, w_up, w_down, plan.cu_seqlens, plan.experts_to_copy,
                              plan.experts_remote, *ep.pools, ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact,
                              ep.layout.copies)
+
+
+class _ExpertsCombine(torch.autograd.Function):
+    """The experts (`_experts_rows`) and the combine of their outputs, one Function: its backward
+    (`moonep::experts_combine_backward`) takes the token gradients [S, H] and makes the row gradients
+    [NvS, H] inside one op, which frees them once the down-projection GEMMs have read them, so the input
+    gradient g_rows reuses their memory (as two Functions, combine's backward hands them to the experts'
+    backward op, which holds them to its end: one more [NvS, H] at the step's peak)."""
+
+    @staticmethod
+    def forward(ctx, rows, row_w, w_gate, w_up, w_down, row_primary, row_next, dst_rank, dst_row, primary_row,
+                cu_seqlens, group_rows, experts_to_copy, experts_remote, pool_gate, pool_up, pool_down, presum, ctrl,
+                P, group_name, ep_key, save_preact, copies):
+        y, gate, up = _experts_rows(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
+                                    pool_gate, pool_up, pool_down, ctrl, P, group_name, save_preact, copies)
+        out = ops.combine(y, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name)
+        ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, dst_rank, dst_row, primary_row, cu_seqlens,
+                              group_rows, experts_to_copy, gate, up)
+        ctx.P, ctx.ep_key = P, ep_key
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):
+        rows, row_w, w_gate, w_up, w_down, dst_rank, dst_row, primary_row, cu, group_rows, etc, gate, up = \
+            ctx.saved_tensors
+        # collective: every rank runs the whole backward whatever it needs
+        grads = ops.experts_combine_backward(g_out.contiguous(), dst_rank, dst_row, primary_row, group_rows, rows,
+                                             row_w, w_gate, w_up, w_down, cu, etc, gate, up, ctx.P, ctx.ep_key)
+        g_rows, g_row_w, dw_gate, dw_up, dw_down = grads
+        return _backward_result(_EXPERTS_COMBINE_ARGS, rows=g_rows, row_w=g_row_w, w_gate=dw_gate, w_up=dw_up,
+                                w_down=dw_down)
+
+
+_EXPERTS_COMBINE_ARGS = _forward_args(_ExpertsCombine)
+
+
+def experts_combine(ep: EPGroup, w_gate: Tensor, w_up: Tensor, w_down: Tensor, plan: Plan, dispatched: Dispatch
+                    ) -> Tensor:
+    """`combine(ep, experts_ffn(ep, dispatched.rows, ...), plan, dispatched)` as one differentiable step (the
+    same kernels on the same inputs, the same outputs and gradients; one [NvS, H] less at backward's peak:
+    `_ExpertsCombine`): the dispatched rows -> token rows [S, H]."""
+    save_preact = _check_train(ep, dispatched.rows, dispatched.row_w, w_gate, w_up, w_down)
+    return _ExpertsCombine.apply(dispatched.rows, dispatched.row_w, w_gate, w_up, w_down, dispatched.row_primary,
+                                 dispatched.row_next, plan.dst_rank, plan.dst_row, plan.primary_row, plan.cu_seqlens,
+                                 plan.group_rows, plan.experts_to_copy, plan.experts_remote, *ep.pools, ep.presum,
+                                 ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact, ep.layout.copies)

@@ -101,8 +101,7 @@ def moe_experts(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tensor, t
         route_w = torch.where(present, route_w, 0.0)
     plan = autograd.plan(ep, ids.contiguous())
     dispatched = autograd.dispatch(ep, tokens.contiguous(), route_w.contiguous(), plan)
-    out_rows = experts(dispatched, plan)
-    out = autograd.combine(ep, out_rows, plan, dispatched)
+    out = experts(dispatched, plan, combine=True)  # experts -> combine: one Function (autograd.experts_combine)
     return (out if full else out[:s]).to(x.dtype), plan.counts
 
 

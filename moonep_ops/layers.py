@@ -87,9 +87,13 @@ class MoEExperts(nn.Module):
         for w, fan_in in ((self.w_gate, c.H), (self.w_up, c.H), (self.w_down, c.F)):
             nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
-    def forward(self, dispatched: Dispatch, plan: Plan) -> torch.Tensor:
+    def forward(self, dispatched: Dispatch, plan: Plan, combine: bool = False) -> torch.Tensor:
         """The dispatched rows [NvS, H], grouped by plan.cu_seqlens (home experts, slots, remote reads) ->
-        their outputs [NvS, H] times their route weights (dispatched.row_w)."""
+        their outputs [NvS, H] times their route weights (dispatched.row_w); with `combine`, those outputs
+        combined into the token rows [S, H] in the same autograd Function (what `moe_experts` runs: its
+        backward holds one [NvS, H] less, autograd.experts_combine)."""
+        if combine:
+            return autograd.experts_combine(self.ep, self.w_gate, self.w_up, self.w_down, plan, dispatched)
         return autograd.experts_ffn(self.ep, dispatched.rows, dispatched.row_w, self.w_gate, self.w_up, self.w_down,
                                     plan)
 

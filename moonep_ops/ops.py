@@ -653,6 +653,12 @@ def combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_r
     """Gradient of combine: the token gradients [S, H] dispatched to the rows [NvS, H] (unit weights)."""
     checks.check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
     ep = group_by_key("combine_backward", ep_key)
+    return _dispatch_token_grads(ep, g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows)
+
+
+def _dispatch_token_grads(ep, g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
+                          cu_seqlens: Tensor, group_rows: Tensor) -> Tensor:
+    """combine's backward on the group's dispatch buffers: the token gradients [S, H] -> rows [NvS, H]."""
     unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=g_out.device)
     return dispatch(g_out, unit_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
                     ep.ctrl, ep.group_name)[0]
@@ -695,16 +701,50 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
                          ep_key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradient of one layer's SwiGLU experts (forward: h = silu(rows W_gate) * (rows W_up), then
     y = route_w * (h W_down), with the copies in the slot pools; `gate`/`up` are the saved
-    pre-activations): (g_rows, g_row_w, dw_gate, dw_up, dw_down). The pools hold another layer's copies
-    by now, so this prefetches the layer's copies again; the down-projection dgrad carries the SwiGLU
-    backward and the route-weight gradient in its epilogue; the wgrad GEMMs write the home experts'
+    pre-activations): (g_rows, g_row_w, dw_gate, dw_up, dw_down). `_experts_backward` says how."""
+    checks.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
+                                           gate, up, ep_key)
+    ep = group_by_key("experts_ffn_backward", ep_key)
+    return _experts_backward(ep, lambda: g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate,
+                             up, P)
+
+
+experts_ffn_backward.register_fake(fake.backward.experts_ffn_backward)
+
+
+@custom_op("moonep::experts_combine_backward", mutates_args=())
+def experts_combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
+                             group_rows: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor,
+                             w_down: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor,
+                             P: int, ep_key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradient of the experts and the combine after them (one autograd Function, moonep_ops/autograd.py):
+    the token gradients g_out [S, H] -> (g_rows, g_row_w, dw_gate, dw_up, dw_down), as combine_backward
+    then experts_ffn_backward. The row gradients g_y [NvS, H] between them live inside this op only, so
+    they are freed once the down-projection GEMMs have read them and g_rows takes their memory: one
+    [NvS, H] less at the step's peak (1.1 GB at the DESIGN shape) than the two ops in a row."""
+    checks.check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, row_w,
+                                               w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, ep_key)
+    ep = group_by_key("experts_combine_backward", ep_key)
+    return _experts_backward(
+        ep, lambda: _dispatch_token_grads(ep, g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows),
+        rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, P)
+
+
+experts_combine_backward.register_fake(fake.backward.experts_combine_backward)
+
+
+def _experts_backward(ep, make_g_y, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                      cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor, P: int
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The experts' backward, with the row gradients g_y [NvS, H] from `make_g_y()`: a g_y made there (the
+    combine's backward) is owned here and dropped after its last GEMM. The pools hold another layer's
+    copies by now, so this prefetches the layer's copies again; the down-projection dgrad carries the
+    SwiGLU backward and the route-weight gradient in its epilogue; the wgrad GEMMs write the home experts'
     gradients in the weights' dtype and accumulate the copies' gradients into the fp32 reduce buffers,
     and `reduce_grad` adds those to the home gradients (one more rounding for experts with copies). A
     group without copy buffers (R = 1 on CUDA) has no copies to prefetch or reduce: its GEMMs get the home
     groups alone (`gemm_groups`)."""
-    checks.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
-                                           gate, up, ep_key)
-    ep = group_by_key("experts_ffn_backward", ep_key)
+    g_y = make_g_y()  # first: the collectives run in the order of the two separate backward ops
     copies = ep.layout.copies
     pool_gate, pool_up, pool_down = ep.pools
     reduce_gate, reduce_up, reduce_down = ep.reduce_buffers
@@ -715,12 +755,12 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     g_gate, g_up, h_w, g_row_w = group_gemm_swiglu_bwd(g_y, w_down, pool_down, cu, row_w, gate, up, P)
     # the home gradients in the weights' dtype: wgrad writes every home expert's (zeros for an expert
     # without rows), reduce_grad adds the copies' fp32 gradients to those with copies (docs/design-notes.md).
-    # Each is allocated right before its wgrad, and each [NvS, F] operand is dropped after the last GEMM that
-    # reads it, so the caching allocator reuses that memory within this backward (a lower peak; the same
-    # kernels on the same inputs)
+    # Each is allocated right before its wgrad, and each operand is dropped after the last GEMM that reads
+    # it, so the caching allocator reuses that memory within this backward (a lower peak; the same kernels
+    # on the same inputs)
     dw_down = torch.empty_like(w_down)
     group_gemm_wgrad(h_w, g_y, cu, dw_down, reduce_down, P)
-    del h_w
+    del h_w, g_y
     # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H] output
     g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
     dw_gate = torch.empty_like(w_gate)
@@ -733,6 +773,3 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
         reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl,
                     ep.group_name)
     return g_rows, g_row_w, dw_gate, dw_up, dw_down
-
-
-experts_ffn_backward.register_fake(fake.backward.experts_ffn_backward)

@@ -53,8 +53,7 @@ forward:
   moonep.group_gemm_row_scale.default
   auto_functionalized(moonep.combine.default)
 backward:
-  moonep.combine_backward.default
-  moonep.experts_ffn_backward.default
+  moonep.experts_combine_backward.default
   moonep.dispatch_backward.default""")
 
 

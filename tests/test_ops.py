@@ -74,10 +74,13 @@ def op_cases(group, ids=None):
         "experts_ffn_backward": (ops.experts_ffn_backward.default, (rows, rows * 0.5, row_w, w_home, w_home * 0.5,
                                                                     wd_home, cu, etc, hidden, hidden * 0.5, c.P,
                                                                     ep.key)),
+        "experts_combine_backward": (ops.experts_combine_backward.default, (
+            x, dst_rank, dst_row, primary_row, group_rows, rows * 0.5, row_w, w_home, w_home * 0.5, wd_home, cu, etc,
+            hidden, hidden * 0.5, c.P, ep.key)),
     }
 
 
-BACKWARD_OPS = ("combine_backward", "dispatch_backward", "experts_ffn_backward")
+BACKWARD_OPS = ("combine_backward", "dispatch_backward", "experts_ffn_backward", "experts_combine_backward")
 
 
 @pytest.mark.parametrize("name", MOONEP_OPS + BACKWARD_OPS)
@@ -402,6 +405,23 @@ def test_plan_rejects_wrong_R(gloo1):
     with pytest.raises(ValueError, match=r"moonep.plan: R=2 but process group"):
         ops.plan(torch.zeros(4, 1, dtype=torch.long), 4, 2, 16, 2, torch.zeros(control_words(2, 4), dtype=torch.int32),
                  gloo1)
+
+
+def test_experts_combine_backward_is_the_two_backwards_in_a_row(gloo1):
+    """The fused op (one autograd Function for the experts and the combine) returns bitwise what
+    combine_backward then experts_ffn_backward return: the same ops on the same inputs."""
+    ep, cases = op_cases(gloo1)
+    g_out, dst_rank, dst_row, primary_row, group_rows, *saved, P, key = cases["experts_combine_backward"][1]
+    rows, row_w, w_gate, w_up, w_down, cu, etc, gate, up = saved
+    fused = ops.experts_combine_backward(g_out, dst_rank, dst_row, primary_row, group_rows, *saved, P, key)
+    g_y = ops.combine_backward(g_out, dst_rank, dst_row, primary_row, cu, group_rows, key)
+    assert g_y.abs().sum() > 0  # the routed rows carry their token's gradient
+    two = ops.experts_ffn_backward(g_y, *saved, P, key)
+    for name, a, b in zip(("g_rows", "g_row_w", "dw_gate", "dw_up", "dw_down"), fused, two):
+        assert torch.equal(a, b), name
+        assert a.abs().sum() > 0, name
+    with pytest.raises(ValueError, match=r"moonep.experts_combine_backward: g_out must have shape \[6, 16\]"):
+        ops.experts_combine_backward(g_out[:4], dst_rank, dst_row, primary_row, group_rows, *saved, P, key)
 
 
 def test_backward_op_with_a_dead_group_key(gloo1):

@@ -1,11 +1,13 @@
-"""Fake kernels of the backward ops (moonep::combine_backward, dispatch_backward, experts_ffn_backward).
+"""Fake kernels of the backward ops (moonep::combine_backward, dispatch_backward, experts_ffn_backward,
+experts_combine_backward).
 
 They run the forward ops on the EP group's own buffers (moonep_ops/ops.py); the output shapes follow
 from the EPConfig of the group their `ep_key` names, which the checks return."""
 
 import torch
 
-from ..checks import check_combine_backward_args, check_dispatch_backward_args, check_experts_ffn_backward_args
+from ..checks import (check_combine_backward_args, check_dispatch_backward_args, check_experts_combine_backward_args,
+                      check_experts_ffn_backward_args)
 
 
 def combine_backward(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key: str):
@@ -23,5 +25,17 @@ def experts_ffn_backward(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, exp
                          ep_key: str):
     check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up,
                                     ep_key)
+    return _experts_grads(rows, row_w, w_gate, w_up, w_down)
+
+
+def experts_combine_backward(g_out, dst_rank, dst_row, primary_row, group_rows, rows, row_w, w_gate, w_up, w_down,
+                             cu_seqlens, experts_to_copy, gate, up, P: int, ep_key: str):
+    check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, row_w, w_gate, w_up,
+                                        w_down, cu_seqlens, experts_to_copy, gate, up, ep_key)
+    return _experts_grads(rows, row_w, w_gate, w_up, w_down)
+
+
+def _experts_grads(rows, row_w, w_gate, w_up, w_down):
+    """(g_rows, g_row_w, dw_gate, dw_up, dw_down): each the shape and dtype of what it is the gradient of."""
     return (torch.empty_like(rows), torch.empty_like(row_w), torch.empty_like(w_gate), torch.empty_like(w_up),
             torch.empty_like(w_down))
