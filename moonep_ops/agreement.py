@@ -68,12 +68,14 @@ def wait_in_op(work, group) -> None:
 
 
 # ------------------------------------------------------------------------------------- fingerprint
-def fingerprint(cfg, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    """Everything the ranks of one EP group must agree on, as named integers (EPConfig fields as is)."""
+def fingerprint(cfg, dtype: torch.dtype, device: torch.device, recompute_rows: bool = False) -> dict[str, int]:
+    """Everything the ranks of one EP group must agree on, as named integers (EPConfig fields as is;
+    `recompute_rows` adds a collective to every backward, so it must be the same everywhere)."""
     if dtype not in ROW_DTYPES:
         raise ValueError(f"EPGroup: dtype must be one of {[str(d) for d in ROW_DTYPES]}, got {dtype}")
     return {"ops version": OPS_VERSION, **{f"EPConfig.{f}": getattr(cfg, f) for f in "SHKEFRPB"},
-            "dtype": ROW_DTYPES.index(dtype), "device type": DEVICE_TYPES.index(device.type)}
+            "dtype": ROW_DTYPES.index(dtype), "device type": DEVICE_TYPES.index(device.type),
+            "recompute_rows": int(recompute_rows)}
 
 
 def _shown(name: str, v: int) -> str:
@@ -81,12 +83,15 @@ def _shown(name: str, v: int) -> str:
         return str(ROW_DTYPES[v]) if 0 <= v < len(ROW_DTYPES) else f"dtype #{v}"
     if name == "device type":
         return DEVICE_TYPES[v] if 0 <= v < len(DEVICE_TYPES) else f"device #{v}"
+    if name == "recompute_rows":
+        return str(bool(v))
     return str(v)
 
 
-def check_fingerprint(cfg, dtype: torch.dtype, device: torch.device, group, timeout_s: float) -> None:
+def check_fingerprint(cfg, dtype: torch.dtype, device: torch.device, group, timeout_s: float,
+                      recompute_rows: bool = False) -> None:
     """Raise on every rank if the ranks' fingerprints differ (collective; `EPGroup` calls it)."""
-    mine = fingerprint(cfg, dtype, device)
+    mine = fingerprint(cfg, dtype, device, recompute_rows)
     if dist.get_world_size(group) == 1:
         # nobody to disagree with; and a 1-rank CUDA group then creates no NCCL communicator at all (its
         # ops synchronise through the control block), which costs start-up time and device memory
@@ -98,7 +103,7 @@ def check_fingerprint(cfg, dtype: torch.dtype, device: torch.device, group, time
              for i, name in enumerate(mine) if bool((every[:, i] != every[0, i]).any())]
     if diffs:
         raise ValueError("EPGroup: the ranks disagree on " + "; ".join(diffs)
-                         + " (every rank must build its EPGroup with the same EPConfig and dtype)")
+                         + " (every rank must build its EPGroup with the same EPConfig, dtype and options)")
 
 
 # ----------------------------------------------------------------------------------- op agreement

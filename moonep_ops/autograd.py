@@ -126,7 +126,7 @@ def plan(ep: EPGroup, topk_ids: Tensor) -> Plan:
 def dispatch(ep: EPGroup, x: Tensor, route_w: Tensor, plan: Plan) -> Dispatch:
     """Differentiable dispatch of the token rows x [S, H] with route weights [S, K] along `plan`."""
     return Dispatch(*_Dispatch.apply(x, route_w, plan.dst_rank, plan.dst_row, plan.primary_row, plan.cu_seqlens,
-                                     plan.group_rows, *ep.dispatch_buffers, ep.ctrl, ep.group_name, ep.key))
+                                     plan.group_rows, *ep.dispatch_buffers, ep.ctrl, ep.group_name, ep.key), tokens=x)
 
 
 def combine(ep: EPGroup, rows: Tensor, plan: Plan, dispatched: Dispatch) -> Tensor:
@@ -205,27 +205,31 @@ class _ExpertsCombine(torch.autograd.Function):
     (`moonep::experts_combine_backward`) takes the token gradients [S, H] and makes the row gradients
     [NvS, H] inside one op, which frees them once the down-projection GEMMs have read them, so the input
     gradient g_rows reuses their memory (as two Functions, combine's backward hands them to the experts'
-    backward op, which holds them to its end: one more [NvS, H] at the step's peak)."""
+    backward op, which holds them to its end: one more [NvS, H] at the step's peak). `recompute_rows`
+    (EPGroup): it keeps the dispatched `tokens` [S, H] instead of `rows`, and its backward dispatches
+    them again."""
 
     @staticmethod
-    def forward(ctx, rows, row_w, w_gate, w_up, w_down, row_primary, row_next, dst_rank, dst_row, primary_row,
-                cu_seqlens, group_rows, experts_to_copy, experts_remote, pool_gate, pool_up, pool_down, presum, ctrl,
-                P, group_name, ep_key, save_preact, copies):
+    def forward(ctx, rows, row_w, w_gate, w_up, w_down, tokens, row_primary, row_next, dst_rank, dst_row,
+                primary_row, cu_seqlens, group_rows, experts_to_copy, experts_remote, pool_gate, pool_up, pool_down,
+                presum, ctrl, P, group_name, ep_key, save_preact, copies, recompute_rows):
         y, gate, up = _experts_rows(rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, experts_remote,
                                     pool_gate, pool_up, pool_down, ctrl, P, group_name, save_preact, copies)
         out = ops.combine(y, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name)
-        ctx.save_for_backward(rows, row_w, w_gate, w_up, w_down, dst_rank, dst_row, primary_row, cu_seqlens,
+        kept = (None, tokens) if recompute_rows else (rows, None)
+        ctx.save_for_backward(*kept, row_w, w_gate, w_up, w_down, dst_rank, dst_row, primary_row, cu_seqlens,
                               group_rows, experts_to_copy, gate, up)
         ctx.P, ctx.ep_key = P, ep_key
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        rows, row_w, w_gate, w_up, w_down, dst_rank, dst_row, primary_row, cu, group_rows, etc, gate, up = \
+        rows, tokens, row_w, w_gate, w_up, w_down, dst_rank, dst_row, primary_row, cu, group_rows, etc, gate, up = \
             ctx.saved_tensors
         # collective: every rank runs the whole backward whatever it needs
         grads = ops.experts_combine_backward(g_out.contiguous(), dst_rank, dst_row, primary_row, group_rows, rows,
-                                             row_w, w_gate, w_up, w_down, cu, etc, gate, up, ctx.P, ctx.ep_key)
+                                             tokens, row_w, w_gate, w_up, w_down, cu, etc, gate, up, ctx.P,
+                                             ctx.ep_key)
         g_rows, g_row_w, dw_gate, dw_up, dw_down = grads
         return _backward_result(_EXPERTS_COMBINE_ARGS, rows=g_rows, row_w=g_row_w, w_gate=dw_gate, w_up=dw_up,
                                 w_down=dw_down)
@@ -240,7 +244,12 @@ def experts_combine(ep: EPGroup, w_gate: Tensor, w_up: Tensor, w_down: Tensor, p
     same kernels on the same inputs, the same outputs and gradients; one [NvS, H] less at backward's peak:
     `_ExpertsCombine`): the dispatched rows -> token rows [S, H]."""
     save_preact = _check_train(ep, dispatched.rows, dispatched.row_w, w_gate, w_up, w_down)
-    return _ExpertsCombine.apply(dispatched.rows, dispatched.row_w, w_gate, w_up, w_down, dispatched.row_primary,
-                                 dispatched.row_next, plan.dst_rank, plan.dst_row, plan.primary_row, plan.cu_seqlens,
-                                 plan.group_rows, plan.experts_to_copy, plan.experts_remote, *ep.pools, ep.presum,
-                                 ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact, ep.layout.copies)
+    recompute = ep.recompute_rows and save_preact
+    if recompute and dispatched.tokens is None:
+        raise ValueError("experts_combine: EPGroup(recompute_rows=True) needs the dispatched tokens "
+                         "(dispatched.tokens, which autograd.dispatch sets)")
+    return _ExpertsCombine.apply(dispatched.rows, dispatched.row_w, w_gate, w_up, w_down, dispatched.tokens,
+                                 dispatched.row_primary, dispatched.row_next, plan.dst_rank, plan.dst_row,
+                                 plan.primary_row, plan.cu_seqlens, plan.group_rows, plan.experts_to_copy,
+                                 plan.experts_remote, *ep.pools, ep.presum, ep.ctrl, ep.cfg.P, ep.group_name, ep.key,
+                                 save_preact, ep.layout.copies, recompute)

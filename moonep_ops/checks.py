@@ -284,28 +284,33 @@ def check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_s
     op = "experts_ffn_backward"
     cfg, dtype = config_by_key(op, ep_key)
     check_tensor(op, "g_y", g_y, (dtype,), (cfg.NvS, cfg.H))
-    _check_experts_saved(op, cfg, dtype, g_y.device, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
-                         gate, up)
+    check_tensor(op, "rows", rows, (dtype,), (cfg.NvS, cfg.H), g_y.device)
+    _check_experts_saved(op, cfg, dtype, g_y.device, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate,
+                         up)
     return cfg
 
 
-def check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, row_w, w_gate, w_up,
-                                        w_down, cu_seqlens, experts_to_copy, gate, up, ep_key):
+def check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, tokens, row_w,
+                                        w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, ep_key):
     op = "experts_combine_backward"
     cfg, dtype = config_by_key(op, ep_key)
     check_tensor(op, "g_out", g_out, (dtype,), (cfg.S, cfg.H))
     dev = g_out.device
     check_token_plan(op, cfg.S, cfg.K, dev, dst_rank=dst_rank, dst_row=dst_row, primary_row=primary_row)
     check_tensor(op, "group_rows", group_rows, I32, (cfg.G,), dev)
-    _check_experts_saved(op, cfg, dtype, dev, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate,
-                         up)
+    if (rows is None) == (tokens is None):
+        raise ValueError(f"moonep.{op}: exactly one of rows (the dispatched rows) and tokens (the tokens to "
+                         f"dispatch again) must be given, got {'both' if rows is not None else 'neither'}")
+    if tokens is not None:
+        check_tensor(op, "tokens", tokens, (dtype,), (cfg.S, cfg.H), dev)
+    else:
+        check_tensor(op, "rows", rows, (dtype,), (cfg.NvS, cfg.H), dev)
+    _check_experts_saved(op, cfg, dtype, dev, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up)
     return cfg
 
 
-def _check_experts_saved(op, cfg, dtype, dev, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate,
-                         up):
-    """What the experts' forward saved for its backward, held to the group's EPConfig."""
-    check_tensor(op, "rows", rows, (dtype,), (cfg.NvS, cfg.H), dev)
+def _check_experts_saved(op, cfg, dtype, dev, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up):
+    """What the experts' forward saved for its backward (the rows aside), held to the group's EPConfig."""
     check_tensor(op, "row_w", row_w, F32, (cfg.NvS,), dev)
     check_tensor(op, "w_gate", w_gate, (dtype,), (cfg.epn, cfg.H, cfg.F), dev)
     check_tensor(op, "w_up", w_up, (dtype,), (cfg.epn, cfg.H, cfg.F), dev)

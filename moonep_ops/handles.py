@@ -31,3 +31,4 @@ class Dispatch(NamedTuple):
     row_w: torch.Tensor        # [NvS] fp32 route weight of each row
     row_primary: torch.Tensor  # [NvS] int32 the row that carried its token over the link (-1: padding)
     row_next: torch.Tensor     # [NvS] int32 the token's next row on this rank in k order (-1: none)
+    tokens: torch.Tensor | None = None  # [S, H] what was dispatched (re-dispatched by EPGroup(recompute_rows))

@@ -653,14 +653,15 @@ def combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_r
     """Gradient of combine: the token gradients [S, H] dispatched to the rows [NvS, H] (unit weights)."""
     checks.check_combine_backward_args(g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, ep_key)
     ep = group_by_key("combine_backward", ep_key)
-    return _dispatch_token_grads(ep, g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows)
+    return _dispatch_rows(ep, g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows)
 
 
-def _dispatch_token_grads(ep, g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
-                          cu_seqlens: Tensor, group_rows: Tensor) -> Tensor:
-    """combine's backward on the group's dispatch buffers: the token gradients [S, H] -> rows [NvS, H]."""
-    unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=g_out.device)
-    return dispatch(g_out, unit_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
+def _dispatch_rows(ep, tokens: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor, cu_seqlens: Tensor,
+                   group_rows: Tensor) -> Tensor:
+    """A dispatch of token rows [S, H] on the group's buffers -> rows [NvS, H]: combine's backward (of the
+    token gradients) and the recomputed rows of EPGroup(recompute_rows) (of the tokens)."""
+    unit_w = torch.ones(dst_rank.shape, dtype=torch.float32, device=tokens.device)
+    return dispatch(tokens, unit_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, *ep.dispatch_buffers,
                     ep.ctrl, ep.group_name)[0]
 
 
@@ -705,8 +706,8 @@ def experts_ffn_backward(g_y: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tenso
     checks.check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
                                            gate, up, ep_key)
     ep = group_by_key("experts_ffn_backward", ep_key)
-    return _experts_backward(ep, lambda: g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate,
-                             up, P)
+    return _experts_backward(ep, lambda: g_y, lambda: rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy,
+                             gate, up, P)
 
 
 experts_ffn_backward.register_fake(fake.backward.experts_ffn_backward)
@@ -714,36 +715,44 @@ experts_ffn_backward.register_fake(fake.backward.experts_ffn_backward)
 
 @custom_op("moonep::experts_combine_backward", mutates_args=())
 def experts_combine_backward(g_out: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
-                             group_rows: Tensor, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor,
-                             w_down: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor,
-                             P: int, ep_key: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                             group_rows: Tensor, rows: Tensor | None, tokens: Tensor | None, row_w: Tensor,
+                             w_gate: Tensor, w_up: Tensor, w_down: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor,
+                             gate: Tensor, up: Tensor, P: int, ep_key: str
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradient of the experts and the combine after them (one autograd Function, moonep_ops/autograd.py):
     the token gradients g_out [S, H] -> (g_rows, g_row_w, dw_gate, dw_up, dw_down), as combine_backward
     then experts_ffn_backward. The row gradients g_y [NvS, H] between them live inside this op only, so
     they are freed once the down-projection GEMMs have read them and g_rows takes their memory: one
-    [NvS, H] less at the step's peak (1.1 GB at the DESIGN shape) than the two ops in a row."""
-    checks.check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, row_w,
-                                               w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, ep_key)
+    [NvS, H] less at the step's peak (1.1 GB at the DESIGN shape) than the two ops in a row. Exactly one
+    of `rows` (the dispatched rows the forward kept) and `tokens` (the dispatched tokens [S, H]: the rows
+    are dispatched again, into g_y's memory; EPGroup(recompute_rows)) is given."""
+    checks.check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, tokens,
+                                               row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up,
+                                               ep_key)
     ep = group_by_key("experts_combine_backward", ep_key)
-    return _experts_backward(
-        ep, lambda: _dispatch_token_grads(ep, g_out, dst_rank, dst_row, primary_row, cu_seqlens, group_rows),
-        rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, P)
+    tables = (dst_rank, dst_row, primary_row, cu_seqlens, group_rows)
+    return _experts_backward(ep, lambda: _dispatch_rows(ep, g_out, *tables),
+                             (lambda: rows) if tokens is None else (lambda: _dispatch_rows(ep, tokens, *tables)),
+                             row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, P,
+                             recomputed=tokens is not None)
 
 
 experts_combine_backward.register_fake(fake.backward.experts_combine_backward)
 
 
-def _experts_backward(ep, make_g_y, rows: Tensor, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                      cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor, P: int
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The experts' backward, with the row gradients g_y [NvS, H] from `make_g_y()`: a g_y made there (the
-    combine's backward) is owned here and dropped after its last GEMM. The pools hold another layer's
-    copies by now, so this prefetches the layer's copies again; the down-projection dgrad carries the
-    SwiGLU backward and the route-weight gradient in its epilogue; the wgrad GEMMs write the home experts'
-    gradients in the weights' dtype and accumulate the copies' gradients into the fp32 reduce buffers,
-    and `reduce_grad` adds those to the home gradients (one more rounding for experts with copies). A
-    group without copy buffers (R = 1 on CUDA) has no copies to prefetch or reduce: its GEMMs get the home
-    groups alone (`gemm_groups`)."""
+def _experts_backward(ep, make_g_y, make_rows, row_w: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                      cu_seqlens: Tensor, experts_to_copy: Tensor, gate: Tensor, up: Tensor, P: int,
+                      recomputed: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The experts' backward, with the row gradients g_y [NvS, H] from `make_g_y()` and the dispatched rows
+    from `make_rows()`: a g_y made there (the combine's backward) is owned here and dropped after its last
+    GEMM; `recomputed` rows (dispatched again) are made after that, into g_y's memory, and dropped after
+    the gate/up wgrads, before the dgrad makes g_rows. The pools hold another layer's copies by now, so
+    this prefetches the layer's copies again; the down-projection dgrad carries the SwiGLU backward and
+    the route-weight gradient in its epilogue; the wgrad GEMMs write the home experts' gradients in the
+    weights' dtype and accumulate the copies' gradients into the fp32 reduce buffers, and `reduce_grad`
+    adds those to the home gradients (one more rounding for experts with copies). A group without copy
+    buffers (R = 1 on CUDA) has no copies to prefetch or reduce: its GEMMs get the home groups alone
+    (`gemm_groups`)."""
     g_y = make_g_y()  # first: the collectives run in the order of the two separate backward ops
     copies = ep.layout.copies
     pool_gate, pool_up, pool_down = ep.pools
@@ -761,13 +770,20 @@ def _experts_backward(ep, make_g_y, rows: Tensor, row_w: Tensor, w_gate: Tensor,
     dw_down = torch.empty_like(w_down)
     group_gemm_wgrad(h_w, g_y, cu, dw_down, reduce_down, P)
     del h_w, g_y
-    # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H] output
-    g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
-    dw_gate = torch.empty_like(w_gate)
-    group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
-    del g_gate
-    dw_up = torch.empty_like(w_up)
-    group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
+    dw_gate, dw_up = torch.empty_like(w_gate), torch.empty_like(w_up)
+    if recomputed:
+        rows = make_rows()
+        group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
+        group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
+        del rows
+        g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
+    else:
+        # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H]
+        g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
+        rows = make_rows()
+        group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
+        del g_gate
+        group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
     del g_up
     if copies:
         reduce_grad(experts_to_copy, reduce_gate, reduce_up, reduce_down, dw_gate, dw_up, dw_down, ep.ctrl,

@@ -289,17 +289,17 @@ def _next_rows(dst_rank: torch.Tensor, dst_row: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ MoELayer
-def _layer_with_global_weights(rank: int, cfg: EPConfig, skew: str):
-    """A MoELayer on a new EPGroup holding this rank's share of ``ep_workers.global_weights`` (bf16):
-    (group, layer, this rank's input tokens and output gradient on the GPU, the bf16 global (router,
-    w_gate, w_up, w_down) for the dense reference)."""
+def _layer_with_global_weights(rank: int, cfg: EPConfig, skew: str, **group_kwargs):
+    """A MoELayer on a new EPGroup (options `group_kwargs`) holding this rank's share of
+    ``ep_workers.global_weights`` (bf16): (group, layer, this rank's input tokens and output gradient on
+    the GPU, the bf16 global (router, w_gate, w_up, w_down) for the dense reference)."""
     import ep_workers
     from moonep_ops import MoELayer
 
     x_all, router, w_gate, w_up, w_down, grad_out = ep_workers.global_weights(cfg, skew)
     bf = torch.bfloat16
     router, w_gate, w_up, w_down = (t.to(bf) for t in (router, w_gate, w_up, w_down))
-    ep = ep_workers.compiling_group(cfg, device="cuda")  # its callers torch.compile the layer
+    ep = ep_workers.compiling_group(cfg, device="cuda", **group_kwargs)  # its callers torch.compile the layer
     layer = MoELayer(ep)
     mine, tokens = slice(rank * cfg.epn, (rank + 1) * cfg.epn), slice(rank * cfg.S, (rank + 1) * cfg.S)
     with torch.no_grad():
@@ -342,13 +342,19 @@ def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled:
     """The whole MoELayer on the GPU (plan, dispatch, prefetch, grouped GEMMs, combine, reduce_grad):
     forward and every gradient, with the dense fp32 reference of this rank's tokens (routing fixed to
     the ids the layer chose, route weights recomputed in fp32 so the router gradient is checked);
-    two runs bitwise equal; optionally torch.compile(fullgraph=True) equal to eager."""
+    two runs bitwise equal, and a layer on an EPGroup(recompute_rows=True) bitwise equal to them;
+    optionally torch.compile(fullgraph=True) equal to eager."""
     cfg = EPConfig(R=R, **cfg_kwargs)
     ep, layer, x0, g, weights = _layer_with_global_weights(rank, cfg, skew)
     first = _forward_backward(layer, x0, g)
     second = _forward_backward(layer, x0, g)
+    ep_again, layer_again, *_ = _layer_with_global_weights(rank, cfg, skew, recompute_rows=True)
+    recomputed = _forward_backward(layer_again, x0, g)
+    ep_again.destroy()
     out = dict(names=["y", "x", "router", "gate", "up", "down"], got=first,
-               bitwise=all(torch.equal(a, b) for a, b in zip(first, second)), counts=layer.last_counts.cpu())
+               bitwise=all(torch.equal(a, b) for a, b in zip(first, second)), counts=layer.last_counts.cpu(),
+               recomputed_differ=[n for n, a, b in zip(["y", "x", "router", "gate", "up", "down"], first, recomputed)
+                                   if not torch.equal(a, b)])
     if compiled:
         out["compiled"] = _forward_backward(layer, x0, g, torch.compile(layer, fullgraph=True))
     ep.check("moe layer")

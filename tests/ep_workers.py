@@ -32,10 +32,11 @@ def compiling_group(cfg: EPConfig, **kwargs) -> EPGroup:
     return EPGroup(cfg, timeout_s=COLLECTIVE_TIMEOUT_S, **kwargs)
 
 
-def build_layer(cfg: EPConfig, rank: int, skew: str, dtype=torch.float32, compiled: bool = False):
+def build_layer(cfg: EPConfig, rank: int, skew: str, dtype=torch.float32, compiled: bool = False, **group_kwargs):
     """A MoELayer with the weights of `global_weights` (this rank's home experts), this rank's inputs and
-    output gradient; `compiled`: the layer will run under torch.compile (see compiling_group)."""
-    ep = compiling_group(cfg, dtype=dtype) if compiled else EPGroup(cfg, dtype=dtype)
+    output gradient; `compiled`: the layer will run under torch.compile (see compiling_group);
+    `group_kwargs`: EPGroup options."""
+    ep = compiling_group(cfg, dtype=dtype, **group_kwargs) if compiled else EPGroup(cfg, dtype=dtype, **group_kwargs)
     layer = MoELayer(ep)
     x_all, router, w_gate, w_up, w_down, grad_out = global_weights(cfg, skew)
     mine = slice(rank * cfg.epn, (rank + 1) * cfg.epn)
@@ -48,18 +49,35 @@ def build_layer(cfg: EPConfig, rank: int, skew: str, dtype=torch.float32, compil
     return layer, x_all[tokens].clone(), grad_out[tokens].clone()
 
 
-def forward_backward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...]):
-    """For each skew: this rank's output and every gradient, and the plan it used."""
+def forward_backward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...], group_kwargs: dict | None = None):
+    """For each skew: this rank's output and every gradient, and the plan it used; and the shapes of what
+    the experts' autograd node kept for its backward."""
     cfg = EPConfig(R=R, **cfg_kwargs)
     out = {}
     for skew in skews:
-        layer, x, grad_out = build_layer(cfg, rank, skew)
+        layer, x, grad_out = build_layer(cfg, rank, skew, **(group_kwargs or {}))
         x.requires_grad_()
         y = layer(x)
+        kept = [tuple(t.shape) for t in _experts_node(y).saved_tensors if t is not None]
         y.backward(grad_out)
         out[skew] = dict(y=y.detach(), x=x.grad, router=layer.router.weight.grad, gate=layer.experts.w_gate.grad,
                          up=layer.experts.w_up.grad, down=layer.experts.w_down.grad, counts=layer.last_counts)
+        out[skew + " kept"] = kept
     return out
+
+
+def _experts_node(y: torch.Tensor):
+    """The autograd node of the experts (+ combine) Function in y's graph."""
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        if node.name() == "_ExpertsCombineBackward":
+            return node
+        seen.add(id(node))
+        todo.extend(n for n, _ in node.next_functions)
+    raise AssertionError("no _ExpertsCombineBackward node in the graph")
 
 
 def inference_forward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...],

@@ -29,6 +29,8 @@ def config_drift(rank: int, R: int, cases: list) -> dict:
     for name, kw0, kw1, dt0, dt1 in cases:
         kw, dt = (kw0, dt0) if rank == 0 else (kw1, dt1)
         out[name] = outcome(lambda: EPGroup(EPConfig(R=R, **kw), dtype=dt))
+    out["recompute_rows"] = outcome(lambda: EPGroup(EPConfig(R=R, **SHAPE), dtype=torch.float32,
+                                                    recompute_rows=rank == 0))
     out["agreed"] = outcome(lambda: EPGroup(EPConfig(R=R, **SHAPE), dtype=torch.float32).destroy())
     return out
 

@@ -49,6 +49,23 @@ def test_two_runs_bitwise_identical():
             assert torch.equal(t, rb["extreme"][key]), key
 
 
+def test_recompute_rows_is_bitwise_the_kept_rows():
+    """EPGroup(recompute_rows=True): the experts keep the tokens [S, H] instead of the dispatched rows
+    [NvS, H] and their backward dispatches the tokens again; outputs and every gradient are bitwise
+    those of the default (2 ranks, the extreme skew: the plan copies experts, so prefetch and
+    reduce_grad run around the extra dispatch)."""
+    cfg_kwargs = dict(SHAPE, E=8)
+    cfg = EPConfig(R=2, **cfg_kwargs)
+    kept = run_ranks(ep_workers.forward_backward, 2, cfg_kwargs, ("extreme",))
+    again = run_ranks(ep_workers.forward_backward, 2, cfg_kwargs, ("extreme",), dict(recompute_rows=True))
+    for ra, rb in zip(kept, again):
+        assert rank_imbalance(ra["extreme"]["counts"]) > 1.5  # rank 1's experts get nearly every row: copies
+        for key, t in ra["extreme"].items():
+            assert torch.equal(t, rb["extreme"][key]), key
+        assert (cfg.NvS, cfg.H) in ra["extreme kept"] and (cfg.S, cfg.H) not in ra["extreme kept"]
+        assert (cfg.NvS, cfg.H) not in rb["extreme kept"] and (cfg.S, cfg.H) in rb["extreme kept"]
+
+
 def test_backward_with_unused_outputs():
     """Dispatch's row weights unused (unit weights instead): every gradient still matches the dense
     sum over each token's K experts, and the route weights get no gradient."""

@@ -35,7 +35,8 @@ def test_config_drift_fails_on_every_rank_naming_the_field():
                                                                   "EPConfig.K: rank 0: 2, rank 1: 1"],
               "P64": ["EPConfig.P: rank 0: 16, rank 1: 64"], "E": ["EPConfig.E: rank 0: 4, rank 1: 8"],
               "H": ["EPConfig.H: rank 0: 16, rank 1: 32"], "F": ["EPConfig.F: rank 0: 8, rank 1: 16"],
-              "B": ["EPConfig.B: rank 0: 2, rank 1: 1"], "dtype": ["dtype: rank 0: torch.float32, rank 1: torch.bfloat16"]}
+              "B": ["EPConfig.B: rank 0: 2, rank 1: 1"], "dtype": ["dtype: rank 0: torch.float32, rank 1: torch.bfloat16"],
+              "recompute_rows": ["recompute_rows: rank 0: True, rank 1: False"]}
     for r in res:
         for case, wants in fields.items():
             kind, msg, elapsed = r[case]

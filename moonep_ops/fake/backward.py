@@ -23,19 +23,20 @@ def dispatch_backward(g_rows, g_row_w, row_primary, row_next, dst_rank, dst_row,
 
 def experts_ffn_backward(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, P: int,
                          ep_key: str):
-    check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up,
-                                    ep_key)
-    return _experts_grads(rows, row_w, w_gate, w_up, w_down)
+    cfg = check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate,
+                                          up, ep_key)
+    return _experts_grads(cfg, row_w, w_gate, w_up, w_down)
 
 
-def experts_combine_backward(g_out, dst_rank, dst_row, primary_row, group_rows, rows, row_w, w_gate, w_up, w_down,
-                             cu_seqlens, experts_to_copy, gate, up, P: int, ep_key: str):
-    check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, row_w, w_gate, w_up,
-                                        w_down, cu_seqlens, experts_to_copy, gate, up, ep_key)
-    return _experts_grads(rows, row_w, w_gate, w_up, w_down)
+def experts_combine_backward(g_out, dst_rank, dst_row, primary_row, group_rows, rows, tokens, row_w, w_gate, w_up,
+                             w_down, cu_seqlens, experts_to_copy, gate, up, P: int, ep_key: str):
+    cfg = check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, group_rows, rows, tokens, row_w,
+                                              w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up, ep_key)
+    return _experts_grads(cfg, row_w, w_gate, w_up, w_down)
 
 
-def _experts_grads(rows, row_w, w_gate, w_up, w_down):
-    """(g_rows, g_row_w, dw_gate, dw_up, dw_down): each the shape and dtype of what it is the gradient of."""
-    return (torch.empty_like(rows), torch.empty_like(row_w), torch.empty_like(w_gate), torch.empty_like(w_up),
-            torch.empty_like(w_down))
+def _experts_grads(cfg, row_w, w_gate, w_up, w_down):
+    """(g_rows [NvS, H], g_row_w, dw_gate, dw_up, dw_down): each the shape and dtype of what it is the
+    gradient of."""
+    return (w_gate.new_empty((cfg.NvS, cfg.H)), torch.empty_like(row_w), torch.empty_like(w_gate),
+            torch.empty_like(w_up), torch.empty_like(w_down))
