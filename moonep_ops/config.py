@@ -106,6 +106,14 @@ class EPConfig:
         return 2 * self.epn
 
     @property
+    def padded_groups(self) -> int:
+        """The groups whose padding a rank's receive rows must hold: all G with R > 1; with R = 1 the epn
+        home groups alone, since a one-rank plan copies nothing and reads nothing remotely (its slot and
+        remote groups are empty, so they are not padded either)."""
+        return self.G if self.R > 1 else self.epn
+
+    @property
     def NvS(self) -> int:
-        """Receive rows per rank: S*K real rows plus the worst-case padding of every group."""
-        return receive_rows(self.S, self.K, self.P, self.G)
+        """Receive rows per rank: S*K real rows plus the worst-case padding of every group that can hold
+        rows (`padded_groups`)."""
+        return receive_rows(self.S, self.K, self.P, self.padded_groups)

@@ -770,19 +770,23 @@ def _experts_backward(ep, make_g_y, make_rows, row_w: Tensor, w_gate: Tensor, w_
     dw_down = torch.empty_like(w_down)
     group_gemm_wgrad(h_w, g_y, cu, dw_down, reduce_down, P)
     del h_w, g_y
-    dw_gate, dw_up = torch.empty_like(w_gate), torch.empty_like(w_up)
+    # recomputed rows take g_y's memory and are dropped before dgrad2 makes g_rows; kept rows are there anyway,
+    # so dgrad2 runs first and each [NvS, F] gradient is dropped after its wgrad
     if recomputed:
         rows = make_rows()
+        dw_gate = torch.empty_like(w_gate)
         group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
+        dw_up = torch.empty_like(w_up)
         group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
         del rows
-        g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
-    else:
-        # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H]
-        g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
+    # both halves of the input gradient in one GEMM: one fp32 accumulator, one rounding, one [NvS, H]
+    g_rows = group_gemm_dgrad2(g_gate, w_gate, pool_gate, g_up, w_up, pool_up, cu, P)
+    if not recomputed:
         rows = make_rows()
+        dw_gate = torch.empty_like(w_gate)
         group_gemm_wgrad(rows, g_gate, cu, dw_gate, reduce_gate, P)
-        del g_gate
+        del g_gate  # before dw_up is allocated: a lower peak
+        dw_up = torch.empty_like(w_up)
         group_gemm_wgrad(rows, g_up, cu, dw_up, reduce_up, P)
     del g_up
     if copies:

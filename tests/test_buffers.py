@@ -45,7 +45,7 @@ def test_full_layout_shapes():
 
 
 def test_one_rank_cuda_allocates_only_what_its_kernels_read():
-    """At the DESIGN shape: 13.9 GB of buffers become 1.6 MB (the receive tables, row_scratch, ctrl)."""
+    """At the DESIGN shape: 13.8 GB of buffers become 1.5 MB (the receive tables, row_scratch, ctrl)."""
     c = EPConfig(R=1, E=48, **DESIGN)
     lean, full = all_shapes(c, buffer_layout(c, "cuda")), all_shapes(c, buffer_layout(c, "cpu"))
     assert {name for name, (shape, _) in lean.items() if shape[0] == 0} == ABSENT_AT_ONE_RANK
@@ -55,7 +55,7 @@ def test_one_rank_cuda_allocates_only_what_its_kernels_read():
         assert lean[name][0][1:] == full[name][0][1:] and lean[name][1] == full[name][1], name
     lean_bytes, full_bytes = shapes_bytes(lean, torch.bfloat16), shapes_bytes(full, torch.bfloat16)
     assert lean_bytes < 2 * 2**20, lean_bytes
-    assert full_bytes > 13.9e9, full_bytes
+    assert full_bytes > 13.8e9, full_bytes
 
 
 def test_cpu_group_allocates_its_layout(gloo1):

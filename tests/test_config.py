@@ -13,6 +13,9 @@ def test_derived_sizes():
     assert c.NvS == 77824 == -(-(8192 * 8 + 127 * 96) // 128) * 128
     # inference B=3: 48 home + 3 slot + 45 remote groups, the same rows as training
     assert (EPConfig(**OK, B=3).G, EPConfig(**OK, B=3).NvS) == (96, 77824)
+    # one rank: no copies and no remote reads, so only the 48 home groups are ever padded
+    one = EPConfig(**dict(OK, E=48, R=1))
+    assert (one.G, one.padded_groups, one.NvS) == (96, 48, 71680) and one.NvS == -(-(8192 * 8 + 127 * 48) // 128) * 128
 
 
 @pytest.mark.parametrize("override, match", [
