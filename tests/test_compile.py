@@ -79,3 +79,22 @@ def test_inductor_code_copies_no_persistent_buffer(gloo1):
     assert len(codes) == 2  # forward, backward
     assert not _buffer_copy_kernels(codes[0])
     assert not _buffer_copy_kernels(codes[1]), _buffer_copy_kernels(codes[1])
+
+
+def test_recompute_rows_compiles_fullgraph_bitwise(gloo1):
+    """EPGroup(recompute_rows=True) under torch.compile(fullgraph=True): the saved tokens instead of the
+    rows trace like the default (no graph break), and output and gradients are bitwise the default's."""
+    from moonep_ops import EPConfig, EPGroup, MoELayer
+
+    cfg = EPConfig(R=1, E=4, **SHAPE)
+    x0 = torch.randn(cfg.S, cfg.H)
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        layer = MoELayer(EPGroup(cfg, dtype=torch.float32, recompute_rows=recompute))
+        x = x0.clone().requires_grad_()
+        y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+        (y ** 2).sum().backward()
+        results.append([y.detach(), x.grad, layer.router.weight.grad, *(p.grad for p in layer.experts.parameters())])
+    for name, a, b in zip(("y", "x", "router", "w_gate", "w_up", "w_down"), *results):
+        assert a.abs().sum() > 0 and torch.equal(a, b), name
