@@ -41,6 +41,18 @@ def _token_rows(src: torch.Tensor, cols: int) -> torch.Tensor:
     return src.new_zeros(1, cols) if src.shape[0] == 0 else src
 
 
+def _with_row_src(contract, op: str, row_src, src_name: str, src: torch.Tensor, cols: str):
+    """A row kernel's contract (``_weights_contract``) followed by the check of its gathered operand's index
+    (``check_row_src``): what ``_check_kernel_args`` calls for a gathered row kernel."""
+
+    def checked(experts_remote):
+        sizes, epn = contract(experts_remote)
+        check_row_src(op, row_src, src_name, src, cols)
+        return sizes, epn
+
+    return checked
+
+
 def group_gemm_swiglu_gather(
     x: torch.Tensor,
     row_src: torch.Tensor,
@@ -64,14 +76,9 @@ def group_gemm_swiglu_gather(
     (a token routed to several groups). No host sync."""
     op = "group_gemm_swiglu_gather"
     weights = (w_gate_home, w_gate_slot, w_up_home, w_up_slot)
-    swiglu_contract = _weights_contract(contracts.check_swiglu_gather_args, (x, row_src, *weights, cu_seqlens, pad),
-                                        w_gate_home, ("H", "F"))
-
-    def contract(experts_remote):
-        sizes, epn = swiglu_contract(experts_remote)
-        check_row_src(op, row_src, "x", x, "H")
-        return sizes, epn
-
+    contract = _with_row_src(_weights_contract(contracts.check_swiglu_gather_args,
+                                               (x, row_src, *weights, cu_seqlens, pad), w_gate_home, ("H", "F")),
+                             op, row_src, "x", x, "H")
     sizes = _check_kernel_args(
         op, contract, pad,
         (("x", x), ("w_gate_home", w_gate_home), ("w_gate_slot", w_gate_slot), ("w_up_home", w_up_home),
@@ -137,15 +144,9 @@ def group_gemm_swiglu_bwd_gather(
     checked: no host sync): every ``row_src[r] < S``; an index may repeat (a token routed to several
     groups). No host sync."""
     op = "group_gemm_swiglu_bwd_gather"
-    swiglu_bwd_contract = _weights_contract(
+    contract = _with_row_src(_weights_contract(
         contracts.check_swiglu_bwd_gather_args, (g_out, row_src, w_down_home, w_down_slot, cu_seqlens, row_w, gate,
-                                                 up, pad), w_down_home, ("F", "H"))
-
-    def contract(_):
-        sizes, epn = swiglu_bwd_contract(None)
-        check_row_src(op, row_src, "g_out", g_out, "H")
-        return sizes, epn
-
+                                                 up, pad), w_down_home, ("F", "H")), op, row_src, "g_out", g_out, "H")
     sizes = _check_kernel_args(
         op, contract, pad,
         (("g_out", g_out), ("w_down_home", w_down_home), ("w_down_slot", w_down_slot), ("gate", gate), ("up", up)),
