@@ -33,6 +33,9 @@ class GroupGemmSm90Base:
     threads_per_wg = 128
     tile_k = 64
     buffer_align = 1024
+    # named barriers: 1 the cooperative TMA-store epilogue's, 2-3 the pingpong mainloop turns, 4-5 each
+    # pingpong warp group's epilogue
+    pingpong_epi_barrier_base = 4
 
     def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int,
                      pingpong: bool = False):
@@ -77,20 +80,23 @@ class GroupGemmSm90Base:
             self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
         )
 
-    def _init_tma_store_epilogue(self, tile_m: int) -> int:
+    def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False) -> int:
         """bf16 C [N, out] (N-major) stored registers -> shared (stmatrix) -> global (TMA) in
-        sub-tiles of all consumer warp groups' rows x 32 columns. Returns the shared memory of the
-        sub-tile ring (reserved before the mainloop stages are sized)."""
+        sub-tiles of tile_m rows (all consumer warp groups' rows, or with ``pingpong`` one warp
+        group's whole tile) x 32 columns: a ring of ``epi_stage`` sub-tile slots per storing group
+        (the cooperative consumers together; each pingpong warp group on its own, with its own
+        slots, named barrier and storing warp, since the two epilogues may overlap). Returns the
+        shared memory of the slots (reserved before the mainloop stages are sized)."""
         self.c_dtype = cutlass.BFloat16
         self.c_layout = LayoutEnum.ROW_MAJOR
         self.epi_tile = (tile_m, 32)
-        self.epi_stage = 4
-        self.epi_store_warp = 4  # first warp of the first consumer warp group
-        return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
+        self.epi_groups = 2 if pingpong else 1
+        self.epi_stage = 2 if pingpong else 4  # the same 4 slots in all
+        return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage * self.epi_groups
 
     def _setup_tma_store_epilogue(self):
         self.epi_smem_staged = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage * self.epi_groups
         )
 
     def _weights_as_b(self, w):
@@ -247,8 +253,8 @@ class GroupGemmSm90Base:
     def make_tma_store_epilogue(self, tiled_mma: cute.TiledMma, mma_tidx, sC: cute.Tensor):
         """Consumers' side of the registers -> shared (stmatrix) -> global (TMA) epilogue: the
         register -> shared copy (``retile`` maps accumulators onto it), this thread's slots of the
-        shared sub-tile ring, its fp32 and bf16 sub-tile registers, the consumers' named barrier and
-        the TMA store pipeline."""
+        shared sub-tile ring, its fp32 and bf16 sub-tile registers, the storing group's named
+        barrier, the TMA store pipeline and the group's first slot (``epi_slot``)."""
         copy_atom_r2s = sm90_utils.get_smem_store_op(
             self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
         )
@@ -261,12 +267,27 @@ class GroupGemmSm90Base:
         rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
         tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
         tRS_rOut = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
-        epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        slot0 = 0
+        if cutlass.const_expr(self.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+            epi_bar = WarpGroupBarrier(self.pingpong_epi_barrier_base + wg, self.threads_per_wg)
+            slot0 = wg * self.epi_stage
+        else:
+            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_mma_threads),
         )
-        return tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe
+        return tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe, slot0
+
+    def epi_slot(self, slot0, count):
+        """The shared slot of a storing group's sub-tile ``count`` (counted over its tiles)."""
+        return slot0 + count % self.epi_stage if self.pingpong else count % self.epi_stage
+
+    def is_epi_store_warp(self, warp_idx):
+        """Whether ``warp_idx`` issues its storing group's TMA stores: the first warp of the first
+        consumer warp group (cooperative) or of each (pingpong; warp 0 is the producer's)."""
+        return warp_idx % 4 == 0 if self.pingpong else warp_idx == 4
 
     @cute.jit
     def partition_epilogue(self, tma_c: cute.CopyAtom, sC: cute.Tensor, gC_tile: cute.Tensor):
@@ -298,7 +319,7 @@ class GroupGemmSm90Base:
         cute.copy(tiled_copy_r2s, vals, tRS_sD[(None, None, None, buf)])
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_bar.arrive_and_wait()
-        if warp_idx == self.epi_store_warp:
+        if self.is_epi_store_warp(warp_idx):
             if cutlass.const_expr(coord is None):
                 cute.copy(tma_c, bSG_sD[(None, buf)], bSG_gD)
             else:
@@ -519,8 +540,18 @@ class GroupGemmSm90Base:
     def consumer_tail(self, c, warp_idx):
         """After the consumers' last tile: the storing warp waits for its TMA stores to finish."""
         store_pipe = c.store_pipe  # a local: the DSL carries what a dynamic branch calls methods of
-        if warp_idx == self.epi_store_warp:
+        if self.is_epi_store_warp(warp_idx):
             store_pipe.producer_tail()
+
+
+class WarpGroupBarrier:
+    """A named barrier whose id is known on the device only (each pingpong warp group's own)."""
+
+    def __init__(self, barrier_id, num_threads: int):
+        self.barrier_id, self.num_threads = barrier_id, num_threads
+
+    def arrive_and_wait(self):
+        cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.num_threads)
 
 
 class KernelParams:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 
 class GroupGemmConfig(tuple):
-    """Static tile configuration: (tile_m, tile_n, num_sms)."""
+    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong). ``pingpong``: the kernels whose
+    consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale) run two
+    consumer warp groups that take alternate whole tiles instead, each one's epilogue under the
+    other's mainloop (the SwiGLU backward is always pingpong; the other families ignore it)."""
 
-    def __new__(cls, tile_m: int, tile_n: int, num_sms: int):
-        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms)))
+    def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False):
+        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong)))
 
-    def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its three values
+    def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
 
     tile_m = property(lambda self: self[0])
     tile_n = property(lambda self: self[1])
     num_sms = property(lambda self: self[2])
+    pingpong = property(lambda self: self[3])
 
 
 H100_H200_NUM_SMS = 132

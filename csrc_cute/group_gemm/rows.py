@@ -51,7 +51,8 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
             config,
             LayoutEnum.ROW_MAJOR,  # A [N, red]: K-major
             LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR,
-            self._init_tma_store_epilogue(config.tile_m),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
+            pingpong=config.pingpong,
         )
 
     @cute.jit
@@ -130,11 +131,12 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         """The accumulator and the TMA-store epilogue's registers, shared slots and barriers."""
         gC = cute.local_tile(p.mC, (self.tile_m, self.tile_n), (None, None))  # (bM, bN, RestM, RestN)
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
-        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe, epi_slot0 = self.make_tma_store_epilogue(
             p.tiled_mma, mma_tidx, sC
         )
         return KernelParams(mma_tidx=mma_tidx, sC=sC, gC=gC, acc=acc, tiled_copy_r2s=tiled_copy_r2s, tRS_sD=tRS_sD,
                             tRS_rD=tRS_rD, tRS_rOut=tRS_rOut, epi_bar=epi_bar, store_pipe=store_pipe,
+                            epi_slot0=epi_slot0,
                             tRS_rAcc=tiled_copy_r2s.retile(acc))
 
     @cute.jit
@@ -142,9 +144,13 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
                      tile: cutlass.Int32, epi_count: cutlass.Int32):
         """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
+        if cutlass.const_expr(self.pingpong):
+            self.wait_mainloop_turn(tile)
         read_state, release_state = self.mma_k_tiles(
             mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
         )
+        if cutlass.const_expr(self.pingpong):
+            self.pass_mainloop_turn(p, tile)  # the other warp group's mainloop runs under this epilogue
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
         bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
@@ -153,7 +159,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         for e in cutlass.range_constexpr(epi_tiles):
             self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
             self.store_subtile(
-                c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, (epi_count + e) % self.epi_stage, c.epi_bar,
+                c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
                 warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
             )
         return read_state, release_state, epi_count + epi_tiles

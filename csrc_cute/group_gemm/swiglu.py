@@ -143,11 +143,12 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         acc_shape = thr_mma.partition_C(gH).shape[:3]
         acc_g = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         acc_u = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe, epi_slot0 = self.make_tma_store_epilogue(
             p.tiled_mma, mma_tidx, sC
         )
         return KernelParams(sC=sC, gH=gH, gG=gG, gU=gU, acc_g=acc_g, acc_u=acc_u, tiled_copy_r2s=tiled_copy_r2s,
                             tRS_sD=tRS_sD, tRS_rD=tRS_rD, tRS_rOut=tRS_rOut, epi_bar=epi_bar, store_pipe=store_pipe,
+                            epi_slot0=epi_slot0,
                             tRS_rG=tiled_copy_r2s.retile(acc_g), tRS_rU=tiled_copy_r2s.retile(acc_u))
 
     @cute.jit
@@ -172,7 +173,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
                 tRS_rD[v] = a * sig * tRS_rU[e * size_rD + v]
             tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
             self.store_subtile(
-                c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, (epi_count + e) % self.epi_stage, c.epi_bar,
+                c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
                 warp_idx, c.store_pipe, p.tma_h, bSG_sD, bSG_gH[(None, epi_layout.get_hier_coord(e))],
             )
         epi_count = epi_count + epi_tiles
@@ -182,12 +183,12 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
             for e in cutlass.range_constexpr(epi_tiles):
                 self.acc_subtile_to_bf16(tRS_rG, e, tRS_rD, tRS_rOut)
                 self.store_subtile(
-                    c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, (epi_count + 2 * e) % self.epi_stage, c.epi_bar,
+                    c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + 2 * e), c.epi_bar,
                     warp_idx, c.store_pipe, p.tma_g, bSG_sD, bSG_gG[(None, epi_layout.get_hier_coord(e))],
                 )
                 self.acc_subtile_to_bf16(tRS_rU, e, tRS_rD, tRS_rOut)
                 self.store_subtile(
-                    c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, (epi_count + 2 * e + 1) % self.epi_stage, c.epi_bar,
+                    c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + 2 * e + 1), c.epi_bar,
                     warp_idx, c.store_pipe, p.tma_u, bSG_sD, bSG_gU[(None, epi_layout.get_hier_coord(e))],
                 )
             epi_count = epi_count + 2 * epi_tiles

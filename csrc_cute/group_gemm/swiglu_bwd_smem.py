@@ -36,9 +36,6 @@ class SwigluBwdSmemEpilogue:
     """
 
     epi_load_stages = 2
-    # per consumer warp group (0, 1) a named barrier of its own: 1 is the cooperative TMA-store
-    # epilogue's, 2-3 the pingpong mainloop turns (base.py)
-    epi_wg_barrier_base = 4
     epi_sub_tile = (64, 32)
     epi_buffers_per_stage = 3  # gate -> g_gate, up -> g_up, h_w
 
@@ -72,7 +69,7 @@ class SwigluBwdSmemEpilogue:
         mbar = p.storage.epi_mbar.data_ptr() + wg * stages
         if warp_idx % 4 == 0:
             self.smem_epilogue_init_barriers(mbar)
-        cute.arch.barrier(barrier_id=self.epi_wg_barrier_base + wg, number_of_threads=self.threads_per_wg)
+        cute.arch.barrier(barrier_id=self.pingpong_epi_barrier_base + wg, number_of_threads=self.threads_per_wg)
         # The wgmma C fragment repeats per 8-column chunk, so a 64 x 32 tiled MMA's partition of a
         # sub-tile holds, element for element, the accumulator's 16 elements of it (the CPU test
         # checks it: swiglu_bwd.swiglu_bwd_smem_subtile_layout)
@@ -85,7 +82,7 @@ class SwigluBwdSmemEpilogue:
         tile_c = (self.tile_m, self.tile_n)
         c.epi_mbar = mbar
         c.epi_slot0 = wg * stages * self.epi_buffers_per_stage
-        c.epi_wg_barrier = self.epi_wg_barrier_base + wg
+        c.epi_wg_barrier = self.pingpong_epi_barrier_base + wg
         c.thr_epi = thr_epi
         c.rG = cute.make_rmem_tensor(sub_shape, cutlass.BFloat16)  # gate, then g_gate
         c.rU = cute.make_rmem_tensor(sub_shape, cutlass.BFloat16)  # up, then g_up

@@ -165,12 +165,13 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         acc = cute.make_rmem_tensor(
             self.epilogue_partition(p.tiled_mma, mma_tidx, cD[(None, None, 0, 0)]).shape, self.acc_dtype
         )
-        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe = self.make_tma_store_epilogue(
+        tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe, epi_slot0 = self.make_tma_store_epilogue(
             p.tiled_mma, mma_tidx, sC
         )
         return KernelParams(mma_tidx=mma_tidx, sC=sC, gC=gC, dims=dims, gDs=gDs, cD=cD, acc=acc,
                             tiled_copy_r2s=tiled_copy_r2s, tRS_sD=tRS_sD, tRS_rD=tRS_rD, tRS_rOut=tRS_rOut,
-                            epi_bar=epi_bar, store_pipe=store_pipe, tRS_rAcc=tiled_copy_r2s.retile(acc))
+                            epi_bar=epi_bar, store_pipe=store_pipe, epi_slot0=epi_slot0,
+                            tRS_rAcc=tiled_copy_r2s.retile(acc))
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
@@ -191,7 +192,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
                 for e in cutlass.range_constexpr(epi_tiles):
                     self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
                     self.store_subtile(
-                        c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, (epi_count + e) % self.epi_stage, c.epi_bar,
+                        c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
                         warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
                     )
                 epi_count = epi_count + epi_tiles

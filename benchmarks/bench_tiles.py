@@ -1,0 +1,165 @@
+"""Tile sweep: our grouped-GEMM kernels at each candidate tile configuration against QuACK (1 GPU, one run).
+
+    python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,swiglu_bwd] [--out DIR]
+
+The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer schedule each family
+runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48
+skewed groups, H=7168, F=2048, 65536 rows, P=128) every candidate ``GroupGemmConfig`` is compiled and
+launched directly (the kernel the op would launch with that config), checked against the fp32
+reference, and timed next to QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK
+is imported after our kernels have compiled: importing it makes CuTe DSL compiles single-threaded).
+Candidates: the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles (today's default)
+or pingpong consumers at 128 x 128 / 160 / 192; the SwiGLU backward (always pingpong, shared-memory
+epilogue) at 128 x 128 and 128 x 160. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_peers import gemm_call, gemm_flops, gemm_operands, gemm_reference, group_layouts, rel_err  # noqa: E402
+from benchmarks.common import cuda_time_ms, run_info, short_error, write_json  # noqa: E402
+from csrc_cute.group_gemm import host  # noqa: E402
+from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
+
+ROW_CANDIDATES = ((128, 256, False), (128, 192, True), (128, 160, True), (128, 128, True))
+CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES,
+                  swiglu_bwd=((128, 128, True), (128, 160, True)))
+
+
+def config_name(tile_m: int, tile_n: int, pingpong: bool) -> str:
+    return f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}"
+
+
+def ours_call(fam: str, d: dict, cfg: GroupGemmConfig):
+    """A zero-argument launch of our kernel of `fam` compiled with `cfg`, and a function of nothing that
+    gives its outputs in gemm_reference's order."""
+    x, dy, dy_up, g_y, w, w_up, w_down, ends = (d[k] for k in ("x", "dy", "dy_up", "g_y", "w", "w_up", "w_down",
+                                                                 "ends"))
+    M, H, F = x.shape[0], w.shape[1], w.shape[2]
+    if fam == "fwd":
+        fn, out = host.compile_group_gemm(H, F, cfg), torch.empty(M, F, dtype=x.dtype, device=x.device)
+        return (lambda: fn(x, w, w, ends, out)), (lambda: (out,))
+    if fam == "dgrad":
+        fn, out = host.compile_group_gemm_dgrad(H, F, cfg), torch.empty(M, H, dtype=x.dtype, device=x.device)
+        return (lambda: fn(dy, w, w, ends, out)), (lambda: (out,))
+    if fam == "dgrad2":
+        fn, out = host.compile_group_gemm_dgrad2(H, F, cfg), torch.empty(M, H, dtype=x.dtype, device=x.device)
+        return (lambda: fn(dy, w, w, dy_up, w_up, w_up, ends, out)), (lambda: (out,))
+    if fam == "swiglu_bwd":
+        fn = host.compile_group_gemm_swiglu_bwd(H, F, cfg, "smem")
+        outs = [torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3)]
+        part = torch.empty(M, -(-F // cfg.tile_n), dtype=torch.float32, device=x.device)
+        return ((lambda: fn(g_y, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
+                (lambda: (*outs, part.sum(1))))
+    raise ValueError(f"bench_tiles: unknown family {fam!r}")
+
+
+def measure(rows: dict, key: str, name: str, call, outputs, ref, opts) -> None:
+    """Check `call`'s outputs against `ref`, time it, record under rows[key][name]."""
+    try:
+        call()
+        err = max(rel_err(a, r) for a, r in zip(outputs(), ref))
+        ms = cuda_time_ms(call, iters=opts.iters, repeats=opts.repeats, warmup=opts.warmup)
+        row = rows[key]
+        row[name] = dict(ms=ms, tflops=row["flops"] / ms / 1e9, err=err, ok=err <= opts.tol)
+        print(f"{key:24s} {name:18s} {ms:7.3f} ms {row[name]['tflops']:6.1f} TF/s err {err:.1e}", flush=True)
+    except Exception as e:  # noqa: BLE001  (recorded, the sweep goes on)
+        rows[key][name] = dict(error=short_error(e))
+        print(f"{key} {name}: failed: {short_error(e)}", flush=True)
+        traceback.print_exc()
+
+
+def run(opts) -> dict:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    H, F, P = opts.H, opts.F, opts.P
+    families = [f for f in opts.families.split(",") if f]
+    layouts = group_layouts(opts.rows, opts.E, P, opts.S, opts.K, opts.seed)
+    rows: dict = {}
+    phases = ["ours"] + (["quack"] if not opts.no_quack else [])
+    for phase in phases:
+        qgi = importlib.import_module("quack.gemm_interface") if phase == "quack" else None
+        for li, (lname, ends) in enumerate(layouts.items()):
+            d = gemm_operands(ends, H, F, device, opts.seed + 10 + li)
+            M = int(ends[-1])
+            for fam in families:
+                key = f"{fam} | {lname}"
+                rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
+                ref = gemm_reference(fam, d)
+                if phase == "ours":
+                    for tm, tn, pp in CANDIDATES[fam]:
+                        cfg = GroupGemmConfig(tm, tn, num_sms, pp)
+                        call, outputs = ours_call(fam, d, cfg)
+                        measure(rows, key, config_name(tm, tn, pp), call, outputs, ref, opts)
+                else:
+                    call, outputs = gemm_call("quack", fam, d, P, qgi)
+                    res = {}
+                    measure(rows, key, "quack", lambda: res.__setitem__("r", call()), lambda: outputs(res["r"]),
+                            ref, opts)
+                del ref
+            del d
+            torch.cuda.empty_cache()
+    for row in rows.values():
+        q = row.get("quack", {}).get("ms")
+        for name, cell in row.items():
+            if isinstance(cell, dict) and "ms" in cell and q:
+                cell["over_quack"] = q / cell["ms"]  # > 1: faster than QuACK
+    return dict(run_info(), H=H, F=F, P=P, E=opts.E, rows_total=opts.rows,
+                iters=opts.iters, repeats=opts.repeats, warmup=opts.warmup, tol=opts.tol,
+                candidates={f: [config_name(*c) for c in CANDIDATES[f]] for f in families}, rows=rows)
+
+
+def plot(payload: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(payload["rows"])
+    names = sorted({n for r in payload["rows"].values() for n, c in r.items() if isinstance(c, dict) and "tflops" in c})
+    fig, ax = plt.subplots(figsize=(max(8, len(keys) * 1.1), 4.5))
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        vals = [payload["rows"][k].get(n, {}).get("tflops", 0) for k in keys]
+        ax.bar([j + i * width for j in range(len(keys))], vals, width, label=n)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"tile sweep vs QuACK, {payload.get('gpu', '')}, {payload.get('commit', '')[:7]}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="result dir (default benchmarks/results)")
+    ap.add_argument("--families", default=",".join(CANDIDATES))
+    for k, v in dict(S=8192, H=7168, F=2048, E=48, K=8, P=128, rows=65536, seed=0).items():
+        ap.add_argument(f"--{k}", dest=k, type=int, default=v)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tol", type=float, default=3e-2)
+    ap.add_argument("--no-quack", action="store_true", help="ours only (QuACK not installed)")
+    opts = ap.parse_args(argv)
+    payload = run(opts)
+    path = write_json("bench_tiles.json", payload, opts.out)
+    print(f"wrote {path}")
+    try:
+        plot(payload, path[:-len(".json")] + ".png")
+    except ImportError:
+        print("matplotlib missing: no PNG")
+
+
+if __name__ == "__main__":
+    main()
