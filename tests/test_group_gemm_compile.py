@@ -9,7 +9,7 @@ import os
 import pytest
 
 from csrc_cute import compile_check
-from csrc_cute.group_gemm import compile_group_gemm_for_sm90
+from csrc_cute.group_gemm import compile_group_gemm_for_sm90, select_swiglu_bwd_config
 
 
 def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int) -> str:
@@ -125,6 +125,7 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     ],
 )
 def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
+    op_name = op
     ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -133,27 +134,32 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     if op.startswith("swiglu_gather"):
         check_gathered_a(ptx, tile_m=pad)
         op = "swiglu" + op.removeprefix("swiglu_gather")
+    bwd_tile = select_swiglu_bwd_config(pad, nd)
+    subtiles = (bwd_tile.tile_m // 64) * (bwd_tile.tile_n // 32)  # the shared-memory epilogue's 64 x 32
     if op == "swiglu_bwd_gather":
-        check_gathered_swiglu_bwd_a(ptx, tile_m=pad)
+        check_gathered_swiglu_bwd_a(ptx, tile_m=pad, subtiles=subtiles)
         op = "swiglu_bwd_smem"  # the shared-memory epilogue's checks
     if op.startswith("swiglu_bwd"):
-        # dgrad: A and B K-major; one 128-column accumulator; the activation's backward in the epilogue
-        assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+        # dgrad: A and B K-major; one accumulator of the tile's columns (160 at F = 2048, 128 at F = 200);
+        # the activation's backward in the epilogue
+        assert mma and all(f"m64n{bwd_tile.tile_n}k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
         assert all(ln.replace(" ", "").endswith("0,0;") for ln in mma), mma[0][-60:]
         assert "ex2.approx" in ptx and "rcp.approx" in ptx and "shfl.sync.bfly" in ptx
-        # row_w: one load per row slot (2 per 64-row block of a warp group's tile: pingpong, each
-        # warp group owns whole tiles), in each of the full-tile and partial-tile epilogues of the
-        # register epilogue, once per tile in the shared-memory one
+        # row_w: the register epilogue loads one per row slot (2 per 64-row block of a warp group's tile:
+        # pingpong, each warp group owns whole tiles) in each of its full-tile and partial-tile paths; the
+        # shared-memory one (a single path) those of a sub-tile's two rows per sub-tile
         slots = 2 * (2 if pad >= 128 else 1)
         smem = op == "swiglu_bwd_smem"
-        assert ptx.count("ld.global.f32") == (1 if smem else 2) * slots, ptx.count("ld.global.f32")
+        assert ptx.count("ld.global.f32") == (2 * subtiles if smem else 2 * slots), ptx.count("ld.global.f32")
         fragment_io = [m for m in ("ld.global.b16", "ld.global.b32", "st.global.b16", "st.global.b32") if m in ptx]
         if smem:
             # gate/up and the three outputs only through shared memory: TMA loads (64 x 32 sub-tiles, on
-            # mbarriers) and TMA stores, 4-byte shared accesses in the accumulator layout
+            # mbarriers; A's home and slot loads besides) and TMA stores, 4-byte shared accesses in the
+            # accumulator layout
             assert not fragment_io, fragment_io
-            assert ptx.count("cp.async.bulk.tensor.2d.global.shared") >= 3 * 2 * (4 if pad >= 128 else 2)
-            assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") > 2
+            assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * subtiles
+            assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * subtiles + (
+                0 if op_name.endswith("gather") else 2)
             assert "ld.shared.b32" in ptx and "st.shared.b32" in ptx and "mbarrier.init" in ptx
         else:
             assert fragment_io and "cp.async.bulk.tensor.2d.global.shared" not in ptx
@@ -204,16 +210,15 @@ def check_gathered_wgrad_a(ptx: str, tile_m: int, tile_n: int):
     assert ptx.count("prefetch.tensormap") == 2
 
 
-def check_gathered_swiglu_bwd_a(ptx: str, tile_m: int):
+def check_gathered_swiglu_bwd_a(ptx: str, tile_m: int, subtiles: int):
     """The SwiGLU-backward's gathered A operand (g_y rows of g_out by index, K-major): one 16-byte cp.async
     per row a producer thread owns (tile_m / 16), in each of the home and slot tile loads, predicated (zero
     fill), noinc arrivals, full barriers of 1 + 128 arrivals; no TMA load of A: the 3-D loads are W_down's
-    (home, slot), the 2-D loads only the shared-memory epilogue's gate/up sub-tiles (the plain kernel's 30
-    at this shape less A's home and slot loads), the prefetched descriptors W_down's two and the
-    epilogue's five."""
+    (home, slot), the 2-D loads only the shared-memory epilogue's gate/up sub-tiles (two per sub-tile), the
+    prefetched descriptors W_down's two and the epilogue's five."""
     check_cp_async_gather(ptx, copies=2 * (tile_m // 16), commits=2)
     assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 2
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 30 - 2
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * subtiles
     assert ptx.count("prefetch.tensormap") == 2 + 5
 
 
@@ -293,19 +298,20 @@ def test_wgrad_gather_b_copy_covers_the_b_stage_once(tile_m, tile_n):
     assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
 
 
-@pytest.mark.parametrize("tile_m", [128, 64])
-def test_swiglu_bwd_row_reduction_layout(tile_m):
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 160)])
+def test_swiglu_bwd_row_reduction_layout(tile_m, tile_n):
     """The route-weight gradient is reduced per row in registers (static row slots), then over the four
     lanes of a quad: checked against the real accumulator layout for every thread of the warp group
     that computes a tile (pingpong: one warp group per tile, two rows per 64-row block) (CPU)."""
-    res = layout_probe("swiglu_bwd", "swiglu_bwd_row_quads", tile_m, 128)
+    res = layout_probe("swiglu_bwd", "swiglu_bwd_row_quads", tile_m, tile_n)
     assert res == dict(threads=128, bad_slot=0, bad_quad=0, bad_cover=0, slots=2 * tile_m // 64), res
 
 
-@pytest.mark.parametrize("tile_m", [128, 64])
-def test_swiglu_bwd_smem_subtile_pairs_accumulator_elements(tile_m):
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 160)])
+def test_swiglu_bwd_smem_subtile_pairs_accumulator_elements(tile_m, tile_n):
     """The shared-memory epilogue reads gate/up of a 64 x 32 sub-tile through a 64 x 32 MMA's partition
     and pairs element v with accumulator element first(e) + v: checked for every thread of the warp group
     and every sub-tile against the real layouts (CPU)."""
-    res = layout_probe("swiglu_bwd", "swiglu_bwd_smem_subtile_layout", tile_m, 128)
-    assert res == dict(threads=128, subtiles=4 * tile_m // 64, per_subtile=16, covered=True, mismatches=0), res
+    res = layout_probe("swiglu_bwd", "swiglu_bwd_smem_subtile_layout", tile_m, tile_n)
+    subtiles = (tile_m // 64) * (tile_n // 32)
+    assert res == dict(threads=128, subtiles=subtiles, per_subtile=16, covered=True, mismatches=0), res

@@ -268,6 +268,18 @@ def test_swiglu_bwd_random_groups_with_empty_and_slots(pad):
 
 
 @gpu
+@pytest.mark.parametrize("pad", [128, 64])
+def test_swiglu_bwd_160_column_tiles_with_a_partial_last_tile(pad):
+    # F = 1568 = 9 x 160 + 128: the 160-column tile (select_swiglu_bwd_config), whose last n tile is
+    # partial, next to partial m tiles (rows past the last group)
+    from csrc_cute.group_gemm import select_swiglu_bwd_config
+
+    assert select_swiglu_bwd_config(pad, 1568).tile_n == 160
+    lengths = random_lengths(pad, 4, 2, 5, seed=95 + pad)
+    _check_swiglu_bwd(_make_swiglu_bwd(lengths, 4, hd=320, f=1568, n_total=sum(lengths) + pad + 32, seed=95), pad)
+
+
+@gpu
 def test_swiglu_bwd_many_tiles_one_group_and_slot_pool():
     lengths = random_lengths(128, 8, 8, 13, seed=91)
     _check_swiglu_bwd(_make_swiglu_bwd(lengths, 8, hd=512, f=1024, n_total=sum(lengths) + 256, seed=91))

@@ -82,16 +82,19 @@ class GroupGemmSm90Base:
 
     def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False) -> int:
         """bf16 C [N, out] (N-major) stored registers -> shared (stmatrix) -> global (TMA) in
-        sub-tiles of tile_m rows (all consumer warp groups' rows, or with ``pingpong`` one warp
-        group's whole tile) x 32 columns: a ring of ``epi_stage`` sub-tile slots per storing group
+        sub-tiles of all consumer warp groups' rows (or, ``pingpong``, 64 of one warp group's rows) x 32
+        columns: a ring of ``epi_stage`` sub-tile slots per storing group
         (the cooperative consumers together; each pingpong warp group on its own, with its own
         slots, named barrier and storing warp, since the two epilogues may overlap). Returns the
         shared memory of the slots (reserved before the mainloop stages are sized)."""
         self.c_dtype = cutlass.BFloat16
         self.c_layout = LayoutEnum.ROW_MAJOR
-        self.epi_tile = (tile_m, 32)
+        # a pingpong warp group's accumulators run along N first, then over its two 64-row blocks, so
+        # its sub-tiles are 64 rows high (sub-tile e = 64-row block e // (tile_n / 32), columns
+        # 32 (e % (tile_n / 32)) on: contiguous accumulator registers, as ``acc_subtile_to_bf16`` reads)
+        self.epi_tile = (64 if pingpong else tile_m, 32)
         self.epi_groups = 2 if pingpong else 1
-        self.epi_stage = 2 if pingpong else 4  # the same 4 slots in all
+        self.epi_stage = 4
         return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage * self.epi_groups
 
     def _setup_tma_store_epilogue(self):

@@ -50,11 +50,15 @@ def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> 
     return GroupGemmConfig(base.tile_m, 128, num_sms)
 
 
-def select_swiglu_bwd_config(pad: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of the SwiGLU-backward dgrad: tile_M as the forward's, 128 columns of F (its per-element
-    epilogue keeps one 64-register accumulator per thread and reads/writes five [N, F] tensors)."""
+def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the SwiGLU-backward dgrad (pingpong: each consumer warp group holds a whole tile's
+    accumulators next to its epilogue's registers): tile_M as the forward's; 160 columns of F where
+    that pads F by at most 5% (F = 2048: 13 tiles, the last 128 wide), else 128. The wider tile loads
+    less into shared memory per FLOP: 0.92-0.96x the 128-column tile's time at the DESIGN shape
+    (results/bench_tiles.json); 192 columns do not fit the registers."""
     base = select_config(pad, 128, num_sms)
-    return GroupGemmConfig(base.tile_m, 128, num_sms)
+    tile_n = 160 if -(-f // 160) * 160 - f <= f // 20 else 128
+    return GroupGemmConfig(base.tile_m, tile_n, num_sms)
 
 
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:

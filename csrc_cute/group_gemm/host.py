@@ -461,10 +461,10 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     if op in ("swiglu_gather", "swiglu_gather_h_only"):
         return compile_group_gemm_swiglu_gather(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu_gather")
     if op in ("swiglu_bwd", "swiglu_bwd_smem"):
-        return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, num_sms),
+        return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, nd, num_sms),
                                              "smem" if op == "swiglu_bwd_smem" else "registers")
     if op == "swiglu_bwd_gather":
-        return compile_group_gemm_swiglu_bwd_gather(kd, nd, select_swiglu_bwd_config(pad, num_sms))
+        return compile_group_gemm_swiglu_bwd_gather(kd, nd, select_swiglu_bwd_config(pad, nd, num_sms))
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -709,7 +709,7 @@ def _launch_swiglu_bwd(op: str, sizes: dict[str, int], pad: int, a_operands, w_d
     f, hd, n = sizes["F"], sizes["H"], gate.shape[0]
     dev = gate.device
     fn = _launcher(op, hd, f, pad, dev)
-    tile_n = 128  # select_swiglu_bwd_config
+    tile_n = select_swiglu_bwd_config(pad, f).tile_n  # the kernel's: part has a column per n tile
     g_gate, g_up, h_w = (torch.empty(n, f, dtype=torch.bfloat16, device=dev) for _ in range(3))
     part = torch.empty(n, (f + tile_n - 1) // tile_n, dtype=torch.float32, device=dev)
     if n:

@@ -59,9 +59,14 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             pingpong=True,
         )
         self.b_modes = [1, 2, 0]  # W_down (E, F, H) -> (F, H, E)
-        # 8-column accumulator chunks per epilogue batch: a batch's gate/up registers next to a whole
-        # 128 x 128 tile's accumulators (128 per thread) must fit the consumers' 232 registers
-        self.epi_batch_chunks = 8
+        if self.tile_n > 128:
+            # a wider tile's accumulators (tile_n per thread) next to the epilogue's registers need the
+            # consumers' largest budget (the producer's one warp of TMA issue fits in 24)
+            self.load_regs, self.mma_regs = 24, 240
+        # 8-column accumulator chunks per epilogue batch (at most 8, dividing the tile's tile_n / 8): a
+        # batch's gate/up registers next to a whole tile's accumulators must fit the consumers' registers
+        chunks = self.tile_n // 8
+        self.epi_batch_chunks = max(d for d in range(1, 9) if chunks % d == 0)
 
     def _row_slots(self):
         """Trace time: the static row offset of each accumulator element within a thread's rows (the
@@ -283,7 +288,6 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         (``epi_count``: the warp group's sub-tiles so far in the shared-memory epilogue; passed through
         by the register epilogue)."""
         m_idx, n_idx, k_count = self.row_work(p, tile)  # past the last group: d = 0
-        full = self.is_full_tile(m_idx, n_idx, c.dims)
         if cutlass.const_expr(self.epilogue == "smem"):
             t = self.smem_epilogue_tiles(p, c, m_idx, n_idx)
             self.smem_epilogue_prefetch(p, c, t, warp_idx, epi_count)  # gate/up load under the mainloop
@@ -296,11 +300,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         coords = thr_c.partition_C(c.cC[(None, None, m_idx, n_idx)])
         if cutlass.const_expr(self.epilogue == "smem"):
             part_sums.fill(0.0)
-            rws = self.row_weights(coords, p.row_w, c.last_row)
-            if full:
-                self.smem_epilogue(p, c, t, warp_idx, epi_count, coords, rws, True)
-            else:
-                self.smem_epilogue(p, c, t, warp_idx, epi_count, coords, rws, False)
+            self.smem_epilogue(p, c, t, warp_idx, epi_count, coords)
             epi_count = epi_count + t.epi_tiles
         else:
             tCgG = thr_c.partition_C(c.gGate[(None, None, m_idx, n_idx)])
@@ -310,7 +310,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             tCgHW = thr_c.partition_C(c.gHW[(None, None, m_idx, n_idx)])
 
             part_sums.fill(0.0)
-            if full:
+            if self.is_full_tile(m_idx, n_idx, c.dims):
                 self.swiglu_bwd_epilogue(acc, coords, rG, rU, tCgG, tCgU, tCgGG, tCgGU, tCgHW, p.row_w,
                                          c.last_row, c.dims, True, part_sums)
             else:
@@ -390,8 +390,7 @@ def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
     """
     from csrc_cute.compile_check import expect_no_driver
 
-    kernel = GroupGemmSwigluBwdSm90(GroupGemmConfig(tile_m, 128, 1))
-    kernel.tile_n = tile_n
+    kernel = GroupGemmSwigluBwdSm90(GroupGemmConfig(tile_m, tile_n, 1))
     per_thread: list[list[tuple[int, int]]] = []
 
     @cute.jit
@@ -428,8 +427,7 @@ def swiglu_bwd_smem_subtile_layout(tile_m: int = 128, tile_n: int = 128) -> dict
     from csrc_cute.compile_check import expect_no_driver
 
 
-    kernel = GroupGemmSwigluBwdSm90(GroupGemmConfig(tile_m, 128, 1), epilogue="smem")
-    kernel.tile_n = tile_n
+    kernel = GroupGemmSwigluBwdSm90(GroupGemmConfig(tile_m, tile_n, 1), epilogue="smem")
     acc_el: list = []
     sub_el: list = []
 

@@ -8,8 +8,10 @@ through shared sub-tiles): per 64 x 32 sub-tile of a warp group's tile, TMA load
 shared memory, each thread reads its accumulator elements' gate/up from there, computes exactly what
 the register epilogue computes (``swiglu_bwd_values``, the same rounding points, the row sums in the
 same order), writes g_gate and g_up over gate and up in place and h_w next to them, and one warp of the
-warp group TMA-stores the three sub-tiles. Edge tiles need no per-element path: TMA zero-fills the
-loads and clips the stores at the tensors' bounds; only the row sums skip the elements outside them.
+warp group TMA-stores the three sub-tiles. Edge tiles need no path of their own: TMA zero-fills the
+loads and clips the stores at the tensors' bounds, and the elements outside them add exactly +0 to the
+row sums (W_down's rows past F and gate/up past their bounds are zero-filled, so there d = +0 and
+h = +0: the accumulators start at +0 and a sum of +0 and -0 is +0).
 """
 
 from __future__ import annotations
@@ -140,8 +142,7 @@ class SwigluBwdSmemEpilogue:
             self.smem_epilogue_load(p, c, t, e, epi_count + e)
 
     @cute.jit
-    def smem_epilogue(self, p, c, t, warp_idx, epi_count, coords: cute.Tensor, rws: cute.Tensor,
-                      full: cutlass.Constexpr):
+    def smem_epilogue(self, p, c, t, warp_idx, epi_count, coords: cute.Tensor):
         """Every sub-tile of the tile: wait for its gate/up, the math (``smem_epilogue_math``), then the
         TMA stores of g_gate, g_up, h_w and the loads of the sub-tile ``epi_load_stages`` ahead."""
         stages, nbuf = self.epi_load_stages, self.epi_buffers_per_stage
@@ -151,7 +152,7 @@ class SwigluBwdSmemEpilogue:
             slot = c.epi_slot0 + k * nbuf
             cute.arch.mbarrier_wait(c.epi_mbar + k, (count // stages) % 2)
             views = [c.thr_epi.partition_C(c.sC[(None, None, slot + b)]) for b in range(nbuf)]
-            self.smem_epilogue_math(c, e, views, coords, rws, full)
+            self.smem_epilogue_math(p, c, e, views, coords)
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores read what the threads wrote
             cute.arch.barrier(barrier_id=c.epi_wg_barrier, number_of_threads=self.threads_per_wg)
             if warp_idx % 4 == 0:
@@ -170,20 +171,27 @@ class SwigluBwdSmemEpilogue:
             cute.arch.sync_warp()
             self.smem_epilogue_load(p, c, t, e + self.epi_load_stages, count + self.epi_load_stages)
 
+    def subtile_row_slots(self, first: int, sub: int) -> list[int]:
+        """Trace time: the row slots of accumulator elements first .. first + sub - 1."""
+        return sorted({self.row_slot[first + v] for v in range(sub)})
+
     @cute.jit
-    def smem_epilogue_math(self, c, e: cutlass.Constexpr, views, coords: cute.Tensor, rws: cute.Tensor,
-                           full: cutlass.Constexpr):
+    def smem_epilogue_math(self, p, c, e: cutlass.Constexpr, views, coords: cute.Tensor):
         """Sub-tile ``e`` (64-row block e // (tile_n / 32), columns 32 (e % (tile_n / 32)) on): the
         thread's gate/up from shared memory, per element ``swiglu_bwd_values`` (as the register
         epilogue, accumulator elements in increasing order, so each row's sum adds in the same order),
-        g_gate, g_up over gate, up and h_w into shared memory. An edge tile's row sums skip the
-        elements outside the bounds (the stores are clipped by TMA)."""
+        g_gate, g_up over gate, up and h_w into shared memory (an edge tile's elements outside the bounds
+        add +0 to the row sums, see the module docstring; TMA clips the stores)."""
         acc, part_sums = c.acc, c.part_sums
         rG, rU, rHW = c.rG, c.rU, c.rHW
         sub = cute.size(rG)
         per_block = cute.size(acc) // cute.size(acc, mode=[1])
         per_row = self.tile_n // self.epi_tile[1]
         first = (e // per_row) * per_block + (e % per_row) * sub
+        # the route weights of the sub-tile's rows (two per thread), read here rather than held for the
+        # whole tile: four registers that a 160-column tile's consumers do not have (L1 hits)
+        rws = {slot: p.row_w[cutlass.min(coords[self.row_first[slot]][0], c.last_row)]
+               for slot in self.subtile_row_slots(first, sub)}
         cute.autovec_copy(views[0], rG)
         cute.autovec_copy(views[1], rU)
         for v in cutlass.range_constexpr(sub):
@@ -193,11 +201,7 @@ class SwigluBwdSmemEpilogue:
             rG[v] = g_gate.to(cutlass.BFloat16)
             rU[v] = g_up.to(cutlass.BFloat16)
             rHW[v] = h_w.to(cutlass.BFloat16)
-            if cutlass.const_expr(full):
-                part_sums[slot] = part_sums[slot] + dh
-            else:
-                if cute.elem_less(coords[i], c.dims):
-                    part_sums[slot] = part_sums[slot] + dh
+            part_sums[slot] = part_sums[slot] + dh
         cute.autovec_copy(rG, views[0])
         cute.autovec_copy(rU, views[1])
         cute.autovec_copy(rHW, views[2])
