@@ -8,8 +8,8 @@ skewed groups, H=7168, F=2048, 65536 rows, P=128) every candidate ``GroupGemmCon
 launched directly (the kernel the op would launch with that config), checked against the fp32
 reference, and timed next to QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK
 is imported after our kernels have compiled: importing it makes CuTe DSL compiles single-threaded).
-Candidates: the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles (today's default)
-or pingpong consumers at 128 x 128 / 160 / 192; the SwiGLU backward (always pingpong, shared-memory
+Candidates: the row kernels (forward, dgrad, dgrad2) and the wgrad with cooperative 128 x 256 tiles or
+pingpong consumers at 128 x 128 / 160 / 192 (wgrad: 128 / 192); the SwiGLU backward (always pingpong, shared-memory
 epilogue) at 128 x 128 and 128 x 160. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
 """
 
@@ -32,6 +32,7 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
 ROW_CANDIDATES = ((128, 256, False), (128, 192, True), (128, 160, True), (128, 128, True))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES,
+                  wgrad=((128, 256, False), (128, 192, True), (128, 128, True)),
                   swiglu_bwd=((128, 128, True), (128, 160, True)))
 
 
@@ -54,6 +55,11 @@ def ours_call(fam: str, d: dict, cfg: GroupGemmConfig):
     if fam == "dgrad2":
         fn, out = host.compile_group_gemm_dgrad2(H, F, cfg), torch.empty(M, H, dtype=x.dtype, device=x.device)
         return (lambda: fn(dy, w, w, dy_up, w_up, w_up, ends, out)), (lambda: (out,))
+    if fam == "wgrad":
+        fn = host.compile_group_gemm_wgrad(H, F, cfg)
+        dw = torch.empty(w.shape, dtype=x.dtype, device=x.device)
+        no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
+        return (lambda: fn(x, dy, ends, dw, no_slot)), (lambda: (dw,))
     if fam == "swiglu_bwd":
         fn = host.compile_group_gemm_swiglu_bwd(H, F, cfg, "smem")
         outs = [torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3)]

@@ -85,6 +85,12 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     trans = {"dgrad": "0, 0;", "dgrad2": "0, 0;", "wgrad": "1, 1;"}[op]
     assert all(ln.replace(" ", "").endswith(trans.replace(" ", "")) for ln in mma), mma[0][-60:]
     assert "ld.local" not in ptx and "st.local" not in ptx
+    if op == "dgrad2" and kd >= 1024:
+        # pingpong 128 x 192 (select_dgrad2_config): each warp group a whole tile, the mainloops taking
+        # turns on named barriers 2-3, each epilogue's own barrier (4, 5) and 64 x 32 TMA-store sub-tiles
+        assert all("m64n192k16" in ln for ln in mma), mma[0][:80]
+        assert "bar.arrive" in ptx
+        assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == (128 // 64) * (192 // 32)
     if op.startswith("dgrad"):
         # the producer's TMA loads: per operand pair (one for dgrad, two for dgrad2) a home and a slot load
         # of A (2-D) and of B (3-D)

@@ -253,6 +253,19 @@ def test_dgrad2_random_groups_partial_tiles(pad):
 
 
 @gpu
+def test_dgrad2_pingpong_192_column_tiles():
+    # Kd = 1216 = 6 x 192 + 64: the pingpong 128 x 192 tile (select_dgrad2_config) with a partial last
+    # n tile; several tiles per CTA (the two consumer warp groups alternate), rows past the last group
+    from csrc_cute.group_gemm import select_dgrad2_config
+
+    assert tuple(select_dgrad2_config(128, 1216, 132)) == (128, 192, 132, True)
+    lengths = random_lengths(128, 6, 3, 9, seed=41)
+    pair_a, pair_b, cu = _make_dgrad2(lengths, 6, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=41)
+    _check_dgrad2(pair_a, pair_b, cu)
+    _check_dgrad2_pairs_separately(pair_a, pair_b, cu)
+
+
+@gpu
 def test_dgrad2_one_group_b0_and_slot_weights():
     for lengths, epn in (([0, 0, 1024, 0], 3), ([0, 0, 0, 1024], 3), ([256, 0, 512], 3)):
         pair_a, pair_b, cu = _make_dgrad2(lengths, epn, kd=384, nd=512, n_total=sum(lengths) + 128)

@@ -485,18 +485,18 @@ class GroupGemmSm90Base:
         CTA's tiles are bidx, bidx + gdim, ...; the producer loads them in that order into the one
         ring). A warp group passes over the other's ring stages without waiting on or releasing
         them: ``passed`` counts the ring stages before a tile (the k tiles of every earlier tile of
-        the CTA, the row scheduler's ``row_work``) and each tile starts from the pipeline state that
+        the CTA, the scheduler's ``tile_stages``) and each tile starts from the pipeline state that
         many stages in. The family's ``consume_tile`` brackets its mainloop with
         ``wait_mainloop_turn`` / ``pass_mainloop_turn``, so the mainloops take turns and each
         epilogue runs under the other warp group's mainloop."""
         epi_count = cutlass.Int32(0)
-        passed = self.row_work(p, bidx)[2] * wg
+        passed = self.tile_stages(p, bidx) * wg
         for tile in cutlass.range(bidx + wg * gdim, p.num_tiles, 2 * gdim, unroll=1):
             _, _, epi_count = self.consume_tile(
                 p, c, warp_idx, mainloop, self.consumer_state_at(passed), self.consumer_state_at(passed), tCrA,
                 tCrBs, tile, epi_count
             )
-            passed = passed + self.row_work(p, tile)[2] + self.row_work(p, tile + gdim)[2]
+            passed = passed + self.tile_stages(p, tile) + self.tile_stages(p, tile + gdim)
 
     @cute.jit
     def wait_mainloop_turn(self, tile: cutlass.Int32):

@@ -58,6 +58,12 @@ class RowTileScheduler:
         return m_idx, n_idx, k_count
 
     @cute.jit
+    def tile_stages(self, p, tile: cutlass.Int32):
+        """The ring stages (k tiles) the producer loads for tile ``tile`` (0 past the last group or
+        past the last tile)."""
+        return self.row_work(p, tile)[2]
+
+    @cute.jit
     def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
         """Producer warp: over this CTA's tiles, all k tiles of A and of the B operand(s) of the tile's
         group; tiles past the last group load nothing."""
@@ -102,6 +108,15 @@ class GroupTileScheduler:
         k_start = row_start // self.tile_k
         k_count = (row_end - row_start) // self.tile_k
         return g, m_idx, n_idx, k_start, k_count
+
+    @cute.jit
+    def tile_stages(self, p, tile: cutlass.Int32):
+        """The ring stages (k tiles) the producer loads for work item ``tile`` (its group's rows / tile_k;
+        0 past the last item: ``cu_seqlens`` is not read there)."""
+        k_count = cutlass.Int32(0)
+        if tile < p.num_tiles:
+            k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)[4]
+        return k_count
 
     @cute.jit
     def count_groups(self, p):

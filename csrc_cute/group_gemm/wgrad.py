@@ -49,7 +49,8 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
             config,
             LayoutEnum.COL_MAJOR,  # A = x^T (Kd, rows): M-major
             LayoutEnum.COL_MAJOR,  # B = dy^T (Nd, rows): N-major
-            self._init_tma_store_epilogue(config.tile_m),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
+            pingpong=config.pingpong,
         )
 
     @cute.jit
@@ -180,32 +181,45 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         bf16; slot items with rows add fp32 into the reduce buffer; empty slot groups' items are skipped."""
         g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
         is_home = g < p.num_home
-        if is_home | (k_count > 0):
-            read_state, release_state = self.mma_k_tiles(
-                mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
-            )
-            if is_home:
-                # home: written in bf16 (registers -> shared -> TMA store)
-                bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
-                    p.tma_c, c.sC, c.gC[(None, None, m_idx, n_idx, g)]
+        if cutlass.const_expr(self.pingpong):
+            self.wait_mainloop_turn(tile)  # taken and passed by skipped items too
+            if is_home | (k_count > 0):
+                self.mma_k_tiles(mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count)
+            self.pass_mainloop_turn(p, tile)  # the other warp group's mainloop runs under this epilogue
+            if is_home | (k_count > 0):
+                epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
+        else:
+            if is_home | (k_count > 0):
+                read_state, release_state = self.mma_k_tiles(
+                    mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
                 )
-                for e in cutlass.range_constexpr(epi_tiles):
-                    self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
-                    self.store_subtile(
-                        c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
-                        warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
-                    )
-                epi_count = epi_count + epi_tiles
-            else:
-                # slot: fp32 read-add-write into the reduce buffer
-                tCcD = self.epilogue_partition(p.tiled_mma, c.mma_tidx, c.cD[(None, None, m_idx, n_idx)])
-                full = self.is_full_tile(m_idx, n_idx, c.dims)
-                self.add_into(
-                    c.acc,
-                    self.epilogue_partition(p.tiled_mma, c.mma_tidx, c.gDs[(None, None, m_idx, n_idx, g - p.num_home)]),
-                    tCcD, c.dims, full,
-                )
+                epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
         return read_state, release_state, epi_count
+
+    @cute.jit
+    def store_item(self, p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count: cutlass.Int32):
+        """A work item's epilogue: a home item's tile written in bf16 (registers -> shared -> TMA store),
+        a slot item's added in fp32 into the reduce buffer. Returns the storing group's sub-tile count."""
+        if is_home:
+            bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
+                p.tma_c, c.sC, c.gC[(None, None, m_idx, n_idx, g)]
+            )
+            for e in cutlass.range_constexpr(epi_tiles):
+                self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
+                self.store_subtile(
+                    c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
+                    warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
+                )
+            epi_count = epi_count + epi_tiles
+        else:
+            tCcD = self.epilogue_partition(p.tiled_mma, c.mma_tidx, c.cD[(None, None, m_idx, n_idx)])
+            full = self.is_full_tile(m_idx, n_idx, c.dims)
+            self.add_into(
+                c.acc,
+                self.epilogue_partition(p.tiled_mma, c.mma_tidx, c.gDs[(None, None, m_idx, n_idx, g - p.num_home)]),
+                tCcD, c.dims, full,
+            )
+        return epi_count
 
 
 class GroupGemmWgradGatherSm90(gather.GatherKRowsMixin, GroupGemmWgradSm90):
