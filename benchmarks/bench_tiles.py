@@ -40,28 +40,31 @@ def config_name(tile_m: int, tile_n: int, pingpong: bool) -> str:
     return f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}"
 
 
-def ours_call(fam: str, d: dict, cfg: GroupGemmConfig):
-    """A zero-argument launch of our kernel of `fam` compiled with `cfg`, and a function of nothing that
-    gives its outputs in gemm_reference's order."""
+def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
+    """A zero-argument launch of our kernel of `fam` compiled with `cfg` (``compile_op`` with that config)
+    and a function of nothing that gives its outputs in gemm_reference's order."""
     x, dy, dy_up, g_y, w, w_up, w_down, ends = (d[k] for k in ("x", "dy", "dy_up", "g_y", "w", "w_up", "w_down",
                                                                  "ends"))
     M, H, F = x.shape[0], w.shape[1], w.shape[2]
     if fam == "fwd":
-        fn, out = host.compile_group_gemm(H, F, cfg), torch.empty(M, F, dtype=x.dtype, device=x.device)
+        fn = host.compile_op("fwd", H, F, P, cfg.num_sms, cfg)
+        out = torch.empty(M, F, dtype=x.dtype, device=x.device)
         return (lambda: fn(x, w, w, ends, out)), (lambda: (out,))
     if fam == "dgrad":
-        fn, out = host.compile_group_gemm_dgrad(H, F, cfg), torch.empty(M, H, dtype=x.dtype, device=x.device)
+        fn = host.compile_op("dgrad", H, F, P, cfg.num_sms, cfg)
+        out = torch.empty(M, H, dtype=x.dtype, device=x.device)
         return (lambda: fn(dy, w, w, ends, out)), (lambda: (out,))
     if fam == "dgrad2":
-        fn, out = host.compile_group_gemm_dgrad2(H, F, cfg), torch.empty(M, H, dtype=x.dtype, device=x.device)
+        fn = host.compile_op("dgrad2", H, F, P, cfg.num_sms, cfg)
+        out = torch.empty(M, H, dtype=x.dtype, device=x.device)
         return (lambda: fn(dy, w, w, dy_up, w_up, w_up, ends, out)), (lambda: (out,))
     if fam == "wgrad":
-        fn = host.compile_group_gemm_wgrad(H, F, cfg)
+        fn = host.compile_op("wgrad", H, F, P, cfg.num_sms, cfg)
         dw = torch.empty(w.shape, dtype=x.dtype, device=x.device)
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
         return (lambda: fn(x, dy, ends, dw, no_slot)), (lambda: (dw,))
     if fam == "swiglu_bwd":
-        fn = host.compile_group_gemm_swiglu_bwd(H, F, cfg, "smem")
+        fn = host.compile_op("swiglu_bwd_smem", H, F, P, cfg.num_sms, cfg)
         outs = [torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3)]
         part = torch.empty(M, -(-F // cfg.tile_n), dtype=torch.float32, device=x.device)
         return ((lambda: fn(g_y, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
@@ -105,7 +108,7 @@ def run(opts) -> dict:
                 if phase == "ours":
                     for tm, tn, pp in CANDIDATES[fam]:
                         cfg = GroupGemmConfig(tm, tn, num_sms, pp)
-                        call, outputs = ours_call(fam, d, cfg)
+                        call, outputs = ours_call(fam, d, P, cfg)
                         measure(rows, key, config_name(tm, tn, pp), call, outputs, ref, opts)
                 else:
                     call, outputs = gemm_call("quack", fam, d, P, qgi)

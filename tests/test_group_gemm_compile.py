@@ -12,10 +12,11 @@ from csrc_cute import compile_check
 from csrc_cute.group_gemm import compile_group_gemm_for_sm90, select_swiglu_bwd_config
 
 
-def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int) -> str:
-    """Compile one GEMM variant for sm_90a, check ptxas reports one kernel with no spills and no stack
-    frame, and return its PTX text (skips when ptxas is missing)."""
-    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op)
+def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int, config=None) -> str:
+    """Compile one GEMM variant (``config``: instead of the op's tile choice) for sm_90a, check ptxas
+    reports one kernel with no spills and no stack frame, and return its PTX text (skips when ptxas is
+    missing)."""
+    res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op, config=config)
     assert res.ptx, f"no PTX written:\n{res.child_output}"
     assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
     if compile_check.find_ptxas() is None:
@@ -85,12 +86,6 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     trans = {"dgrad": "0, 0;", "dgrad2": "0, 0;", "wgrad": "1, 1;"}[op]
     assert all(ln.replace(" ", "").endswith(trans.replace(" ", "")) for ln in mma), mma[0][-60:]
     assert "ld.local" not in ptx and "st.local" not in ptx
-    if op == "dgrad2" and kd >= 1024:
-        # pingpong 128 x 192 (select_dgrad2_config): each warp group a whole tile, the mainloops taking
-        # turns on named barriers 2-3, each epilogue's own barrier (4, 5) and 64 x 32 TMA-store sub-tiles
-        assert all("m64n192k16" in ln for ln in mma), mma[0][:80]
-        assert "bar.arrive" in ptx
-        assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == (128 // 64) * (192 // 32)
     if op.startswith("dgrad"):
         # the producer's TMA loads: per operand pair (one for dgrad, two for dgrad2) a home and a slot load
         # of A (2-D) and of B (3-D)
@@ -104,6 +99,21 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         # groups: the fp32 read-add-write
         assert "stmatrix" in ptx and "cp.async.bulk.tensor.3d.global.shared" in ptx
         assert "cvt.rn.bf16x2.f32" in ptx and "ld.global.f32" in ptx and "st.global.f32" in ptx
+
+
+@pytest.mark.parametrize("op", ["dgrad2", "wgrad"])
+def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
+    """The row kernels' and the wgrad's pingpong option (``GroupGemmConfig.pingpong``, 128 x 192; no op
+    chooses it today, bench_tiles measures it): each warp group a whole tile (m64n192 wgmma), the
+    mainloops taking turns on named barriers, each epilogue's 64 x 32 TMA-store sub-tiles."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 192, 132, True))
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma and all("m64n192k16" in ln for ln in mma), mma[:1]
+    assert "bar.arrive" in ptx and "bar.sync" in ptx
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared" if op == "dgrad2"
+                     else "cp.async.bulk.tensor.3d.global.shared") == (128 // 64) * (192 // 32)
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,23 @@ def test_wgrad_many_work_items_big_k():
 
 
 @gpu
+def test_wgrad_pingpong_tiles_equal_the_cooperative_kernel():
+    # the pingpong 128 x 192 option (GroupGemmConfig.pingpong, measured by bench_tiles; no op chooses it):
+    # Nd = 1000 (a partial last n tile), home and slot items, an empty slot group (skipped, its turn
+    # passed on); 4 CTAs, so each warp group takes many alternate items. Bitwise the cooperative kernel
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    lengths = random_lengths(128, 5, 3, 7, seed=8)
+    x, dy, wh, ws, cu = random_bwd_problem(lengths, 5, kd=384, nd=1000, n_total=sum(lengths) + 128, seed=8)
+    dws0, dwh, dws = _wgrad_case(x, dy, cu, epn=5, seed=8)
+    got_h, got_s = torch.full_like(dwh, float("nan")), dws0.clone()
+    compile_op("wgrad", 384, 1000, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))(x, dy, cu, got_h, got_s)
+    torch.cuda.synchronize()
+    assert torch.equal(got_h, dwh) and torch.equal(got_s, dws)
+
+
+@gpu
 def test_wgrad_all_rows_one_group_and_b0():
     # all rows in one home group (the other home groups: zeros), all in the slot group (every home
     # group: zeros), and B = 0

@@ -25,7 +25,9 @@ H100_H200_NUM_SMS = 132
 
 
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64)."""
+    """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
+    consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
+    dgrad2 or wgrad at H = 7168, F = 2048 over three runs: results/bench_tiles.json)."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     tile_m = 128 if pad >= 128 else 64
@@ -37,18 +39,6 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
     tile_n = 256 if nd >= 256 else 128
     return GroupGemmConfig(tile_m, tile_n, num_sms)
 
-
-def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of dgrad2 (its k loop runs over both operand pairs, 2F deep in the MoE layer): pingpong
-    128 x 192 for wide outputs (Kd >= 1024) at tile_M = 128, each consumer warp group's epilogue under
-    the other's mainloop; else the cooperative tile of ``select_config``. Measured at H = 7168, F = 2048
-    (results/bench_tiles.json): 0.95x the cooperative 128 x 256 tile's time at 48 equal groups (the
-    layer's layout), 0.95-1.0x at 48 skewed ones, 1.08x at 16 groups of 4096 rows. The other row
-    kernels (forward, dgrad: half the k loop) measured slower pingpong at every candidate tile."""
-    base = select_config(pad, kd, num_sms)
-    if base.tile_m == 128 and kd >= 1024:
-        return GroupGemmConfig(128, 192, num_sms, pingpong=True)
-    return base
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile

@@ -22,7 +22,6 @@ from .config import (
     H100_H200_NUM_SMS,
     GroupGemmConfig,
     select_config,
-    select_dgrad2_config,
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
@@ -436,18 +435,22 @@ def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
     return info
 
 
-def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
+def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupGemmConfig | None = None):
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
     "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
     "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index) for static
-    (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``."""
+    (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
+    wgrad, SwiGLU backward): this tile configuration instead of the op's own choice (config.py), e.g. the
+    pingpong row and wgrad kernels that no op chooses today (benchmarks/bench_tiles.py, their tests)."""
+    if config is not None:
+        return _compile_with_config(op, kd, nd, config)
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
         return compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
     if op == "dgrad2":
-        return compile_group_gemm_dgrad2(kd, nd, select_dgrad2_config(pad, kd, num_sms))
+        return compile_group_gemm_dgrad2(kd, nd, select_config(pad, kd, num_sms))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op == "wgrad_gather":
@@ -467,6 +470,17 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int):
     if op == "swiglu_bwd_gather":
         return compile_group_gemm_swiglu_bwd_gather(kd, nd, select_swiglu_bwd_config(pad, nd, num_sms))
     raise ValueError(f"unknown op {op!r}")
+
+
+_CONFIGURABLE = dict(fwd=compile_group_gemm, dgrad=compile_group_gemm_dgrad, dgrad2=compile_group_gemm_dgrad2,
+                     wgrad=compile_group_gemm_wgrad,
+                     swiglu_bwd_smem=lambda kd, nd, config: compile_group_gemm_swiglu_bwd(kd, nd, config, "smem"))
+
+
+def _compile_with_config(op: str, kd: int, nd: int, config: GroupGemmConfig):
+    if op not in _CONFIGURABLE:
+        raise ValueError(f"compile_op: a config is taken by {sorted(_CONFIGURABLE)}, not {op!r}")
+    return _CONFIGURABLE[op](kd, nd, GroupGemmConfig(*config))
 
 
 def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
@@ -765,17 +779,17 @@ def _no_slots_f32(dw_home: torch.Tensor) -> torch.Tensor:
 
 
 def _compile_only(kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
-                  op: str = "fwd") -> None:
+                  op: str = "fwd", config: list | None = None) -> None:
     """Child-process entry of ``compile_group_gemm_for_sm90`` (environment already set)."""
     from csrc_cute.compile_check import expect_no_driver
 
     with expect_no_driver():
-        compile_op(op, kd, nd, pad, num_sms)
+        compile_op(op, kd, nd, pad, num_sms, None if config is None else GroupGemmConfig(*config))
 
 
 def compile_group_gemm_for_sm90(
     dump_dir: str, kd: int = 7168, nd: int = 2048, pad: int = 128, num_sms: int = H100_H200_NUM_SMS,
-    op: str = "fwd",
+    op: str = "fwd", config: GroupGemmConfig | None = None,
 ):
     """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem", "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
@@ -783,12 +797,12 @@ def compile_group_gemm_for_sm90(
     "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,
-    spills)."""
+    spills). ``config``: as ``compile_op``'s."""
     from csrc_cute.compile_check import run_compile_check
 
     return run_compile_check(
         "csrc_cute.group_gemm.host:_compile_only",
         dump_dir,
-        dict(kd=kd, nd=nd, pad=pad, num_sms=num_sms, op=op),
+        dict(kd=kd, nd=nd, pad=pad, num_sms=num_sms, op=op, config=None if config is None else list(config)),
         arch="sm_90a",
     )
