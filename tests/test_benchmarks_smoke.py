@@ -430,3 +430,29 @@ def test_bench_comm_bytes_on_a_cpu_plan(gloo1):
     assert two["combine"] == dict(minimum=(real + present) * rb, presum=(real + present) * rb + nvs * 8,
                                   pull=present * rb + S * rb + real * 12)
     ep.destroy()
+
+
+def test_tile_choices_are_the_fastest_of_the_committed_sweep():
+    """config.py's tile choice for each family at the DESIGN shape (H = 7168, F = 2048, P = 128) is the
+    fastest candidate of the committed H200 tile sweep (benchmarks/bench_tiles.py) in at least two of its
+    three group layouts, and the SwiGLU backward's in all three."""
+    import json
+
+    from benchmarks.bench_tiles import config_name
+    from csrc_cute.group_gemm import select_config, select_swiglu_bwd_config, select_wgrad_config
+
+    with open(os.path.join(ROOT, "benchmarks", "results", "bench_tiles.json")) as f:
+        sweep = json.load(f)
+    assert (sweep["H"], sweep["F"], sweep["P"]) == (7168, 2048, 128) and sweep["gpu"] == "NVIDIA H200"
+    chosen = dict(fwd=select_config(128, 2048), dgrad=select_config(128, 7168), dgrad2=select_config(128, 7168),
+                  wgrad=select_wgrad_config(128, 7168, 2048), swiglu_bwd=select_swiglu_bwd_config(128, 2048))
+    for fam, cfg in chosen.items():
+        rows = [r for r in sweep["rows"].values() if r["family"] == fam]
+        assert len(rows) == 3, fam
+        wins = 0
+        for r in rows:
+            times = {k: c["ms"] for k, c in r.items() if isinstance(c, dict) and "ms" in c and k != "quack"}
+            assert all(r[k]["ok"] for k in times), (fam, r["layout"])
+            pingpong = cfg.pingpong or fam == "swiglu_bwd"  # the SwiGLU backward is always pingpong
+            wins += min(times, key=times.get) == config_name(cfg.tile_m, cfg.tile_n, pingpong)
+        assert wins >= (3 if fam == "swiglu_bwd" else 2), (fam, wins)
