@@ -5,9 +5,9 @@ from __future__ import annotations
 
 class GroupGemmConfig(tuple):
     """Static tile configuration: (tile_m, tile_n, num_sms, pingpong). ``pingpong``: the kernels whose
-    consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale) run two
-    consumer warp groups that take alternate whole tiles instead, each one's epilogue under the
-    other's mainloop (the SwiGLU backward is always pingpong; the other families ignore it)."""
+    consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale; the
+    wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's epilogue
+    under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU ignores it)."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False):
         return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong)))
@@ -27,7 +27,7 @@ H100_H200_NUM_SMS = 132
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
     consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
-    dgrad2 or wgrad at H = 7168, F = 2048 over three runs: results/bench_tiles.json)."""
+    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles.json)."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     tile_m = 128 if pad >= 128 else 64
@@ -52,8 +52,8 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
     """Tile of the SwiGLU-backward dgrad (pingpong: each consumer warp group holds a whole tile's
     accumulators next to its epilogue's registers): tile_M as the forward's; 160 columns of F where
     that pads F by at most 5% (F = 2048: 13 tiles, the last 128 wide), else 128. The wider tile loads
-    less into shared memory per FLOP: 0.92-0.96x the 128-column tile's time at the DESIGN shape
-    (results/bench_tiles.json); 192 columns do not fit the registers."""
+    less into shared memory per FLOP: 0.91-1.00x the 128-column tile's time at the DESIGN shape
+    (results/bench_tiles.json); at 192 columns ptxas spills."""
     base = select_config(pad, 128, num_sms)
     tile_n = 160 if -(-f // 160) * 160 - f <= f // 20 else 128
     return GroupGemmConfig(base.tile_m, tile_n, num_sms)
