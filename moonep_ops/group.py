@@ -53,14 +53,11 @@ class EPGroup:
       464 -> 428 us, no better with 396 or 528; combine the same with each).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
     recompute_rows: the experts' backward rebuilds the dispatched rows [NvS, H] by dispatching the layer's
-      tokens again (one more dispatch per layer and step: ~0.3-0.5 ms at the DESIGN shape on an H200, a
+      tokens again (one more dispatch per layer and step: ~0.5 ms at the DESIGN shape on an H200, a
       collective at R > 1) instead of the forward keeping them: each layer holds its tokens [S, H]
       (1/K of the rows) from forward to backward, and the backward's peak is one [NvS, H] lower
       (the rows are rebuilt into the row gradients' memory once those are read). Same kernels on the
-      same inputs: outputs and gradients bitwise those without it. Default (None): True at R = 1, where
-      the second dispatch is a local HBM gather (an H200 at the DESIGN shape, one run: peak 15.05 ->
-      14.37 GB for 30.85 -> 31.12 ms a step; results/bench_peers.json, a3de179), False at R > 1, where
-      it would cross the links again.
+      same inputs: outputs and gradients bitwise those without it.
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
         only dtype of the CUDA kernels: anything else is refused) and torch.get_default_dtype() (fp32)
@@ -74,7 +71,7 @@ class EPGroup:
     def __init__(self, cfg: EPConfig, group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, comm_sms: int | None = None,
-                 debug: bool | None = None, recompute_rows: bool | None = None):
+                 debug: bool | None = None, recompute_rows: bool = False):
         self.owns_process_group = _init_single_rank_world(cfg, group, device)
         self.group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(self.group)
@@ -89,10 +86,8 @@ class EPGroup:
                 else DEFAULT_COMM_SMS
         if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 1:
             raise ValueError(f"EPGroup: comm_sms must be an int >= 1, got {comm_sms!r}")
-        if recompute_rows is None:
-            recompute_rows = cfg.R == 1
         if not isinstance(recompute_rows, bool):
-            raise ValueError(f"EPGroup: recompute_rows must be a bool or None, got {recompute_rows!r}")
+            raise ValueError(f"EPGroup: recompute_rows must be a bool, got {recompute_rows!r}")
         agreement.check_fingerprint(cfg, dtype, device, self.group, float(timeout_s), recompute_rows)
         self.recompute_rows = recompute_rows
         self.cfg = cfg

@@ -194,7 +194,7 @@ def test_bench_peers_smoke_without_peers(peers_smoke):
     for peer in ("quack", "sonicmoe"):  # never imported in tests: absent here, named as missing
         assert d["peers"][peer].startswith("missing"), d["peers"]
         assert d["versions"][peer] is None
-    assert list(d["layer"]) == ["ours", "ours_keep_rows", "torch", "torch_compiled"]
+    assert list(d["layer"]) == ["ours", "ours_recompute", "torch", "torch_compiled"]
     for name, r in d["layer"].items():
         assert r["ok"], (name, r)
         for mode in ("fwd", "infer", "fwd_bwd"):
