@@ -57,7 +57,10 @@ class EPGroup:
       collective at R > 1) instead of the forward keeping them: each layer holds its tokens [S, H]
       (1/K of the rows) from forward to backward, and the backward's peak is one [NvS, H] lower
       (the rows are rebuilt into the row gradients' memory once those are read). Same kernels on the
-      same inputs: outputs and gradients bitwise those without it.
+      same inputs: outputs and gradients bitwise those without it, eager and compiled. Known gap
+      (2026-12-02, one H200): under torch.compile(mode="reduce-overhead") the CUDA-graph replays differ
+      from the plain compiled step in a few elements by about a bf16 ulp (test_compiled_model_contract
+      with it on fails; docs/design-notes.md), so it stays off by default.
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
         only dtype of the CUDA kernels: anything else is refused) and torch.get_default_dtype() (fp32)
