@@ -567,6 +567,34 @@ def gemm_ratios(rows: dict) -> None:
             r[f"ours_over_{impl}"] = speedup(r.get("ours_ms"), r.get(f"{impl}_ms"))
 
 
+def issue_targets(layer: dict, gemm: dict) -> dict:
+    """The one-GPU targets (issue 13) from one run's rows: name -> dict(value, target, met), met None when a
+    side did not run. Times as ours / SonicMoE (<= target), peak as ours / SonicMoE's, GEMMs as the lowest
+    ours-over-QuACK speed of a family over its layouts (>= 1.0), the profiled step's non-GEMM GPU ms."""
+    def target(value, goal, at_most=True):
+        met = None if value is None else (value <= goal if at_most else value >= goal)
+        return dict(value=value, target=goal, met=met)
+
+    ours, sonic = layer.get("ours", {}), layer.get("sonicmoe", {})
+
+    def over_sonic(impl, key):
+        a, b = layer.get(impl, {}).get(key), sonic.get(key)
+        return a / b if isinstance(a, float) and isinstance(b, float) and b > 0 else None
+
+    out = {"layer fwd+bwd / sonicmoe": target(over_sonic("ours", "fwd_bwd_ms"), 0.90),
+           "layer fwd / sonicmoe": target(over_sonic("ours", "fwd_ms"), 0.95),
+           "peak / sonicmoe": target(over_sonic("ours", "peak_gb"), 1.05)}
+    if "ours_recompute" in layer:
+        out["peak / sonicmoe (recompute_rows)"] = target(over_sonic("ours_recompute", "peak_gb"), 1.05)
+    non_gemm = ours.get("non_gemm_gpu_ms")
+    out["non-GEMM GPU ms of a step"] = target(non_gemm if isinstance(non_gemm, float) else None, 3.0)
+    for fam in dict.fromkeys(r["family"] for r in gemm.values()):
+        speeds = [r.get("ours_over_quack") for r in gemm.values() if r["family"] == fam]
+        worst = None if not speeds or None in speeds else min(speeds)
+        out[f"{fam} / quack (worst layout)"] = target(worst, 1.0, at_most=False)
+    return out
+
+
 def fmt(v, w: int, p: int) -> str:
     return f"{v:{w}.{p}f}" if isinstance(v, float) else f"{'-':>{w}}"
 
@@ -616,6 +644,11 @@ def table(payload: dict) -> list[str]:
                          + " ".join(fmt(r.get(f"ours_over_{i}"), 11, 3) for i in impls if i != "ours"))
         errs = [f"  {n} {i}: {r[f'{i}_error']}" for n, r in gemm.items() for i in impls if f"{i}_error" in r]
         lines += errs
+    targets = payload.get("targets") or {}
+    if targets:
+        lines.append("targets (issue 13): " + "; ".join(
+            f"{k} {fmt(t['value'], 1, 3).strip()} (target {t['target']}: "
+            f"{ {True: 'met', False: 'missed', None: 'not measured'}[t['met']] })" for k, t in targets.items()))
     lines += [f"section {k} failed: {v}" for k, v in (payload.get("section_errors") or {}).items()]
     lines.append("peers: " + "; ".join(f"{k} {v}" for k, v in peers.items()))
     return lines
@@ -684,7 +717,7 @@ def run(opts: dict) -> dict:
     layer_ratios(rows_l, fwd_flops)
     gemm_ratios(rows_g)
     return dict(info, layer=rows_l, gemm=rows_g, ours_symmetric_gb=layer.get("ours_symmetric_gb"),
-                layer_fwd_flops=fwd_flops)
+                layer_fwd_flops=fwd_flops, targets=issue_targets(rows_l, rows_g))
 
 
 def main(argv=None) -> None:

@@ -456,3 +456,26 @@ def test_tile_choices_are_the_fastest_of_the_committed_sweep():
             pingpong = cfg.pingpong or fam == "swiglu_bwd"  # the SwiGLU backward is always pingpong
             wins += min(times, key=times.get) == config_name(cfg.tile_m, cfg.tile_n, pingpong)
         assert wins >= (3 if fam == "swiglu_bwd" else 2), (fam, wins)
+
+
+def test_bench_peers_issue_targets_from_hand_made_rows():
+    """bench_peers' target summary: ratios to SonicMoE (at most the target), the worst layout of each GEMM
+    family against QuACK (at least 1.0), and 'not measured' where a side did not run."""
+    from benchmarks.bench_peers import issue_targets
+
+    layer = dict(ours=dict(fwd_ms=9.0, fwd_bwd_ms=28.0, peak_gb=14.0, non_gemm_gpu_ms=1.5),
+                 ours_recompute=dict(fwd_ms=9.0, fwd_bwd_ms=28.5, peak_gb=13.0),
+                 sonicmoe=dict(fwd_ms=10.0, fwd_bwd_ms=30.0, peak_gb=13.0))
+    gemm = {"fwd | a": dict(family="fwd", ours_over_quack=1.1),
+            "fwd | b": dict(family="fwd", ours_over_quack=0.97),
+            "wgrad | a": dict(family="wgrad", ours_over_quack=1.02),
+            "wgrad | b": dict(family="wgrad", ours_over_quack=None)}
+    t = issue_targets(layer, gemm)
+    assert t["layer fwd+bwd / sonicmoe"] == dict(value=28.0 / 30.0, target=0.90, met=False)
+    assert t["layer fwd / sonicmoe"] == dict(value=0.9, target=0.95, met=True)
+    assert t["peak / sonicmoe"]["met"] is False and t["peak / sonicmoe (recompute_rows)"]["value"] == 1.0
+    assert t["non-GEMM GPU ms of a step"] == dict(value=1.5, target=3.0, met=True)
+    assert t["fwd / quack (worst layout)"] == dict(value=0.97, target=1.0, met=False)
+    assert t["wgrad / quack (worst layout)"]["met"] is None  # QuACK missing at one layout
+    none = issue_targets(dict(ours=layer["ours"]), {})
+    assert none["layer fwd / sonicmoe"]["met"] is None and "peak / sonicmoe (recompute_rows)" not in none
