@@ -545,11 +545,17 @@ def _replay_mismatch(step, model, compiled, skewed, plain, replays, names, ep) -
     """What tells the causes of a CUDA-graph replay mismatch apart: which tensors differ per replay;
     whether the replays of one input agree with each other (graph vs plain compile); whether the plain
     compiled and the eager step each repeat themselves bitwise on the skewed input (a nondeterministic
-    kernel); and the eager step with every torch.empty NaN-filled (the ops' outputs among them: a kernel
-    that reads an element nobody wrote, a padding row or an empty group, turns it into NaN there)."""
+    kernel); whether a second plain compilation of the model gives the first one's step (a compilation
+    that is not reproducible, rather than the CUDA graphs' memory pool: the reduce-overhead compile's
+    first call, which cudagraph trees run without a graph, differed too when recompute_rows or the
+    gathered rows read the forward's tokens in backward; docs/design-notes.md); and the eager step with
+    every torch.empty NaN-filled (the ops' outputs among them: a kernel that reads an element nobody
+    wrote, a padding row or an empty group, turns it into NaN there)."""
     out = dict(graphs_differing=[_differing(r, plain[i % 2], names) for i, r in enumerate(replays)],
                replays_vs_first_replay=[_differing(r, replays[i % 2], names) for i, r in enumerate(replays)],
-               compiled_repeat_differing=_differing(step(compiled, skewed), step(compiled, skewed), names))
+               compiled_repeat_differing=_differing(step(compiled, skewed), step(compiled, skewed), names),
+               second_compile_differing=_differing(step(torch.compile(model, fullgraph=True), skewed), plain[1],
+                                                   names))
     eager_skewed = step(model, skewed)
     out["eager_repeat_differing"] = _differing(step(model, skewed), eager_skewed, names)
     status_before = int(ep.status.item())

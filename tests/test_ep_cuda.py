@@ -199,8 +199,8 @@ def test_compiled_model_contract(R):
         assert r["syncs_planted"], "the host-sync check missed a planted .item()"
         assert all(r["graphs_bitwise"]), {k: r[k] for k in (
             "graphs_bitwise", "graphs_diff", "graphs_differing", "replays_vs_first_replay",
-            "compiled_repeat_differing", "eager_repeat_differing", "eager_nan_filled_nonfinite",
-            "eager_nan_filled_differing", "eager_nan_filled_status")}
+            "compiled_repeat_differing", "second_compile_differing", "eager_repeat_differing",
+            "eager_nan_filled_nonfinite", "eager_nan_filled_differing", "eager_nan_filled_status")}
         assert r["export_diff"] < 1e-2, r
         peaks = r["peaks"]
         for mode in ("eager", "compiled"):
