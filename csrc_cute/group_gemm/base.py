@@ -503,21 +503,25 @@ class GroupGemmSm90Base:
         """Pingpong, before the mainloop of ``tile``: wait until the other warp group has finished the
         mainloop of the CTA's previous tile. Without it a warp group would wait on ring stages more than
         one ring pass ahead of the loads, and an mbarrier wait sees only the phase parity: it would take
-        the slot's previous pass for this one (on the H200: hangs and faults once a CTA had two tiles)."""
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        if tile != bidx:
-            cute.arch.barrier(barrier_id=self.turn_barrier_id(tile, bidx, gdim),
-                              number_of_threads=2 * self.threads_per_wg)
+        the slot's previous pass for this one (on the H200: hangs and faults once a CTA had two tiles).
+        Cooperative consumers: nothing."""
+        if cutlass.const_expr(self.pingpong):
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            if tile != bidx:
+                cute.arch.barrier(barrier_id=self.turn_barrier_id(tile, bidx, gdim),
+                                  number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
     def pass_mainloop_turn(self, p, tile: cutlass.Int32):
-        """Pingpong, after the mainloop of ``tile``: let the other warp group start the CTA's next tile."""
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        if tile + gdim < p.num_tiles:
-            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(tile + gdim, bidx, gdim),
-                                     number_of_threads=2 * self.threads_per_wg)
+        """Pingpong, after the mainloop of ``tile``: let the other warp group start the CTA's next tile.
+        Cooperative consumers: nothing."""
+        if cutlass.const_expr(self.pingpong):
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            if tile + gdim < p.num_tiles:
+                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(tile + gdim, bidx, gdim),
+                                         number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
     def turn_barrier_id(self, tile: cutlass.Int32, bidx, gdim):

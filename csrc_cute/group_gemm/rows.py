@@ -144,13 +144,11 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
                      tile: cutlass.Int32, epi_count: cutlass.Int32):
         """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
-        if cutlass.const_expr(self.pingpong):
-            self.wait_mainloop_turn(tile)
+        self.wait_mainloop_turn(tile)
         read_state, release_state = self.mma_k_tiles(
             mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
         )
-        if cutlass.const_expr(self.pingpong):
-            self.pass_mainloop_turn(p, tile)  # the other warp group's mainloop runs under this epilogue
+        self.pass_mainloop_turn(p, tile)  # pingpong: the other warp group's mainloop runs under this epilogue
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
         bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(

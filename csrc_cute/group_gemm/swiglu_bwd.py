@@ -167,12 +167,17 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
 
     @cute.jit
     def row_weights(self, coords: cute.Tensor, row_w: cute.Tensor, last_row):
-        """The route weight of each of the thread's row slots, read once (clamped: rows past N are never
-        stored)."""
+        """The route weight of each of the thread's row slots, read once (``row_weight``)."""
         rws = cute.make_rmem_tensor(len(self.row_first), self.acc_dtype)
         for j in cutlass.range_constexpr(len(self.row_first)):
-            rws[j] = row_w[cutlass.min(coords[self.row_first[j]][0], last_row)]
+            rws[j] = self.row_weight(coords, row_w, j, last_row)
         return rws
+
+    @cute.jit
+    def row_weight(self, coords: cute.Tensor, row_w: cute.Tensor, slot: cutlass.Constexpr, last_row):
+        """The route weight of the thread's rows of static row slot ``slot`` (clamped: rows past N are never
+        stored)."""
+        return row_w[cutlass.min(coords[self.row_first[slot]][0], last_row)]
 
     @cute.jit
     def swiglu_bwd_batch(self, acc: cute.Tensor, m: cutlass.Constexpr, b: cutlass.Constexpr, rG: cute.Tensor,

@@ -190,8 +190,7 @@ class SwigluBwdSmemEpilogue:
         first = (e // per_row) * per_block + (e % per_row) * sub
         # the route weights of the sub-tile's rows (two per thread), read here rather than held for the
         # whole tile: four registers that a 160-column tile's consumers do not have (L1 hits)
-        rws = {slot: p.row_w[cutlass.min(coords[self.row_first[slot]][0], c.last_row)]
-               for slot in self.subtile_row_slots(first, sub)}
+        rws = {slot: self.row_weight(coords, p.row_w, slot, c.last_row) for slot in self.subtile_row_slots(first, sub)}
         cute.autovec_copy(views[0], rG)
         cute.autovec_copy(views[1], rU)
         for v in cutlass.range_constexpr(sub):
