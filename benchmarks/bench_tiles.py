@@ -42,41 +42,41 @@ def config_name(tile_m: int, tile_n: int, pingpong: bool) -> str:
 
 def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
     """A zero-argument launch of our kernel of `fam` compiled with `cfg` (``compile_op`` with that config)
-    and a function of nothing that gives its outputs in gemm_reference's order."""
+    and a function of its result that gives its outputs in gemm_reference's order (as bench_peers.gemm_call's)."""
     x, dy, dy_up, g_y, w, w_up, w_down, ends = (d[k] for k in ("x", "dy", "dy_up", "g_y", "w", "w_up", "w_down",
                                                                  "ends"))
     M, H, F = x.shape[0], w.shape[1], w.shape[2]
     if fam == "fwd":
         fn = host.compile_op("fwd", H, F, P, cfg.num_sms, cfg)
         out = torch.empty(M, F, dtype=x.dtype, device=x.device)
-        return (lambda: fn(x, w, w, ends, out)), (lambda: (out,))
+        return (lambda: fn(x, w, w, ends, out)), (lambda _: (out,))
     if fam == "dgrad":
         fn = host.compile_op("dgrad", H, F, P, cfg.num_sms, cfg)
         out = torch.empty(M, H, dtype=x.dtype, device=x.device)
-        return (lambda: fn(dy, w, w, ends, out)), (lambda: (out,))
+        return (lambda: fn(dy, w, w, ends, out)), (lambda _: (out,))
     if fam == "dgrad2":
         fn = host.compile_op("dgrad2", H, F, P, cfg.num_sms, cfg)
         out = torch.empty(M, H, dtype=x.dtype, device=x.device)
-        return (lambda: fn(dy, w, w, dy_up, w_up, w_up, ends, out)), (lambda: (out,))
+        return (lambda: fn(dy, w, w, dy_up, w_up, w_up, ends, out)), (lambda _: (out,))
     if fam == "wgrad":
         fn = host.compile_op("wgrad", H, F, P, cfg.num_sms, cfg)
         dw = torch.empty(w.shape, dtype=x.dtype, device=x.device)
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
-        return (lambda: fn(x, dy, ends, dw, no_slot)), (lambda: (dw,))
+        return (lambda: fn(x, dy, ends, dw, no_slot)), (lambda _: (dw,))
     if fam == "swiglu_bwd":
         fn = host.compile_op("swiglu_bwd_smem", H, F, P, cfg.num_sms, cfg)
         outs = [torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3)]
         part = torch.empty(M, -(-F // cfg.tile_n), dtype=torch.float32, device=x.device)
         return ((lambda: fn(g_y, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
-                (lambda: (*outs, part.sum(1))))
+                (lambda _: (*outs, part.sum(1))))
     raise ValueError(f"bench_tiles: unknown family {fam!r}")
 
 
 def measure(rows: dict, key: str, name: str, call, outputs, ref, opts) -> None:
-    """Check `call`'s outputs against `ref`, time it, record under rows[key][name]."""
+    """Check `call`'s outputs (`outputs` of its result) against `ref`, time it, record under rows[key][name]."""
     try:
-        call()
-        err = max(rel_err(a, r) for a, r in zip(outputs(), ref))
+        result = call()
+        err = max(rel_err(a, r) for a, r in zip(outputs(result), ref))
         ms = cuda_time_ms(call, iters=opts.iters, repeats=opts.repeats, warmup=opts.warmup)
         row = rows[key]
         row[name] = dict(ms=ms, tflops=row["flops"] / ms / 1e9, err=err, ok=err <= opts.tol)
@@ -112,9 +112,7 @@ def run(opts) -> dict:
                         measure(rows, key, config_name(tm, tn, pp), call, outputs, ref, opts)
                 else:
                     call, outputs = gemm_call("quack", fam, d, P, qgi)
-                    res = {}
-                    measure(rows, key, "quack", lambda: res.__setitem__("r", call()), lambda: outputs(res["r"]),
-                            ref, opts)
+                    measure(rows, key, "quack", call, outputs, ref, opts)
                 del ref
             del d
             torch.cuda.empty_cache()
