@@ -8,9 +8,11 @@ skewed groups, H=7168, F=2048, 65536 rows, P=128) every candidate ``GroupGemmCon
 launched directly (the kernel the op would launch with that config), checked against the fp32
 reference, and timed next to QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK
 is imported after our kernels have compiled: importing it makes CuTe DSL compiles single-threaded).
-Candidates: the row kernels (forward, dgrad, dgrad2) and the wgrad with cooperative 128 x 256 tiles or
-pingpong consumers at 128 x 128 / 160 / 192 (wgrad: 128 / 192); the SwiGLU backward (always pingpong, shared-memory
-epilogue) at 128 x 128 and 128 x 160. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
+Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles or
+pingpong consumers at 128 x 128 / 192, each of the first two also with the group raster
+(``GroupGemmConfig.group_raster``); the wgrad cooperative at 128 x 256 or pingpong at 128 / 192; the fused
+SwiGLU at 128 x 128 (columns of h) in either raster; the SwiGLU backward (always pingpong, shared-memory
+epilogue) at 128 x 128 and 128 x 160, the latter also with the group raster. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ from benchmarks.common import cuda_time_ms, run_info, short_error, write_json  #
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
-ROW_CANDIDATES = ((128, 256, False), (128, 192, True), (128, 160, True), (128, 128, True))
+# (tile_m, tile_n, pingpong, group_raster) per family
+ROW_CANDIDATES = ((128, 256, False, False), (128, 256, False, True), (128, 192, True, False), (128, 192, True, True),
+                  (128, 128, True, False))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES,
-                  wgrad=((128, 256, False), (128, 192, True), (128, 128, True)),
-                  swiglu_bwd=((128, 128, True), (128, 160, True)))
+                  wgrad=((128, 256, False, False), (128, 192, True, False), (128, 128, True, False)),
+                  swiglu=((128, 128, False, False), (128, 128, False, True)),
+                  swiglu_bwd=((128, 128, True, False), (128, 160, True, False), (128, 160, True, True)))
 
 
-def config_name(tile_m: int, tile_n: int, pingpong: bool) -> str:
-    return f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}"
+def config_name(tile_m: int, tile_n: int, pingpong: bool, group_raster: bool = False) -> str:
+    return f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{' group raster' if group_raster else ''}"
 
 
 def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
@@ -63,6 +68,10 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         dw = torch.empty(w.shape, dtype=x.dtype, device=x.device)
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
         return (lambda: fn(x, dy, ends, dw, no_slot)), (lambda _: (dw,))
+    if fam == "swiglu":
+        fn = host.compile_op("swiglu", H, F, P, cfg.num_sms, cfg)
+        h, gate, up = (torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3))
+        return (lambda: fn(x, w, w, w_up, w_up, ends, h, gate, up)), (lambda _: (h,))
     if fam == "swiglu_bwd":
         fn = host.compile_op("swiglu_bwd_smem", H, F, P, cfg.num_sms, cfg)
         outs = [torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3)]
@@ -106,10 +115,10 @@ def run(opts) -> dict:
                 rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
                 ref = gemm_reference(fam, d)
                 if phase == "ours":
-                    for tm, tn, pp in CANDIDATES[fam]:
-                        cfg = GroupGemmConfig(tm, tn, num_sms, pp)
+                    for tm, tn, pp, raster in CANDIDATES[fam]:
+                        cfg = GroupGemmConfig(tm, tn, num_sms, pp, raster)
                         call, outputs = ours_call(fam, d, P, cfg)
-                        measure(rows, key, config_name(tm, tn, pp), call, outputs, ref, opts)
+                        measure(rows, key, config_name(tm, tn, pp, raster), call, outputs, ref, opts)
                 else:
                     call, outputs = gemm_call("quack", fam, d, P, qgi)
                     measure(rows, key, "quack", call, outputs, ref, opts)

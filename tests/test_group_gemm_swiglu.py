@@ -441,3 +441,30 @@ def test_swiglu_bwd_gather_cuda_graph_replay():
         graph.replay()
         want = check_swiglu_bwd_gather(g_out, row_src, wdh, wds, cu, row_w, gate, up)
         assert all(torch.equal(o, w) for o, w in zip(outs, want)), seed
+
+
+@gpu
+def test_group_raster_swiglu_kernels_equal_the_m_major_raster():
+    # GroupGemmConfig.group_raster (each group's tiles walked N-major; no op chooses it today, bench_tiles
+    # measures it) of the fused SwiGLU and the SwiGLU backward, on 4 CTAs with empty home and slot groups,
+    # partial last n tiles and rows past the last group: bitwise the M-major kernels, every output
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
+    n_total = sum(lengths) + 200
+    fwd = random_swiglu_problem(lengths, 5, kd=320, nd=600, n_total=n_total, seed=61)
+    bwd = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=62)
+    for op, args, tile_n, n_out, widths in (("swiglu", fwd, 128, 3, (600,) * 3),
+                                            ("swiglu_bwd_smem", bwd, 160, 4, (600,) * 3 + (-(-600 // 160),))):
+        outs = {}
+        for raster in (False, True):
+            bufs = [torch.full((n_total, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16,
+                               device="cuda") for i, w in enumerate(widths[:n_out])]
+            config = GroupGemmConfig(128, tile_n, 4, op == "swiglu_bwd_smem", group_raster=raster)
+            compile_op(op, 320, 600, 128, 4, config)(*args, *bufs)
+            torch.cuda.synchronize()
+            outs[raster] = bufs
+        for i, (a, b) in enumerate(zip(outs[False], outs[True])):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{op} output {i} differs"
+        assert not outs[False][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"

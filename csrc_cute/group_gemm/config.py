@@ -4,13 +4,18 @@ from __future__ import annotations
 
 
 class GroupGemmConfig(tuple):
-    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong). ``pingpong``: the kernels whose
-    consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale; the
-    wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's epilogue
-    under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU ignores it)."""
+    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, group_raster). ``pingpong``: the
+    kernels whose consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row
+    scale; the wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's
+    epilogue under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU
+    ignores it). ``group_raster`` (the row-grouped kernels): the tiles of each group are walked N tile by
+    N tile, all of the group's M tiles side by side, instead of M tile by M tile over every N tile; the
+    CTAs running at once then share each weight tile (B) among the group's rows, which read it once
+    while it is in L2, where the M-major walk has every CTA wave read the expert's whole weight again
+    (``RowTileScheduler.row_tile``). The wgrad ignores it."""
 
-    def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False):
-        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong)))
+    def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, group_raster: bool = False):
+        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), bool(group_raster)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -19,6 +24,7 @@ class GroupGemmConfig(tuple):
     tile_n = property(lambda self: self[1])
     num_sms = property(lambda self: self[2])
     pingpong = property(lambda self: self[3])
+    group_raster = property(lambda self: self[4])
 
 
 H100_H200_NUM_SMS = 132

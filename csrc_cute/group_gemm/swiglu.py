@@ -27,14 +27,14 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
     column)) and the epilogue computes ``h = silu(gate) * up`` in fp32 from registers, converts to
     bf16 and stores it through the stmatrix -> shared -> TMA path of the forward kernel. With
     ``store_preact`` it also stores the bf16 pre-activations gate and up (what backward needs).
-    Same persistent M-major raster and device-side tile -> group lookup as the forward.
+    Same persistent raster and device-side tile -> group lookup as the forward.
     """
 
     def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
         self.store_preact = bool(store_preact)
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
         self._init_common(
-            GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms),
+            GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, group_raster=config.group_raster),
             LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
             LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
             self._init_tma_store_epilogue(config.tile_m),
