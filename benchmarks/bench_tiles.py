@@ -8,11 +8,11 @@ skewed groups, H=7168, F=2048, 65536 rows, P=128) every candidate ``GroupGemmCon
 launched directly (the kernel the op would launch with that config), checked against the fp32
 reference, and timed next to QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK
 is imported after our kernels have compiled: importing it makes CuTe DSL compiles single-threaded).
-Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles or
-pingpong consumers at 128 x 128 / 192, each of the first two also with the group raster
-(``GroupGemmConfig.group_raster``); the wgrad cooperative at 128 x 256 or pingpong at 128 / 192; the fused
-SwiGLU at 128 x 128 (columns of h) in either raster; the SwiGLU backward (always pingpong, shared-memory
-epilogue) at 128 x 128 and 128 x 160, the latter also with the group raster. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
+Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
+the M-major raster or in bands of 8, 16 or 64 M tiles of each group (``GroupGemmConfig.band_m``), or with
+pingpong consumers at 128 x 192 (M-major, bands of 16); the wgrad cooperative at 128 x 256 or pingpong at
+128 / 192; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always pingpong,
+shared-memory epilogue) at 128 x 160 in each raster, and at 128 x 128. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from benchmarks.common import cuda_time_ms, run_info, short_error, write_json  #
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
-# (tile_m, tile_n, pingpong, group_raster) per family
-ROW_CANDIDATES = ((128, 256, False, False), (128, 256, False, True), (128, 192, True, False), (128, 192, True, True),
-                  (128, 128, True, False))
+# (tile_m, tile_n, pingpong, band_m) per family
+ROW_CANDIDATES = ((128, 256, False, 0), (128, 256, False, 8), (128, 256, False, 16), (128, 256, False, 64),
+                  (128, 192, True, 0), (128, 192, True, 16))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES,
-                  wgrad=((128, 256, False, False), (128, 192, True, False), (128, 128, True, False)),
-                  swiglu=((128, 128, False, False), (128, 128, False, True)),
-                  swiglu_bwd=((128, 128, True, False), (128, 160, True, False), (128, 160, True, True)))
+                  wgrad=((128, 256, False, 0), (128, 192, True, 0), (128, 128, True, 0)),
+                  swiglu=tuple((128, 128, False, b) for b in (0, 8, 16, 64)),
+                  swiglu_bwd=((128, 128, True, 0),) + tuple((128, 160, True, b) for b in (0, 8, 16, 64)))
 
 
-def config_name(tile_m: int, tile_n: int, pingpong: bool, group_raster: bool = False) -> str:
-    return f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{' group raster' if group_raster else ''}"
+def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0) -> str:
+    return f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
 
 
 def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
@@ -115,10 +115,10 @@ def run(opts) -> dict:
                 rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
                 ref = gemm_reference(fam, d)
                 if phase == "ours":
-                    for tm, tn, pp, raster in CANDIDATES[fam]:
-                        cfg = GroupGemmConfig(tm, tn, num_sms, pp, raster)
+                    for tm, tn, pp, band in CANDIDATES[fam]:
+                        cfg = GroupGemmConfig(tm, tn, num_sms, pp, band)
                         call, outputs = ours_call(fam, d, P, cfg)
-                        measure(rows, key, config_name(tm, tn, pp, raster), call, outputs, ref, opts)
+                        measure(rows, key, config_name(tm, tn, pp, band), call, outputs, ref, opts)
                 else:
                     call, outputs = gemm_call("quack", fam, d, P, qgi)
                     measure(rows, key, "quack", call, outputs, ref, opts)

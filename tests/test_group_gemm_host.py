@@ -23,8 +23,11 @@ from group_gemm_cases import zero_inputs, zero_swiglu_inputs
 
 
 def test_select_config_rejects_small_pad():
-    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, False)  # cooperative
-    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, False)
+    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0)  # cooperative, M-major
+    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0)
+    # bands of 16 M tiles where the output has more than 8 n tiles (ROW_BAND_M, BANDED_N_TILES)
+    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 16)
+    assert select_config(128, 2049).band_m == 16 and select_config(128, 100).band_m == 0
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):
@@ -36,16 +39,17 @@ def test_select_config_rejects_small_pad():
 
 def test_select_swiglu_bwd_config():
     # 160 columns where they pad F by at most 5%, else 128; tile_M as the forward's
-    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, False)
-    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, False)
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16)
+    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16)
+    assert select_swiglu_bwd_config(128, 1024).band_m == 0  # 8 n tiles
     assert select_swiglu_bwd_config(128, 1024).tile_n == 128  # 1120 columns: 9% more
     assert select_swiglu_bwd_config(128, 200).tile_n == 128
     assert select_swiglu_bwd_config(128, 160).tile_n == 160
 
 
 def test_select_wgrad_config():
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, False)
-    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, False)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, 0)
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)

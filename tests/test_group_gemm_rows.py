@@ -338,27 +338,27 @@ def test_row_scale_random_groups(pad):
 
 
 @gpu
-@pytest.mark.parametrize("pingpong", [False, True])
-def test_group_raster_tiles_equal_the_m_major_raster(pingpong):
-    # GroupGemmConfig.group_raster walks each group's tiles N-major (no op chooses it today, bench_tiles
-    # measures it): on 4 CTAs (many tiles each, pingpong warp groups alternating), with empty home and
-    # slot groups, groups of one and of many M tiles, a partial last n tile and rows past the last group,
-    # the forward and dgrad2 are bitwise the M-major kernels (each output element has the same k loop)
+@pytest.mark.parametrize("pingpong,band_m", [(False, 2), (True, 3), (False, 64)])
+def test_banded_raster_tiles_equal_the_m_major_raster(pingpong, band_m):
+    # GroupGemmConfig.band_m walks each group's tiles N-major in bands of band_m M tiles: on 4 CTAs (many
+    # tiles each, pingpong warp groups alternating), with empty home and slot groups, groups of 1 to 9 M
+    # tiles (bands cut short by the group's end; band_m = 64: one band per group), a partial last n tile
+    # and rows past the last group, the forward and dgrad2 are bitwise the M-major kernels (each output
+    # element has the same k loop)
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
-    tn = 192 if pingpong else 256
+    config = GroupGemmConfig(128, 192 if pingpong else 256, 4, pingpong, band_m)
     x, wh, ws, cu = random_problem(lengths, 5, kd=320, nd=1216, n_total=sum(lengths) + 200, seed=53)
     want = _check_fwd(x, wh, ws, cu)
     got = torch.full_like(want, float("nan"))
-    compile_op("fwd", 320, 1216, 128, 4, GroupGemmConfig(128, tn, 4, pingpong, group_raster=True))(x, wh, ws, cu, got)
+    compile_op("fwd", 320, 1216, 128, 4, config)(x, wh, ws, cu, got)
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"forward differs in {(got != want).any(1).sum().item()} rows"
     pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=54)
     want = _check_dgrad2(pair_a, pair_b, cu)
     got = torch.full_like(want, float("nan"))
-    compile_op("dgrad2", 1216, 320, 128, 4, GroupGemmConfig(128, tn, 4, pingpong, group_raster=True))(
-        *pair_a, *pair_b, cu, got)
+    compile_op("dgrad2", 1216, 320, 128, 4, config)(*pair_a, *pair_b, cu, got)
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"dgrad2 differs in {(got != want).any(1).sum().item()} rows"

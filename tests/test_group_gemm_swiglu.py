@@ -444,9 +444,10 @@ def test_swiglu_bwd_gather_cuda_graph_replay():
 
 
 @gpu
-def test_group_raster_swiglu_kernels_equal_the_m_major_raster():
-    # GroupGemmConfig.group_raster (each group's tiles walked N-major; no op chooses it today, bench_tiles
-    # measures it) of the fused SwiGLU and the SwiGLU backward, on 4 CTAs with empty home and slot groups,
+@pytest.mark.parametrize("band_m", [2, 64])
+def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m):
+    # GroupGemmConfig.band_m (each group's tiles walked N-major in bands of band_m M tiles) of the fused
+    # SwiGLU and the SwiGLU backward, on 4 CTAs with empty home and slot groups, groups of 1 to 9 M tiles,
     # partial last n tiles and rows past the last group: bitwise the M-major kernels, every output
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
@@ -458,13 +459,13 @@ def test_group_raster_swiglu_kernels_equal_the_m_major_raster():
     for op, args, tile_n, n_out, widths in (("swiglu", fwd, 128, 3, (600,) * 3),
                                             ("swiglu_bwd_smem", bwd, 160, 4, (600,) * 3 + (-(-600 // 160),))):
         outs = {}
-        for raster in (False, True):
+        for band in (0, band_m):
             bufs = [torch.full((n_total, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16,
                                device="cuda") for i, w in enumerate(widths[:n_out])]
-            config = GroupGemmConfig(128, tile_n, 4, op == "swiglu_bwd_smem", group_raster=raster)
+            config = GroupGemmConfig(128, tile_n, 4, op == "swiglu_bwd_smem", band)
             compile_op(op, 320, 600, 128, 4, config)(*args, *bufs)
             torch.cuda.synchronize()
-            outs[raster] = bufs
-        for i, (a, b) in enumerate(zip(outs[False], outs[True])):
+            outs[band] = bufs
+        for i, (a, b) in enumerate(zip(outs[0], outs[band_m])):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{op} output {i} differs"
-        assert not outs[False][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"
+        assert not outs[0][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"

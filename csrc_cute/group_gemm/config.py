@@ -4,18 +4,20 @@ from __future__ import annotations
 
 
 class GroupGemmConfig(tuple):
-    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, group_raster). ``pingpong``: the
-    kernels whose consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row
-    scale; the wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's
-    epilogue under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU
-    ignores it). ``group_raster`` (the row-grouped kernels): the tiles of each group are walked N tile by
-    N tile, all of the group's M tiles side by side, instead of M tile by M tile over every N tile; the
-    CTAs running at once then share each weight tile (B) among the group's rows, which read it once
-    while it is in L2, where the M-major walk has every CTA wave read the expert's whole weight again
-    (``RowTileScheduler.row_tile``). The wgrad ignores it."""
+    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m). ``pingpong``: the kernels
+    whose consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale; the
+    wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's epilogue
+    under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU ignores it).
+    ``band_m`` (the row-grouped kernels; the wgrad ignores it): 0 walks the tiles M-major (each M tile
+    over every N tile); b > 0 walks each group's tiles in bands of up to b M tiles, N tile by N tile
+    within a band, so the CTAs that run at once share each weight tile (B) among the band's rows and
+    read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole
+    weight again (``RowTileScheduler.row_tile``)."""
 
-    def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, group_raster: bool = False):
-        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), bool(group_raster)))
+    def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0):
+        if isinstance(band_m, bool) or int(band_m) < 0:
+            raise ValueError(f"GroupGemmConfig: band_m must be an int >= 0, got {band_m!r}")
+        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -24,16 +26,29 @@ class GroupGemmConfig(tuple):
     tile_n = property(lambda self: self[1])
     num_sms = property(lambda self: self[2])
     pingpong = property(lambda self: self[3])
-    group_raster = property(lambda self: self[4])
+    band_m = property(lambda self: self[4])
 
 
 H100_H200_NUM_SMS = 132
+# The row kernels' band (GroupGemmConfig.band_m) where the output has more than BANDED_N_TILES n tiles.
+# Sweep at H = 7168, F = 2048 (results/bench_tiles.json): walking a group's tiles N-major sped up the
+# kernels with wide outputs (dgrad/dgrad2 28 n tiles, fused SwiGLU 16, SwiGLU backward 13) by up to 11%
+# at 48 equal groups, but whole groups as bands slowed the forward (8 n tiles) and the dgrad at 16 groups
+# of 32 M tiles by 13-14% (a tall band's rows no longer fit L2 beside the weight tiles); bands of 16 M
+# tiles keep both sides.
+ROW_BAND_M = 16
+BANDED_N_TILES = 8
+
+
+def _row_band(nd: int, tile_n: int) -> int:
+    return ROW_BAND_M if -(-nd // tile_n) > BANDED_N_TILES else 0
 
 
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
     consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
-    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles.json)."""
+    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles.json); bands of ROW_BAND_M
+    M tiles where the output (``nd`` columns) has more than BANDED_N_TILES n tiles."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     tile_m = 128 if pad >= 128 else 64
@@ -43,7 +58,7 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
             f"must lie inside one group, so group lengths must be multiples of {tile_m}"
         )
     tile_n = 256 if nd >= 256 else 128
-    return GroupGemmConfig(tile_m, tile_n, num_sms)
+    return GroupGemmConfig(tile_m, tile_n, num_sms, band_m=_row_band(nd, tile_n))
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -51,7 +66,7 @@ def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> 
     computes 128 columns of gate *and* of up (two 64 x 128 fp32 accumulators per consumer warp group,
     the register footprint of the forward's 128 x 256 tile)."""
     base = select_config(pad, f, num_sms)
-    return GroupGemmConfig(base.tile_m, 128, num_sms)
+    return GroupGemmConfig(base.tile_m, 128, num_sms, band_m=_row_band(f, 128))
 
 
 def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -62,7 +77,7 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
     (results/bench_tiles.json); at 192 columns ptxas spills."""
     base = select_config(pad, 128, num_sms)
     tile_n = 160 if -(-f // 160) * 160 - f <= f // 20 else 128
-    return GroupGemmConfig(base.tile_m, tile_n, num_sms)
+    return GroupGemmConfig(base.tile_m, tile_n, num_sms, band_m=_row_band(f, tile_n))
 
 
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:

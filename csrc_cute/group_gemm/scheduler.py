@@ -2,7 +2,7 @@
 
 ``RowTileScheduler`` (forward, dgrad, the fused row kernels): every group length is a multiple of the
 padding P and tile_M divides P, so each M tile of the output lies in exactly one group; tiles (M-major
-raster, or N-major within each group: ``GroupGemmConfig.group_raster``) are strided over min(#tiles, #SMs) CTAs and a tile's group is the number of group ends
+raster, or N-major within bands of a group's M tiles: ``GroupGemmConfig.band_m``) are strided over min(#tiles, #SMs) CTAs and a tile's group is the number of group ends
 ``cu[g] <= m0`` (``m0`` = first row of the tile), counted by one warp with a ballot over
 ``cu_seqlens`` 32 entries at a time (no host sync). A tile whose group reaches G lies past the last
 group: no loads, no MMA, zeros.
@@ -26,22 +26,26 @@ class RowTileScheduler:
     @cute.jit
     def row_tile(self, cu_seqlens: cute.Tensor, tile: cutlass.Int32, num_n_tiles: cutlass.Int32):
         """Tile ``tile`` of a row-grouped kernel -> (m tile, n tile, group). M-major raster: tile = m x
-        #n tiles + n. With ``group_raster`` the tiles of a group (the same range of indices, its M tiles
-        times #n tiles) are walked N-major instead: the group's h M tiles side by side for each N tile,
-        so CTAs that run at once read the same weight tiles (groups lie on M-tile boundaries: their ends
-        are multiples of P, which tile_M divides). Past the last group: M-major."""
+        #n tiles + n. With ``band_m`` = b the tiles of a group (the same range of indices: its M tiles
+        times #n tiles) are walked in bands of up to b M tiles, N-major within a band, so CTAs that run
+        at once read the same weight tiles (groups lie on M-tile boundaries: their ends are multiples of
+        P, which tile_M divides). Past the last group: M-major."""
         m_idx = tile // num_n_tiles
         n_idx = tile % num_n_tiles
         g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
-        if cutlass.const_expr(self.group_raster):
+        if cutlass.const_expr(self.band_m > 0):
             if g < cute.size(cu_seqlens, mode=[0]):
                 first = cutlass.Int32(0)
                 if g > 0:
                     first = cu_seqlens[g - 1] // self.tile_m
-                height = cu_seqlens[g] // self.tile_m - first  # >= 1: the group holds row m_idx * tile_m
-                local = tile - first * num_n_tiles
-                n_idx = local // height
-                m_idx = first + (local - n_idx * height)
+                local = tile - first * num_n_tiles  # in [0, group's M tiles x #n tiles)
+                band = local // (self.band_m * num_n_tiles)
+                band_first = first + band * self.band_m
+                # the band's M tiles: band_m, or what is left of the group (>= 1: it holds row m_idx * tile_m)
+                height = cutlass.min(self.band_m, cu_seqlens[g] // self.tile_m - band_first)
+                in_band = local - band * self.band_m * num_n_tiles
+                n_idx = in_band // height
+                m_idx = band_first + (in_band - n_idx * height)
         return m_idx, n_idx, g
 
     @cute.jit
