@@ -433,29 +433,42 @@ def test_bench_comm_bytes_on_a_cpu_plan(gloo1):
 
 
 def test_tile_choices_are_the_fastest_of_the_committed_sweep():
-    """config.py's tile choice for each family at the DESIGN shape (H = 7168, F = 2048, P = 128) is the
-    fastest candidate of the committed H200 tile sweep (benchmarks/bench_tiles.py) in at least two of its
-    three group layouts, and the SwiGLU backward's in all three."""
+    """config.py's tile choice for each family at the DESIGN shape (H = 7168, F = 2048, P = 128) is, in at
+    least two of the three group layouts (the SwiGLU backward: all three), the fastest candidate of the
+    newest committed H200 tile sweep that measured the family (benchmarks/bench_tiles.py), or within 3% of
+    it: two candidates that walk the same tiles in the same order (bands of 16 and of 64 M tiles at 48
+    equal groups of 11) differed by 2.4% and 12% in one run (results/bench_tiles.json)."""
     import json
 
     from benchmarks.bench_tiles import config_name
-    from csrc_cute.group_gemm import select_config, select_swiglu_bwd_config, select_wgrad_config
+    from csrc_cute.group_gemm import (
+        select_config,
+        select_dgrad2_config,
+        select_swiglu_bwd_config,
+        select_swiglu_config,
+        select_wgrad_config,
+    )
 
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_tiles.json")) as f:
-        sweep = json.load(f)
-    assert (sweep["H"], sweep["F"], sweep["P"]) == (7168, 2048, 128) and sweep["gpu"] == "NVIDIA H200"
-    chosen = dict(fwd=select_config(128, 2048), dgrad=select_config(128, 7168), dgrad2=select_config(128, 7168),
-                  wgrad=select_wgrad_config(128, 7168, 2048), swiglu_bwd=select_swiglu_bwd_config(128, 2048))
+    sweeps = []  # newest first: each family's rows come from the first sweep that has them
+    for name in ("bench_tiles.json", "bench_tiles_953407e.json"):
+        with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
+            sweeps.append(json.load(f))
+        assert (sweeps[-1]["H"], sweeps[-1]["F"], sweeps[-1]["P"]) == (7168, 2048, 128), name
+        assert sweeps[-1]["gpu"] == "NVIDIA H200", name
+    chosen = dict(fwd=select_config(128, 2048), dgrad=select_config(128, 7168), dgrad2=select_dgrad2_config(128, 7168),
+                  wgrad=select_wgrad_config(128, 7168, 2048), swiglu=select_swiglu_config(128, 2048),
+                  swiglu_bwd=select_swiglu_bwd_config(128, 2048))
     for fam, cfg in chosen.items():
-        rows = [r for r in sweep["rows"].values() if r["family"] == fam]
+        rows = next(rs for rs in ([r for r in sw["rows"].values() if r["family"] == fam] for sw in sweeps) if rs)
         assert len(rows) == 3, fam
+        pingpong = cfg.pingpong or fam == "swiglu_bwd"  # the SwiGLU backward is always pingpong
+        name = config_name(cfg.tile_m, cfg.tile_n, pingpong, cfg.band_m)
         wins = 0
         for r in rows:
             times = {k: c["ms"] for k, c in r.items() if isinstance(c, dict) and "ms" in c and k != "quack"}
             assert all(r[k]["ok"] for k in times), (fam, r["layout"])
-            pingpong = cfg.pingpong or fam == "swiglu_bwd"  # the SwiGLU backward is always pingpong
-            wins += min(times, key=times.get) == config_name(cfg.tile_m, cfg.tile_n, pingpong)
-        assert wins >= (3 if fam == "swiglu_bwd" else 2), (fam, wins)
+            wins += times[name] <= 1.03 * min(times.values())
+        assert wins >= (3 if fam == "swiglu_bwd" else 2), (fam, name, wins)
 
 
 def test_bench_peers_issue_targets_from_hand_made_rows():

@@ -16,7 +16,9 @@ from csrc_cute.group_gemm import (
     group_gemm_wgrad_gather,
     group_gemm_wgrad_gather_b,
     select_config,
+    select_dgrad2_config,
     select_swiglu_bwd_config,
+    select_swiglu_config,
     select_wgrad_config,
 )
 from group_gemm_cases import zero_inputs, zero_swiglu_inputs
@@ -25,9 +27,11 @@ from group_gemm_cases import zero_inputs, zero_swiglu_inputs
 def test_select_config_rejects_small_pad():
     assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0)  # cooperative, M-major
     assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0)
-    # bands of 16 M tiles where the output has more than 8 n tiles (ROW_BAND_M, BANDED_N_TILES)
-    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 16)
-    assert select_config(128, 2049).band_m == 16 and select_config(128, 100).band_m == 0
+    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0)  # the dgrad's: M-major too
+    # the dgrad2: bands of 16 M tiles where the output has more than 8 n tiles (ROW_BAND_M, BANDED_N_TILES)
+    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 16)
+    assert select_dgrad2_config(128, 2049).band_m == 16 and select_dgrad2_config(128, 2048).band_m == 0
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):

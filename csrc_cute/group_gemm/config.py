@@ -30,12 +30,13 @@ class GroupGemmConfig(tuple):
 
 
 H100_H200_NUM_SMS = 132
-# The row kernels' band (GroupGemmConfig.band_m) where the output has more than BANDED_N_TILES n tiles.
-# Sweep at H = 7168, F = 2048 (results/bench_tiles.json): walking a group's tiles N-major sped up the
-# kernels with wide outputs (dgrad/dgrad2 28 n tiles, fused SwiGLU 16, SwiGLU backward 13) by up to 11%
-# at 48 equal groups, but whole groups as bands slowed the forward (8 n tiles) and the dgrad at 16 groups
-# of 32 M tiles by 13-14% (a tall band's rows no longer fit L2 beside the weight tiles); bands of 16 M
-# tiles keep both sides.
+# The band (GroupGemmConfig.band_m) of the dgrad2, the fused SwiGLU and the SwiGLU backward where the
+# output has more than BANDED_N_TILES n tiles; the forward, dgrad and row-scale kernels stay M-major.
+# Tile sweep at H = 7168, F = 2048, P = 128 (results/bench_tiles.json, one H200 run; an earlier run with
+# whole groups as bands agreed, results/bench_tiles_band_h200.log): bands of 16 M tiles took 0.86-0.92x the
+# M-major time for the dgrad2, 0.90-0.96x for the SwiGLU backward, 0.94-0.97x for the fused SwiGLU; the
+# forward and the dgrad (one weight, 8 / 28 n tiles) were 8-15% slower banded at 16 groups of 32 M tiles
+# and at the skewed groups (faster only at 48 equal groups of 11 M tiles, the dgrad by 9%).
 ROW_BAND_M = 16
 BANDED_N_TILES = 8
 
@@ -47,8 +48,7 @@ def _row_band(nd: int, tile_n: int) -> int:
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
     consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
-    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles.json); bands of ROW_BAND_M
-    M tiles where the output (``nd`` columns) has more than BANDED_N_TILES n tiles."""
+    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles.json); the M-major raster."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     tile_m = 128 if pad >= 128 else 64
@@ -58,13 +58,21 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
             f"must lie inside one group, so group lengths must be multiples of {tile_m}"
         )
     tile_n = 256 if nd >= 256 else 128
-    return GroupGemmConfig(tile_m, tile_n, num_sms, band_m=_row_band(nd, tile_n))
+    return GroupGemmConfig(tile_m, tile_n, num_sms)
+
+
+def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the dgrad of two operand pairs: the dgrad's (``select_config`` over the output's Kd
+    columns), in bands of ROW_BAND_M M tiles where Kd has more than BANDED_N_TILES n tiles."""
+    base = select_config(pad, kd, num_sms)
+    return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, band_m=_row_band(kd, base.tile_n))
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile
     computes 128 columns of gate *and* of up (two 64 x 128 fp32 accumulators per consumer warp group,
-    the register footprint of the forward's 128 x 256 tile)."""
+    the register footprint of the forward's 128 x 256 tile); in bands of ROW_BAND_M M tiles where F has
+    more than BANDED_N_TILES such tiles."""
     base = select_config(pad, f, num_sms)
     return GroupGemmConfig(base.tile_m, 128, num_sms, band_m=_row_band(f, 128))
 
@@ -74,7 +82,8 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
     accumulators next to its epilogue's registers): tile_M as the forward's; 160 columns of F where
     that pads F by at most 5% (F = 2048: 13 tiles, the last 128 wide), else 128. The wider tile loads
     less into shared memory per FLOP: 0.91-1.00x the 128-column tile's time at the DESIGN shape
-    (results/bench_tiles.json); at 192 columns ptxas spills."""
+    (results/bench_tiles.json); at 192 columns ptxas spills. In bands of ROW_BAND_M M tiles where F has
+    more than BANDED_N_TILES n tiles."""
     base = select_config(pad, 128, num_sms)
     tile_n = 160 if -(-f // 160) * 160 - f <= f // 20 else 128
     return GroupGemmConfig(base.tile_m, tile_n, num_sms, band_m=_row_band(f, tile_n))
