@@ -6,7 +6,7 @@ The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer 
 runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48
 skewed groups, H=7168, F=2048, 65536 rows, P=128) every candidate ``GroupGemmConfig`` is compiled and
 launched directly (the kernel the op would launch with that config), checked against the fp32
-reference, and timed next to QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK
+reference, timed round-robin with the row's other candidates (``time_round_robin``), and next to QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK
 is imported after our kernels have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
 the M-major raster or in bands of 8, 16 or 64 M tiles of each group (``GroupGemmConfig.band_m``), or with
@@ -81,19 +81,43 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
     raise ValueError(f"bench_tiles: unknown family {fam!r}")
 
 
-def measure(rows: dict, key: str, name: str, call, outputs, ref, opts) -> None:
-    """Check `call`'s outputs (`outputs` of its result) against `ref`, time it, record under rows[key][name]."""
+def check(rows: dict, key: str, name: str, call, outputs, ref, opts) -> bool:
+    """Run `call` once (compiling it), compare its outputs (`outputs` of its result) with `ref` and record
+    the error under rows[key][name]; False (the error recorded) if it fails."""
     try:
-        result = call()
-        err = max(rel_err(a, r) for a, r in zip(outputs(result), ref))
-        ms = cuda_time_ms(call, iters=opts.iters, repeats=opts.repeats, warmup=opts.warmup)
-        row = rows[key]
-        row[name] = dict(ms=ms, tflops=row["flops"] / ms / 1e9, err=err, ok=err <= opts.tol)
-        print(f"{key:24s} {name:18s} {ms:7.3f} ms {row[name]['tflops']:6.1f} TF/s err {err:.1e}", flush=True)
+        err = max(rel_err(a, r) for a, r in zip(outputs(call()), ref))
+        rows[key][name] = dict(err=err, ok=err <= opts.tol)
+        return True
     except Exception as e:  # noqa: BLE001  (recorded, the sweep goes on)
         rows[key][name] = dict(error=short_error(e))
         print(f"{key} {name}: failed: {short_error(e)}", flush=True)
         traceback.print_exc()
+        return False
+
+
+def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
+    """Median time of each of `calls` (name -> zero-argument call) over `repeats` rounds, each round
+    timing every call once (``time_once(call)``) in turn: the candidates of one sweep row share the
+    GPU's clock and temperature drift instead of one candidate taking all of a slow stretch (in one run
+    two candidates with the same tile order, timed one after the other, differed by 12%)."""
+    times: dict = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            times[name].append(time_once(call))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+def measure(rows: dict, key: str, calls: dict, opts) -> None:
+    """Time the checked `calls` (name -> call) of sweep row `key` round-robin; record ms and TFLOP/s."""
+    for call in calls.values():
+        for _ in range(opts.warmup):
+            call()
+    row = rows[key]
+    timed = time_round_robin(calls, lambda c: cuda_time_ms(c, iters=opts.iters, repeats=1, warmup=0), opts.repeats)
+    for name, ms in timed.items():
+        row[name].update(ms=ms, tflops=row["flops"] / ms / 1e9)
+        print(f"{key:24s} {name:30s} {ms:7.3f} ms {row[name]['tflops']:6.1f} TF/s err {row[name]['err']:.1e}",
+              flush=True)
 
 
 def run(opts) -> dict:
@@ -115,14 +139,15 @@ def run(opts) -> dict:
                 rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
                 ref = gemm_reference(fam, d)
                 if phase == "ours":
-                    for tm, tn, pp, band in CANDIDATES[fam]:
-                        cfg = GroupGemmConfig(tm, tn, num_sms, pp, band)
-                        call, outputs = ours_call(fam, d, P, cfg)
-                        measure(rows, key, config_name(tm, tn, pp, band), call, outputs, ref, opts)
+                    candidates = {config_name(tm, tn, pp, band): ours_call(fam, d, P,
+                                                                           GroupGemmConfig(tm, tn, num_sms, pp, band))
+                                  for tm, tn, pp, band in CANDIDATES[fam]}
                 else:
-                    call, outputs = gemm_call("quack", fam, d, P, qgi)
-                    measure(rows, key, "quack", call, outputs, ref, opts)
-                del ref
+                    candidates = {"quack": gemm_call("quack", fam, d, P, qgi)}
+                checked = {name: call for name, (call, outputs) in candidates.items()
+                           if check(rows, key, name, call, outputs, ref, opts)}
+                measure(rows, key, checked, opts)
+                del ref, candidates, checked
             del d
             torch.cuda.empty_cache()
     for row in rows.values():
@@ -162,8 +187,8 @@ def main(argv=None) -> None:
     ap.add_argument("--families", default=",".join(CANDIDATES))
     for k, v in dict(S=8192, H=7168, F=2048, E=48, K=8, P=128, rows=65536, seed=0).items():
         ap.add_argument(f"--{k}", dest=k, type=int, default=v)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10, help="calls per timed round")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds (median), each timing every candidate once")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tol", type=float, default=3e-2)
     ap.add_argument("--no-quack", action="store_true", help="ours only (QuACK not installed)")

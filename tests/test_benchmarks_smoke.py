@@ -471,6 +471,20 @@ def test_tile_choices_are_the_fastest_of_the_committed_sweep():
         assert wins >= (3 if fam == "swiglu_bwd" else 2), (fam, name, wins)
 
 
+def test_bench_tiles_times_the_candidates_round_robin():
+    """A clock that drifts by one unit per timing: timed round-robin, equal candidates get medians within
+    one round's spread (len(calls) - 1 units) of each other, where timing each one's repeats in a row would
+    set them a whole candidate's repeats (5 units) apart; a faster candidate stays faster."""
+    from benchmarks.bench_tiles import time_round_robin
+
+    clock = iter(range(1000))
+    calls = dict(a=lambda: 10.0, b=lambda: 10.0, c=lambda: 10.0, fast=lambda: 4.0)
+    med = time_round_robin(calls, lambda call: call() + next(clock), repeats=5)
+    assert list(med) == ["a", "b", "c", "fast"]
+    assert med["a"] == 10 + 8 and med["b"] == 10 + 9 and med["c"] == 10 + 10  # round 2 of 0..4: 8, 9, 10
+    assert med["fast"] == 4 + 11 < min(med["a"], med["b"], med["c"])
+
+
 def test_bench_peers_issue_targets_from_hand_made_rows():
     """bench_peers' target summary: ratios to SonicMoE (at most the target), the worst layout of each GEMM
     family against QuACK (at least 1.0), and 'not measured' where a side did not run."""
