@@ -6,13 +6,15 @@ The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer 
 runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48
 skewed groups, H=7168, F=2048, 65536 rows, P=128) every candidate ``GroupGemmConfig`` is compiled and
 launched directly (the kernel the op would launch with that config), checked against the fp32
-reference, timed round-robin with the row's other candidates (``time_round_robin``), and next to QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK
-is imported after our kernels have compiled: importing it makes CuTe DSL compiles single-threaded).
+reference, timed round-robin with the row's other candidates (``time_round_robin``), and next to
+QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is imported after our kernels
+have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
 the M-major raster or in bands of 8, 16 or 64 M tiles of each group (``GroupGemmConfig.band_m``), or with
 pingpong consumers at 128 x 192 (M-major, bands of 16); the wgrad cooperative at 128 x 256 or pingpong at
 128 / 192; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always pingpong,
-shared-memory epilogue) at 128 x 160 in each raster, and at 128 x 128. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
+shared-memory epilogue) at 128 x 160 in each raster, and at 128 x 128. Writes ``bench_tiles.json``
+(and a PNG with matplotlib).
 """
 
 from __future__ import annotations

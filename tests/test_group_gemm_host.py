@@ -51,6 +51,15 @@ def test_select_swiglu_bwd_config():
     assert select_swiglu_bwd_config(128, 160).tile_n == 160
 
 
+def test_config_band_m_must_be_a_non_negative_int():
+    from csrc_cute.group_gemm import GroupGemmConfig
+
+    assert GroupGemmConfig(128, 256, 132, band_m=16).band_m == 16 and GroupGemmConfig(128, 256, 132).band_m == 0
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="band_m must be an int >= 0"):
+            GroupGemmConfig(128, 256, 132, band_m=bad)
+
+
 def test_select_wgrad_config():
     assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, 0)
     assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0)

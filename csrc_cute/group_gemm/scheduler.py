@@ -2,10 +2,10 @@
 
 ``RowTileScheduler`` (forward, dgrad, the fused row kernels): every group length is a multiple of the
 padding P and tile_M divides P, so each M tile of the output lies in exactly one group; tiles (M-major
-raster, or N-major within bands of a group's M tiles: ``GroupGemmConfig.band_m``) are strided over min(#tiles, #SMs) CTAs and a tile's group is the number of group ends
-``cu[g] <= m0`` (``m0`` = first row of the tile), counted by one warp with a ballot over
-``cu_seqlens`` 32 entries at a time (no host sync). A tile whose group reaches G lies past the last
-group: no loads, no MMA, zeros.
+raster, or N-major within bands of a group's M tiles: ``GroupGemmConfig.band_m``) are strided over
+min(#tiles, #SMs) CTAs and a tile's group is the number of group ends ``cu[g] <= m0`` (``m0`` = first
+row of the tile), counted by one warp with a ballot over ``cu_seqlens`` 32 entries at a time (no host
+sync). A tile whose group reaches G lies past the last group: no loads, no MMA, zeros.
 
 ``GroupTileScheduler`` (wgrad): work items (group, m tile, n tile), group-major, strided over the CTAs;
 an item's k tiles are its group's rows / tile_k, read from ``cu_seqlens`` on the device.
