@@ -10,10 +10,11 @@ reference, timed round-robin with the row's other candidates (``time_round_robin
 QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is imported after our kernels
 have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
-the M-major raster or in bands of 8, 16 or 64 M tiles of each group (``GroupGemmConfig.band_m``), or with
-pingpong consumers at 128 x 192 (M-major, bands of 16); the wgrad cooperative at 128 x 256 or pingpong at
+the M-major raster or in bands of 8, 16 or 64 M tiles of each group (``GroupGemmConfig.band_m``; bands of 16
+also for the groups of at most 16 M tiles alone, ``tall_m_major``), or with pingpong consumers at 128 x 192
+(M-major, bands of 16); the wgrad cooperative at 128 x 256 or pingpong at
 128 / 192; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always pingpong,
-shared-memory epilogue) at 128 x 160 in each raster, and at 128 x 128. Writes ``bench_tiles.json``
+shared-memory epilogue) at 128 x 160 in each of those rasters, and at 128 x 128. Writes ``bench_tiles.json``
 (and a PNG with matplotlib).
 """
 
@@ -34,17 +35,21 @@ from benchmarks.common import cuda_time_ms, run_info, short_error, write_json  #
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
-# (tile_m, tile_n, pingpong, band_m) per family
-ROW_CANDIDATES = ((128, 256, False, 0), (128, 256, False, 8), (128, 256, False, 16), (128, 256, False, 64),
-                  (128, 192, True, 0), (128, 192, True, 16))
+# (tile_m, tile_n, pingpong, band_m, tall_m_major) per family
+ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 8, False), (128, 256, False, 16, False),
+                  (128, 256, False, 64, False), (128, 256, False, 16, True), (128, 192, True, 0, False),
+                  (128, 192, True, 16, False))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES,
-                  wgrad=((128, 256, False, 0), (128, 192, True, 0), (128, 128, True, 0)),
-                  swiglu=tuple((128, 128, False, b) for b in (0, 8, 16, 64)),
-                  swiglu_bwd=((128, 128, True, 0),) + tuple((128, 160, True, b) for b in (0, 8, 16, 64)))
+                  wgrad=((128, 256, False, 0, False), (128, 192, True, 0, False), (128, 128, True, 0, False)),
+                  swiglu=tuple((128, 128, False, b, False) for b in (0, 8, 16, 64))
+                  + ((128, 128, False, 16, True),),
+                  swiglu_bwd=((128, 128, True, 0, False),) + tuple((128, 160, True, b, False) for b in (0, 8, 16, 64))
+                  + ((128, 160, True, 16, True),))
 
 
-def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0) -> str:
-    return f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
+def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False) -> str:
+    return (f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
+            f"{' short groups' if tall_m_major else ''}")
 
 
 def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
@@ -141,9 +146,8 @@ def run(opts) -> dict:
                 rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
                 ref = gemm_reference(fam, d)
                 if phase == "ours":
-                    candidates = {config_name(tm, tn, pp, band): ours_call(fam, d, P,
-                                                                           GroupGemmConfig(tm, tn, num_sms, pp, band))
-                                  for tm, tn, pp, band in CANDIDATES[fam]}
+                    candidates = {config_name(*c): ours_call(fam, d, P, GroupGemmConfig(c[0], c[1], num_sms, *c[2:]))
+                                  for c in CANDIDATES[fam]}
                 else:
                     candidates = {"quack": gemm_call("quack", fam, d, P, qgi)}
                 checked = {name: call for name, (call, outputs) in candidates.items()

@@ -25,13 +25,13 @@ from group_gemm_cases import zero_inputs, zero_swiglu_inputs
 
 
 def test_select_config_rejects_small_pad():
-    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0)  # cooperative, M-major
-    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0)
-    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0)  # the dgrad's: M-major too
+    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False)  # cooperative, M-major
+    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False)
+    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False)  # the dgrad's: M-major too
     # the dgrad2: bands of 16 M tiles where the output has more than 8 n tiles (ROW_BAND_M, BANDED_N_TILES)
-    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 16)
+    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 16, False)
     assert select_dgrad2_config(128, 2049).band_m == 16 and select_dgrad2_config(128, 2048).band_m == 0
-    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16)
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):
@@ -43,26 +43,29 @@ def test_select_config_rejects_small_pad():
 
 def test_select_swiglu_bwd_config():
     # 160 columns where they pad F by at most 5%, else 128; tile_M as the forward's
-    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16)
-    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16)
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False)
+    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False)
     assert select_swiglu_bwd_config(128, 1024).band_m == 0  # 8 n tiles
     assert select_swiglu_bwd_config(128, 1024).tile_n == 128  # 1120 columns: 9% more
     assert select_swiglu_bwd_config(128, 200).tile_n == 128
     assert select_swiglu_bwd_config(128, 160).tile_n == 160
 
 
-def test_config_band_m_must_be_a_non_negative_int():
+def test_config_band_m_must_be_a_non_negative_int_and_tall_m_major_needs_it():
     from csrc_cute.group_gemm import GroupGemmConfig
 
     assert GroupGemmConfig(128, 256, 132, band_m=16).band_m == 16 and GroupGemmConfig(128, 256, 132).band_m == 0
     for bad in (-1, True):
         with pytest.raises(ValueError, match="band_m must be an int >= 0"):
             GroupGemmConfig(128, 256, 132, band_m=bad)
+    assert GroupGemmConfig(128, 256, 132, band_m=16, tall_m_major=True).tall_m_major
+    with pytest.raises(ValueError, match="tall_m_major needs band_m > 0"):
+        GroupGemmConfig(128, 256, 132, tall_m_major=True)
 
 
 def test_select_wgrad_config():
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, 0)
-    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, 0, False)
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)

@@ -338,18 +338,20 @@ def test_row_scale_random_groups(pad):
 
 
 @gpu
-@pytest.mark.parametrize("pingpong,band_m", [(False, 2), (True, 3), (False, 64)])
-def test_banded_raster_tiles_equal_the_m_major_raster(pingpong, band_m):
+@pytest.mark.parametrize("pingpong,band_m,tall_m_major", [(False, 2, False), (True, 3, False), (False, 64, False),
+                                                         (False, 3, True)])
+def test_banded_raster_tiles_equal_the_m_major_raster(pingpong, band_m, tall_m_major):
     # GroupGemmConfig.band_m walks each group's tiles N-major in bands of band_m M tiles: on 4 CTAs (many
     # tiles each, pingpong warp groups alternating), with empty home and slot groups, groups of 1 to 9 M
     # tiles (bands cut short by the group's end; band_m = 64: one band per group), a partial last n tile
     # and rows past the last group, the forward and dgrad2 are bitwise the M-major kernels (each output
-    # element has the same k loop)
+    # element has the same k loop); tall_m_major with bands of 3: the groups of 1-3 M tiles banded, the
+    # groups of 5 and 9 M-major
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
-    config = GroupGemmConfig(128, 192 if pingpong else 256, 4, pingpong, band_m)
+    config = GroupGemmConfig(128, 192 if pingpong else 256, 4, pingpong, band_m, tall_m_major)
     x, wh, ws, cu = random_problem(lengths, 5, kd=320, nd=1216, n_total=sum(lengths) + 200, seed=53)
     want = _check_fwd(x, wh, ws, cu)
     got = torch.full_like(want, float("nan"))

@@ -444,8 +444,8 @@ def test_swiglu_bwd_gather_cuda_graph_replay():
 
 
 @gpu
-@pytest.mark.parametrize("band_m", [2, 64])
-def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m):
+@pytest.mark.parametrize("band_m,tall_m_major", [(2, False), (64, False), (3, True)])
+def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m, tall_m_major):
     # GroupGemmConfig.band_m (each group's tiles walked N-major in bands of band_m M tiles) of the fused
     # SwiGLU and the SwiGLU backward, on 4 CTAs with empty home and slot groups, groups of 1 to 9 M tiles,
     # partial last n tiles and rows past the last group: bitwise the M-major kernels, every output
@@ -462,7 +462,7 @@ def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m):
         for band in (0, band_m):
             bufs = [torch.full((n_total, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16,
                                device="cuda") for i, w in enumerate(widths[:n_out])]
-            config = GroupGemmConfig(128, tile_n, 4, op == "swiglu_bwd_smem", band)
+            config = GroupGemmConfig(128, tile_n, 4, op == "swiglu_bwd_smem", band, band > 0 and tall_m_major)
             compile_op(op, 320, 600, 128, 4, config)(*args, *bufs)
             torch.cuda.synchronize()
             outs[band] = bufs

@@ -41,7 +41,7 @@ class GroupGemmSm90Base:
                      pingpong: bool = False):
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_sms = config.num_sms
-        self.band_m = config.band_m
+        self.band_m, self.tall_m_major = config.band_m, config.tall_m_major
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         # Cooperative: the consumer warp groups share each tile, 64 rows each. Pingpong: two consumer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class GroupGemmConfig(tuple):
-    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m). ``pingpong``: the kernels
+    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major). ``pingpong``: the kernels
     whose consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale; the
     wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's epilogue
     under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU ignores it).
@@ -12,12 +12,18 @@ class GroupGemmConfig(tuple):
     over every N tile); b > 0 walks each group's tiles in bands of up to b M tiles, N tile by N tile
     within a band, so the CTAs that run at once share each weight tile (B) among the band's rows and
     read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole
-    weight again (``RowTileScheduler.row_tile``)."""
+    weight again (``RowTileScheduler.row_tile``). ``tall_m_major`` (with band_m): only groups of at most
+    band_m M tiles are walked N-major, each as one band; taller groups keep the M-major walk (the sweep
+    found the forward and dgrad faster banded at short groups, slower at tall ones; no op chooses it yet)."""
 
-    def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0):
+    def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
+                tall_m_major: bool = False):
         if isinstance(band_m, bool) or int(band_m) < 0:
             raise ValueError(f"GroupGemmConfig: band_m must be an int >= 0, got {band_m!r}")
-        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m)))
+        if tall_m_major and not band_m:
+            raise ValueError("GroupGemmConfig: tall_m_major needs band_m > 0 (the tallest group walked N-major)")
+        return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m),
+                                     bool(tall_m_major)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -27,6 +33,7 @@ class GroupGemmConfig(tuple):
     num_sms = property(lambda self: self[2])
     pingpong = property(lambda self: self[3])
     band_m = property(lambda self: self[4])
+    tall_m_major = property(lambda self: self[5])
 
 
 H100_H200_NUM_SMS = 132

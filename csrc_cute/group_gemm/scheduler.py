@@ -29,7 +29,8 @@ class RowTileScheduler:
         #n tiles + n. With ``band_m`` = b the tiles of a group (the same range of indices: its M tiles
         times #n tiles) are walked in bands of up to b M tiles, N-major within a band, so CTAs that run
         at once read the same weight tiles (groups lie on M-tile boundaries: their ends are multiples of
-        P, which tile_M divides). Past the last group: M-major."""
+        P, which tile_M divides); with ``tall_m_major`` only groups of at most b M tiles are (each one
+        band). Past the last group: M-major."""
         m_idx = tile // num_n_tiles
         n_idx = tile % num_n_tiles
         g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
@@ -39,14 +40,24 @@ class RowTileScheduler:
                 if g > 0:
                     first = cu_seqlens[g - 1] // self.tile_m
                 local = tile - first * num_n_tiles  # in [0, group's M tiles x #n tiles)
-                band = local // (self.band_m * num_n_tiles)
-                band_first = first + band * self.band_m
-                # the band's M tiles: band_m, or what is left of the group (>= 1: it holds row m_idx * tile_m)
-                height = cutlass.min(self.band_m, cu_seqlens[g] // self.tile_m - band_first)
-                in_band = local - band * self.band_m * num_n_tiles
-                n_idx = in_band // height
-                m_idx = band_first + (in_band - n_idx * height)
+                if cutlass.const_expr(self.tall_m_major):
+                    if cu_seqlens[g] // self.tile_m - first <= self.band_m:  # a short group: one band
+                        m_idx, n_idx = self.band_tile(cu_seqlens, g, first, local, num_n_tiles)
+                else:
+                    m_idx, n_idx = self.band_tile(cu_seqlens, g, first, local, num_n_tiles)
         return m_idx, n_idx, g
+
+    @cute.jit
+    def band_tile(self, cu_seqlens: cute.Tensor, g, first, local, num_n_tiles: cutlass.Int32):
+        """Tile ``local`` of group ``g`` (whose first M tile is ``first``) walked in bands of ``band_m`` M
+        tiles, N-major within a band -> (m tile, n tile)."""
+        band = local // (self.band_m * num_n_tiles)
+        band_first = first + band * self.band_m
+        # the band's M tiles: band_m, or what is left of the group (>= 1: it holds the tile)
+        height = cutlass.min(self.band_m, cu_seqlens[g] // self.tile_m - band_first)
+        in_band = local - band * self.band_m * num_n_tiles
+        n_idx = in_band // height
+        return band_first + (in_band - n_idx * height), n_idx
 
     @cute.jit
     def tile_group(self, cu_seqlens: cute.Tensor, row0: cutlass.Int32) -> cutlass.Int32:

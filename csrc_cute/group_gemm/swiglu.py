@@ -34,7 +34,8 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         self.store_preact = bool(store_preact)
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
         self._init_common(
-            GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, band_m=config.band_m),
+            GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, band_m=config.band_m,
+                            tall_m_major=config.tall_m_major),
             LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
             LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
             self._init_tma_store_epilogue(config.tile_m),
