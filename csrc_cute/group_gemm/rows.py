@@ -151,16 +151,8 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         self.pass_mainloop_turn(p, tile)  # pingpong: the other warp group's mainloop runs under this epilogue
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
-        bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
-            p.tma_c, c.sC, c.gC[(None, None, m_idx, n_idx)]
-        )
-        for e in cutlass.range_constexpr(epi_tiles):
-            self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
-            self.store_subtile(
-                c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
-                warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
-            )
-        return read_state, release_state, epi_count + epi_tiles
+        return read_state, release_state, self.store_acc_tile(p, c, warp_idx, c.gC[(None, None, m_idx, n_idx)],
+                                                              epi_count)
 
     @cute.jit
     def scale_rows(self, tiled_mma: cute.TiledMma, mma_tidx, acc: cute.Tensor, row_w: cute.Tensor,

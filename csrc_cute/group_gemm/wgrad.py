@@ -203,16 +203,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         """A work item's epilogue: a home item's tile written in bf16 (registers -> shared -> TMA store),
         a slot item's added in fp32 into the reduce buffer. Returns the storing group's sub-tile count."""
         if is_home:
-            bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(
-                p.tma_c, c.sC, c.gC[(None, None, m_idx, n_idx, g)]
-            )
-            for e in cutlass.range_constexpr(epi_tiles):
-                self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
-                self.store_subtile(
-                    c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
-                    warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
-                )
-            epi_count = epi_count + epi_tiles
+            epi_count = self.store_acc_tile(p, c, warp_idx, c.gC[(None, None, m_idx, n_idx, g)], epi_count)
         else:
             tCcD = self.epilogue_partition(p.tiled_mma, c.mma_tidx, c.cD[(None, None, m_idx, n_idx)])
             full = self.is_full_tile(m_idx, n_idx, c.dims)
