@@ -181,21 +181,16 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         bf16; slot items with rows add fp32 into the reduce buffer; empty slot groups' items are skipped."""
         g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
         is_home = g < p.num_home
-        # pingpong passes the mainloop turn between the mainloop and the epilogue, and skipped items take
-        # and pass it too; cooperative consumers keep the one branch they always had
-        if cutlass.const_expr(self.pingpong):
-            self.wait_mainloop_turn(tile)
-            if is_home | (k_count > 0):
-                self.mma_k_tiles(mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count)
-            self.pass_mainloop_turn(p, tile)
-            if is_home | (k_count > 0):
-                epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
-        else:
-            if is_home | (k_count > 0):
-                read_state, release_state = self.mma_k_tiles(
-                    mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
-                )
-                epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
+        # the mainloop turn (pingpong) passes between the mainloop and the epilogue; skipped items take and
+        # pass it too
+        self.wait_mainloop_turn(tile)
+        if is_home | (k_count > 0):
+            read_state, release_state = self.mma_k_tiles(
+                mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
+            )
+        self.pass_mainloop_turn(p, tile)
+        if is_home | (k_count > 0):
+            epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
         return read_state, release_state, epi_count
 
     @cute.jit
