@@ -51,6 +51,13 @@ def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_
             f"{' short groups' if tall_m_major else ''}")
 
 
+def shared_empty(d: dict, fam: str, index: int, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Output `index` of family `fam`'s kernels, made once per layout (kept in the operands `d`): every
+    candidate of a sweep row writes the same tensors, so they differ in their kernel only, not in where
+    their outputs lie."""
+    return d.setdefault(("out", fam, index, shape, dtype), torch.empty(*shape, dtype=dtype, device=d["x"].device))
+
+
 def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
     """A zero-argument launch of our kernel of `fam` compiled with `cfg` (``compile_op`` with that config)
     and a function of its result that gives its outputs in gemm_reference's order (as bench_peers.gemm_call's)."""
@@ -59,29 +66,29 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
     M, H, F = x.shape[0], w.shape[1], w.shape[2]
     if fam == "fwd":
         fn = host.compile_op("fwd", H, F, P, cfg.num_sms, cfg)
-        out = torch.empty(M, F, dtype=x.dtype, device=x.device)
+        out = shared_empty(d, fam, 0, M, F)
         return (lambda: fn(x, w, w, ends, out)), (lambda _: (out,))
     if fam == "dgrad":
         fn = host.compile_op("dgrad", H, F, P, cfg.num_sms, cfg)
-        out = torch.empty(M, H, dtype=x.dtype, device=x.device)
+        out = shared_empty(d, fam, 0, M, H)
         return (lambda: fn(dy, w, w, ends, out)), (lambda _: (out,))
     if fam == "dgrad2":
         fn = host.compile_op("dgrad2", H, F, P, cfg.num_sms, cfg)
-        out = torch.empty(M, H, dtype=x.dtype, device=x.device)
+        out = shared_empty(d, fam, 0, M, H)
         return (lambda: fn(dy, w, w, dy_up, w_up, w_up, ends, out)), (lambda _: (out,))
     if fam == "wgrad":
         fn = host.compile_op("wgrad", H, F, P, cfg.num_sms, cfg)
-        dw = torch.empty(w.shape, dtype=x.dtype, device=x.device)
+        dw = shared_empty(d, fam, 0, *w.shape)
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
         return (lambda: fn(x, dy, ends, dw, no_slot)), (lambda _: (dw,))
     if fam == "swiglu":
         fn = host.compile_op("swiglu", H, F, P, cfg.num_sms, cfg)
-        h, gate, up = (torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3))
+        h, gate, up = (shared_empty(d, fam, i, M, F) for i in range(3))
         return (lambda: fn(x, w, w, w_up, w_up, ends, h, gate, up)), (lambda _: (h,))
     if fam == "swiglu_bwd":
         fn = host.compile_op("swiglu_bwd_smem", H, F, P, cfg.num_sms, cfg)
-        outs = [torch.empty(M, F, dtype=x.dtype, device=x.device) for _ in range(3)]
-        part = torch.empty(M, -(-F // cfg.tile_n), dtype=torch.float32, device=x.device)
+        outs = [shared_empty(d, fam, i, M, F) for i in range(3)]
+        part = shared_empty(d, fam, 3, M, -(-F // cfg.tile_n), dtype=torch.float32)
         return ((lambda: fn(g_y, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
                 (lambda _: (*outs, part.sum(1))))
     raise ValueError(f"bench_tiles: unknown family {fam!r}")
@@ -103,13 +110,17 @@ def check(rows: dict, key: str, name: str, call, outputs, ref, opts) -> bool:
 
 def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
     """Median time of each of `calls` (name -> zero-argument call) over `repeats` rounds, each round
-    timing every call once (``time_once(call)``) in turn: the candidates of one sweep row share the
-    GPU's clock and temperature drift instead of one candidate taking all of a slow stretch (in one run
-    two candidates with the same tile order, timed one after the other, differed by 12%)."""
-    times: dict = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            times[name].append(time_once(call))
+    timing every call once (``time_once(call)``), round r starting at the r-th call (rotated): the
+    candidates of one sweep row share the GPU's clock and temperature drift instead of one candidate
+    taking all of a slow stretch (in one run two candidates with the same tile order, timed one after
+    the other, differed by 12%), and each takes each place in a round equally often (with a fixed order,
+    one H200 run had the third of four candidates fastest at every layout, also where its tile order was
+    the first one's: results/bench_tiles_456724f.json)."""
+    names = list(calls)
+    times: dict = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(time_once(calls[name]))
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 

@@ -472,17 +472,22 @@ def test_tile_choices_are_the_fastest_of_the_committed_sweep():
 
 
 def test_bench_tiles_times_the_candidates_round_robin():
-    """A clock that drifts by one unit per timing: timed round-robin, equal candidates get medians within
-    one round's spread (len(calls) - 1 units) of each other, where timing each one's repeats in a row would
-    set them a whole candidate's repeats (5 units) apart; a faster candidate stays faster."""
+    """A clock that drifts by one unit per timing: timed round-robin (round r starting at the r-th
+    candidate), equal candidates get medians within a few units of each other, where timing each one's
+    repeats in a row would set them a whole candidate's repeats (5 units) apart; a faster candidate stays
+    faster. A clock that favours one place in a round (the third of four, 3 units): over 4 rounds every
+    candidate takes every place once, so equal candidates get equal medians."""
     from benchmarks.bench_tiles import time_round_robin
 
     clock = iter(range(1000))
     calls = dict(a=lambda: 10.0, b=lambda: 10.0, c=lambda: 10.0, fast=lambda: 4.0)
     med = time_round_robin(calls, lambda call: call() + next(clock), repeats=5)
     assert list(med) == ["a", "b", "c", "fast"]
-    assert med["a"] == 10 + 8 and med["b"] == 10 + 9 and med["c"] == 10 + 10  # round 2 of 0..4: 8, 9, 10
-    assert med["fast"] == 4 + 11 < min(med["a"], med["b"], med["c"])
+    # rounds: a b c fast | b c fast a | c fast a b | fast a b c | a b c fast (timings 0..19)
+    assert med == dict(a=10 + 10, b=10 + 11, c=10 + 8, fast=4 + 9)
+    place = iter(range(1000))
+    med = time_round_robin(calls, lambda call: call() - 3 * (next(place) % 4 == 2), repeats=4)
+    assert med == dict(a=10, b=10, c=10, fast=4)
 
 
 def test_bench_peers_issue_targets_from_hand_made_rows():
