@@ -437,7 +437,7 @@ def test_tile_choices_are_the_fastest_of_the_committed_sweep():
     least two of the three group layouts (the SwiGLU backward: all three), the fastest candidate of the
     newest committed H200 tile sweep that measured the family (benchmarks/bench_tiles.py), or within 3% of
     it: two candidates that walk the same tiles in the same order (bands of 16 and of 64 M tiles at 48
-    equal groups of 11) differed by 2.4% and 12% in one run (results/bench_tiles.json)."""
+    equal groups of 11) differed by 2.4% and 12% in one run (results/bench_tiles_d6c9627.json)."""
     import json
 
     from benchmarks.bench_tiles import config_name

@@ -28,10 +28,12 @@ def test_select_config_rejects_small_pad():
     assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False)  # cooperative, M-major
     assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False)
     assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False)  # the dgrad's: M-major too
-    # the dgrad2: bands of 16 M tiles where the output has more than 8 n tiles (ROW_BAND_M, BANDED_N_TILES)
-    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 16, False)
-    assert select_dgrad2_config(128, 2049).band_m == 16 and select_dgrad2_config(128, 2048).band_m == 0
-    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False)
+    # the dgrad2 in bands of 64 M tiles where the output has more than 8 n tiles (DGRAD2_BAND, BANDED_N_TILES)
+    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False)
+    assert select_dgrad2_config(128, 2049).band_m == 64 and select_dgrad2_config(128, 2048).band_m == 0
+    # the fused SwiGLU: only the groups of at most 16 M tiles banded (SWIGLU_BAND); M-major at 8 n tiles
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, True)
+    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):

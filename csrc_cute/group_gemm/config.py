@@ -14,7 +14,8 @@ class GroupGemmConfig(tuple):
     read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole
     weight again (``RowTileScheduler.row_tile``). ``tall_m_major`` (with band_m): only groups of at most
     band_m M tiles are walked N-major, each as one band; taller groups keep the M-major walk (the sweep
-    found the forward and dgrad faster banded at short groups, slower at tall ones; no op chooses it yet)."""
+    found the forward and dgrad faster banded at short groups, slower at tall ones; the fused SwiGLU
+    runs so: ``select_swiglu_config``)."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
                 tall_m_major: bool = False):
@@ -37,25 +38,35 @@ class GroupGemmConfig(tuple):
 
 
 H100_H200_NUM_SMS = 132
-# The band (GroupGemmConfig.band_m) of the dgrad2, the fused SwiGLU and the SwiGLU backward where the
-# output has more than BANDED_N_TILES n tiles; the forward, dgrad and row-scale kernels stay M-major.
-# Tile sweep at H = 7168, F = 2048, P = 128 (results/bench_tiles.json, one H200 run; an earlier run with
-# whole groups as bands agreed, results/bench_tiles_band_h200.log): bands of 16 M tiles took 0.86-0.92x the
-# M-major time for the dgrad2, 0.90-0.96x for the SwiGLU backward, 0.94-0.97x for the fused SwiGLU; the
-# forward and the dgrad (one weight, 8 / 28 n tiles) were 8-15% slower banded at 16 groups of 32 M tiles
-# and at the skewed groups (faster only at 48 equal groups of 11 M tiles, the dgrad by 9%).
-ROW_BAND_M = 16
+# The raster (GroupGemmConfig.band_m, tall_m_major) of the dgrad2, the fused SwiGLU and the SwiGLU backward
+# where the output has more than BANDED_N_TILES n tiles; the forward, dgrad and row-scale kernels stay
+# M-major. Tile sweeps at H = 7168, F = 2048, P = 128 (48 equal groups / 16 x 4096 / 48 skewed), each
+# candidate's time over the M-major one's: the dgrad2 in bands of 64 M tiles 0.94/0.96/0.91 and
+# 0.98/0.98/0.96 in two H200 runs at 456724f / 4d6def9 (results/bench_tiles.json, the second with
+# rotated rounds: results/bench_tiles_rotated_h200.log), where bands of 16 took 1.00/1.00/0.97 and
+# 1.03/1.01/0.99 (0.86/0.92/0.90 at d6c9627, results/bench_tiles_d6c9627.json, where 64 took 0.84/0.93/0.96);
+# the fused SwiGLU with only the groups of at most 16 M tiles banded 0.97/0.98/0.98 and 0.98/1.00/0.99
+# (bands of 16 everywhere: 1.00/1.00/1.00 and 1.00/1.00/0.99); the SwiGLU backward in bands of 16
+# 0.99/1.00/0.99 and 0.99/1.00/0.96 (short groups alone the same within 1%). The forward and the dgrad
+# (one weight, 8 / 28 n tiles) were no faster banded in any of those runs. At 48 equal groups (11 M tiles)
+# the three rasters walk the same tiles in the same order, and their times still differed by up to 4%:
+# that is the resolution of one sweep.
+DGRAD2_BAND = (64, False)
+SWIGLU_BAND = (16, True)
+SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8
 
 
-def _row_band(nd: int, tile_n: int) -> int:
-    return ROW_BAND_M if -(-nd // tile_n) > BANDED_N_TILES else 0
+def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
+    """(band_m, tall_m_major) of an output of `nd` columns in tiles of `tile_n`: `band` where it has more
+    than BANDED_N_TILES n tiles, else the M-major raster."""
+    return band if -(-nd // tile_n) > BANDED_N_TILES else (0, False)
 
 
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
     consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
-    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles.json); the M-major raster."""
+    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles_d6c9627.json); the M-major raster."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     tile_m = 128 if pad >= 128 else 64
@@ -70,18 +81,18 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 
 def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the dgrad of two operand pairs: the dgrad's (``select_config`` over the output's Kd
-    columns), in bands of ROW_BAND_M M tiles where Kd has more than BANDED_N_TILES n tiles."""
+    columns), in DGRAD2_BAND's raster where Kd has more than BANDED_N_TILES n tiles."""
     base = select_config(pad, kd, num_sms)
-    return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, band_m=_row_band(kd, base.tile_n))
+    return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, False, *_row_band(kd, base.tile_n, DGRAD2_BAND))
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile
     computes 128 columns of gate *and* of up (two 64 x 128 fp32 accumulators per consumer warp group,
-    the register footprint of the forward's 128 x 256 tile); in bands of ROW_BAND_M M tiles where F has
-    more than BANDED_N_TILES such tiles."""
+    the register footprint of the forward's 128 x 256 tile); in SWIGLU_BAND's raster where F has more
+    than BANDED_N_TILES such tiles."""
     base = select_config(pad, f, num_sms)
-    return GroupGemmConfig(base.tile_m, 128, num_sms, band_m=_row_band(f, 128))
+    return GroupGemmConfig(base.tile_m, 128, num_sms, False, *_row_band(f, 128, SWIGLU_BAND))
 
 
 def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -89,11 +100,11 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
     accumulators next to its epilogue's registers): tile_M as the forward's; 160 columns of F where
     that pads F by at most 5% (F = 2048: 13 tiles, the last 128 wide), else 128. The wider tile loads
     less into shared memory per FLOP: 0.91-1.00x the 128-column tile's time at the DESIGN shape
-    (results/bench_tiles.json); at 192 columns ptxas spills. In bands of ROW_BAND_M M tiles where F has
-    more than BANDED_N_TILES n tiles."""
+    (results/bench_tiles_d6c9627.json); at 192 columns ptxas spills. In SWIGLU_BWD_BAND's raster where F
+    has more than BANDED_N_TILES n tiles."""
     base = select_config(pad, 128, num_sms)
     tile_n = 160 if -(-f // 160) * 160 - f <= f // 20 else 128
-    return GroupGemmConfig(base.tile_m, tile_n, num_sms, band_m=_row_band(f, tile_n))
+    return GroupGemmConfig(base.tile_m, tile_n, num_sms, False, *_row_band(f, tile_n, SWIGLU_BWD_BAND))
 
 
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
