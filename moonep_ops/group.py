@@ -53,14 +53,14 @@ class EPGroup:
       464 -> 428 us, no better with 396 or 528; combine the same with each).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
     recompute_rows: the experts' backward rebuilds the dispatched rows [NvS, H] by dispatching the layer's
-      tokens again (one more dispatch per layer and step: ~0.5 ms at the DESIGN shape on an H200, a
+      tokens again (one more dispatch per layer and step: ~0.3-0.5 ms at the DESIGN shape on an H200, a
       collective at R > 1) instead of the forward keeping them: each layer holds its tokens [S, H]
       (1/K of the rows) from forward to backward, and the backward's peak is one [NvS, H] lower
       (the rows are rebuilt into the row gradients' memory once those are read). Same kernels on the
-      same inputs: outputs and gradients bitwise those without it, eager and compiled. Known gap
-      (2026-12-02, one H200): under torch.compile(mode="reduce-overhead") the CUDA-graph replays differ
-      from the plain compiled step in a few elements by about a bf16 ulp (test_compiled_model_contract
-      with it on fails; docs/design-notes.md), so it stays off by default.
+      same inputs: outputs and gradients bitwise those without it, eager and compiled, CUDA-graph
+      replays included. Default (None): True at R = 1, where the second dispatch is a local HBM gather
+      (one H200 at the DESIGN shape: peak 15.05 -> 14.37 GB for 29.36 -> 29.63 ms a step;
+      results/bench_peers.json, 34482ef), False at R > 1, where it would cross the links again.
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
         only dtype of the CUDA kernels: anything else is refused) and torch.get_default_dtype() (fp32)
@@ -74,7 +74,7 @@ class EPGroup:
     def __init__(self, cfg: EPConfig, group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, comm_sms: int | None = None,
-                 debug: bool | None = None, recompute_rows: bool = False):
+                 debug: bool | None = None, recompute_rows: bool | None = None):
         self.owns_process_group = _init_single_rank_world(cfg, group, device)
         self.group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(self.group)
@@ -89,8 +89,10 @@ class EPGroup:
                 else DEFAULT_COMM_SMS
         if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 1:
             raise ValueError(f"EPGroup: comm_sms must be an int >= 1, got {comm_sms!r}")
+        if recompute_rows is None:
+            recompute_rows = cfg.R == 1
         if not isinstance(recompute_rows, bool):
-            raise ValueError(f"EPGroup: recompute_rows must be a bool, got {recompute_rows!r}")
+            raise ValueError(f"EPGroup: recompute_rows must be a bool or None, got {recompute_rows!r}")
         agreement.check_fingerprint(cfg, dtype, device, self.group, float(timeout_s), recompute_rows)
         self.recompute_rows = recompute_rows
         self.cfg = cfg

@@ -88,7 +88,7 @@ def test_moe_layer_matches_dense_reference(R, skew):
 
     for r, out in enumerate(res):
         assert out["bitwise"], r
-        assert out["recomputed_differ"] == [], (r, "differ with EPGroup(recompute_rows=True)")
+        assert out["rows_mode_differ"] == [], (r, "differ with the other EPGroup(recompute_rows=...)")
         for name, got, want in zip(out["names"][:2], out["got"][:2], out["ref"][:2]):
             close(got, want, (r, name))
         if "compiled" in out:
