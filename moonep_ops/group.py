@@ -59,8 +59,8 @@ class EPGroup:
       (the rows are rebuilt into the row gradients' memory once those are read). Same kernels on the
       same inputs: outputs and gradients bitwise those without it, eager and compiled, CUDA-graph
       replays included. Default (None): True at R = 1, where the second dispatch is a local HBM gather
-      (one H200 at the DESIGN shape: peak 15.05 -> 14.37 GB for 29.36 -> 29.63 ms a step;
-      results/bench_peers.json, 34482ef), False at R > 1, where it would cross the links again.
+      (one H200 at the DESIGN shape: peak 15.05 -> 14.37 GB for 29.98 -> 30.08 ms a step;
+      results/bench_peers.json, 0584d8e), False at R > 1, where it would cross the links again.
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
         only dtype of the CUDA kernels: anything else is refused) and torch.get_default_dtype() (fp32)

@@ -4,6 +4,8 @@ Every body returns plain data (mismatch lists, flags) that the test asserts on, 
 rank shows up in the test's report.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -585,15 +587,20 @@ def compiled_model_contract(rank: int, R: int, cfg_kwargs: dict, n_layers: int, 
     from moonep_ops import MoEModel
     from moonep_ops.routing import route
 
-    # Inductor picks some reduction kernels' block sizes by timing them on the device when it compiles, and
-    # those set the fp32 summation order: two compilations of the model (the plain and the reduce-overhead
-    # one) may then round the router's route weights differently by an ulp (seen on the H200: the first of
-    # all intermediates to differ was block 0's route_w, from the compiled router, before any moonep op;
-    # docs/design-notes.md). Its deterministic mode fixes those choices, so the comparison below is of the
-    # CUDA graphs alone. This worker is a process of its own: the setting ends with it.
+    # The CUDA-graph comparison below is of our ops under graphs, so torch's own run-to-run freedom is
+    # fixed in this worker (a process of its own: the settings end with it): Inductor picks some reduction
+    # kernels' block sizes by timing them when it compiles (the fp32 summation order), and some torch
+    # kernels have nondeterministic variants (atomics) unless deterministic algorithms are asked for. With
+    # neither fixed, two compilations of the model (plain and reduce-overhead) differed by a bf16 ulp in a
+    # few gradient elements in most H200 runs with recompute_rows on: the first value to differ was block
+    # 0's route weights from the compiled router, before any moonep op (checksums of every intermediate);
+    # with Inductor's deterministic mode alone 3 of 3 runs still differed, with both 2 of 2 were bitwise
+    # equal (docs/design-notes.md). cuBLAS needs its workspace config for reproducible results there.
     import torch._inductor.config as inductor_config
 
     inductor_config.deterministic = True
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before this process's first cuBLAS call
+    torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = EPConfig(R=R, **cfg_kwargs)
     bf = torch.bfloat16
     ep = ep_workers.compiling_group(cfg, device="cuda")
@@ -687,7 +694,6 @@ def precompile_cold(rank: int, R: int, cfg_kwargs: dict, cache_dir: str, log_pat
     inference: which compile calls each found missing, and the compile-log events of the steps after
     each (a step that compiles nothing itself only loads what the compile-ahead children wrote)."""
     import json
-    import os
 
     from csrc_cute import jit
     from moonep_ops import precompile

@@ -48,7 +48,8 @@ H100_H200_NUM_SMS = 132
 # the fused SwiGLU with only the groups of at most 16 M tiles banded 0.97/0.98/0.98 and 0.98/1.00/0.99
 # (bands of 16 everywhere: 1.00/1.00/1.00 and 1.00/1.00/0.99); the SwiGLU backward in bands of 16
 # 0.99/1.00/0.99 and 0.99/1.00/0.96 (short groups alone the same within 1%). The forward and the dgrad
-# (one weight, 8 / 28 n tiles) were no faster banded in any of those runs. At 48 equal groups (11 M tiles)
+# (one weight, 8 / 28 n tiles) were faster banded only at 48 equal groups in the d6c9627 run (the dgrad
+# 0.91x), elsewhere at most 1% faster and up to 15% slower. At 48 equal groups (11 M tiles)
 # the three rasters walk the same tiles in the same order, and their times still differed by up to 4%:
 # that is the resolution of one sweep.
 DGRAD2_BAND = (64, False)
