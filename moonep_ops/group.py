@@ -53,7 +53,7 @@ class EPGroup:
       464 -> 428 us, no better with 396 or 528; combine the same with each).
     debug: check the status word after every CUDA op (a host sync per op; also MOONEP_DEBUG=1).
     recompute_rows: the experts' backward rebuilds the dispatched rows [NvS, H] by dispatching the layer's
-      tokens again (one more dispatch per layer and step: ~0.3-0.5 ms at the DESIGN shape on an H200, a
+      tokens again (one more dispatch per layer and step: 0.1-0.5 ms at the DESIGN shape on an H200, a
       collective at R > 1) instead of the forward keeping them: each layer holds its tokens [S, H]
       (1/K of the rows) from forward to backward, and the backward's peak is one [NvS, H] lower
       (the rows are rebuilt into the row gradients' memory once those are read). Same kernels on the

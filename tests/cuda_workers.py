@@ -548,9 +548,9 @@ def _replay_mismatch(step, model, compiled, skewed, plain, replays, names, ep) -
     whether the replays of one input agree with each other (graph vs plain compile); whether the plain
     compiled and the eager step each repeat themselves bitwise on the skewed input (a nondeterministic
     kernel); whether a second plain compilation of the model gives the first one's step (a compilation
-    that is not reproducible, rather than the CUDA graphs' memory pool: before Inductor's deterministic
-    mode was set here, the reduce-overhead compile's first call, which cudagraph trees run without a
-    graph, differed from the plain compiled step in some runs; docs/design-notes.md); and the eager step with
+    that is not reproducible, rather than the CUDA graphs' memory pool: before torch's and Inductor's
+    deterministic modes were set in this worker, the reduce-overhead compile's first call, which cudagraph
+    trees run without a graph, differed from the plain compiled step; docs/design-notes.md); and the eager step with
     every torch.empty NaN-filled (the ops' outputs among them: a kernel that reads an element nobody
     wrote, a padding row or an empty group, turns it into NaN there)."""
     out = dict(graphs_differing=[_differing(r, plain[i % 2], names) for i, r in enumerate(replays)],

@@ -31,7 +31,13 @@ def config_drift(rank: int, R: int, cases: list) -> dict:
         out[name] = outcome(lambda: EPGroup(EPConfig(R=R, **kw), dtype=dt))
     out["recompute_rows"] = outcome(lambda: EPGroup(EPConfig(R=R, **SHAPE), dtype=torch.float32,
                                                     recompute_rows=rank == 0))
-    out["agreed"] = outcome(lambda: EPGroup(EPConfig(R=R, **SHAPE), dtype=torch.float32).destroy())
+
+    def agreed():
+        ep = EPGroup(EPConfig(R=R, **SHAPE), dtype=torch.float32)
+        out["default_recompute_rows"] = ep.recompute_rows
+        ep.destroy()
+
+    out["agreed"] = outcome(agreed)
     return out
 
 

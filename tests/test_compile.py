@@ -98,3 +98,6 @@ def test_recompute_rows_compiles_fullgraph_bitwise(gloo1):
         results.append([y.detach(), x.grad, layer.router.weight.grad, *(p.grad for p in layer.experts.parameters())])
     for name, a, b in zip(("y", "x", "router", "w_gate", "w_up", "w_down"), *results):
         assert a.abs().sum() > 0 and torch.equal(a, b), name
+    assert EPGroup(cfg, dtype=torch.float32).recompute_rows is True  # the default at R = 1 (None)
+    with pytest.raises(ValueError, match="recompute_rows must be a bool or None"):
+        EPGroup(cfg, dtype=torch.float32, recompute_rows=1)

@@ -44,6 +44,7 @@ def test_config_drift_fails_on_every_rank_naming_the_field():
             for want in wants:
                 assert want in msg, (case, msg)
         assert r["agreed"][0] == "ok", r["agreed"]  # the group is still usable: nothing was left in flight
+        assert r["default_recompute_rows"] is False  # R > 1: the rows would cross the links again
 
 
 def test_out_of_step_ranks_fail_fast_and_the_group_can_be_rebuilt():
