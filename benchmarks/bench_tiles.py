@@ -1,6 +1,6 @@
 """Tile sweep: our grouped-GEMM kernels at each candidate tile configuration against QuACK (1 GPU, one run).
 
-    python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,swiglu_bwd] [--out DIR]
+    python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,wgrad,swiglu,swiglu_bwd] [--out DIR]
 
 The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer schedule each family
 runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48
@@ -14,8 +14,7 @@ the M-major raster or in bands of 16 or 64 M tiles of each group (``GroupGemmCon
 also for the groups of at most 16 M tiles alone, ``tall_m_major``); the wgrad cooperative at 128 x 256 or
 pingpong at 128 / 192; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always
 pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
-groups alone. Writes ``bench_tiles.json``
-(and a PNG with matplotlib).
+groups alone. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
 """
 
 from __future__ import annotations

@@ -443,7 +443,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index) for static
     (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
     wgrad, fused SwiGLU, SwiGLU backward): this tile configuration instead of the op's own choice
-    (config.py), e.g. the pingpong row and wgrad kernels or the bands that no op chooses today
+    (config.py), e.g. the pingpong row and wgrad kernels, which no op chooses today, or another raster
     (benchmarks/bench_tiles.py, their tests)."""
     if config is not None:
         return _compile_with_config(op, kd, nd, config)
