@@ -35,7 +35,8 @@ MESSAGES = {
 # op meets its peers with another id). Append only: the id is part of the ranks' contract.
 OP_IDS = {name: i + 1 for i, name in enumerate((
     "plan", "dispatch", "combine", "gather_row_weights", "prefetch_weights", "reduce_grad",
-    "group_gemm_swiglu", "group_gemm_row_scale", "dispatch (received tables)"))}
+    "group_gemm_swiglu", "group_gemm_row_scale", "dispatch (received tables)", "dispatch_index",
+    "dispatch_index (received tables)"))}
 OP_NAMES = {i: name for name, i in OP_IDS.items()}
 
 

@@ -11,6 +11,10 @@ its op; Dynamo traces those under torch.compile. Backward never re-plans: it reu
             and reduce_grad of the copies' weight gradients into the home experts
   experts + combine (one Function, what a MoE forward runs) backward = experts_combine_backward: the
             two backwards above in one op, which frees the row gradients between them early
+  the gathered path (EPGroup(gather_rows), R = 1; moonep_ops/ops_gathered.py): dispatch_index (the row
+            tables only) backward = dispatch_index_backward (the route-weight gradients); the gathered
+            experts + combine backward = experts_combine_gathered_backward, which also makes the tokens'
+            gradient (no rows, hence no dispatch backward to combine them)
 The steps of a MoE forward (`plan`, `dispatch`, `experts_combine`; or `experts_ffn` then `combine`)
 take and return the named handles of handles.py; the Functions and ops underneath keep flat arguments.
 """
@@ -21,7 +25,7 @@ import inspect
 
 import torch
 
-from . import ops
+from . import ops, ops_gathered
 from .group import EPGroup
 from .handles import Dispatch, Plan
 
@@ -117,6 +121,32 @@ class _Combine(torch.autograd.Function):
 _COMBINE_ARGS = _forward_args(_Combine)
 
 
+class _DispatchIndex(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_w, recv_primary,
+                recv_next, recv_src, ctrl, group_name, ep_key):
+        row_w, row_primary, row_next, row_src = ops_gathered.dispatch_index(
+            x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_w, recv_primary, recv_next,
+            recv_src, ctrl, group_name)
+        ctx.save_for_backward(dst_rank, dst_row)
+        ctx.ep_key = ep_key
+        ctx.mark_non_differentiable(row_primary, row_next, row_src)
+        return row_w, row_primary, row_next, row_src
+
+    @staticmethod
+    def backward(ctx, g_row_w, _, __, ___):
+        # x's gradient comes from the gathered experts' backward, which read the tokens. One rank: no peer
+        # waits for this backward, so it runs only when route_w needs the gradient
+        if g_row_w is None or not ctx.needs_input_grad[1]:
+            return _backward_result(_DISPATCH_INDEX_ARGS)
+        dst_rank, dst_row = ctx.saved_tensors
+        g_route_w = ops_gathered.dispatch_index_backward(g_row_w.contiguous(), dst_rank, dst_row, ctx.ep_key)
+        return _backward_result(_DISPATCH_INDEX_ARGS, route_w=g_route_w)
+
+
+_DISPATCH_INDEX_ARGS = _forward_args(_DispatchIndex)
+
+
 def plan(ep: EPGroup, topk_ids: Tensor) -> Plan:
     """The plan of the router's top-k ids [S, K] (moonep::plan; integer tables, no gradient)."""
     c = ep.cfg
@@ -127,6 +157,17 @@ def dispatch(ep: EPGroup, x: Tensor, route_w: Tensor, plan: Plan) -> Dispatch:
     """Differentiable dispatch of the token rows x [S, H] with route weights [S, K] along `plan`."""
     return Dispatch(*_Dispatch.apply(x, route_w, plan.dst_rank, plan.dst_row, plan.primary_row, plan.cu_seqlens,
                                      plan.group_rows, *ep.dispatch_buffers, ep.ctrl, ep.group_name, ep.key), tokens=x)
+
+
+def dispatch_index(ep: EPGroup, x: Tensor, route_w: Tensor, plan: Plan) -> Dispatch:
+    """`dispatch` without its rows, for a 1-rank group (R = 1): the handle's `rows` is None and row r is
+    `x[row_src[r]]` (zero where -1), which the gathered experts read in place (`experts_combine`).
+    Differentiable in route_w; x's gradient comes from the experts' backward."""
+    ops_gathered.check_one_rank("dispatch_index", ep.cfg.R)
+    row_w, row_primary, row_next, row_src = _DispatchIndex.apply(
+        x, route_w, plan.dst_rank, plan.dst_row, plan.primary_row, plan.cu_seqlens, plan.group_rows,
+        *ep.dispatch_buffers[1:], ep.ctrl, ep.group_name, ep.key)
+    return Dispatch(None, row_w, row_primary, row_next, tokens=x, row_src=row_src)
 
 
 def combine(ep: EPGroup, rows: Tensor, plan: Plan, dispatched: Dispatch) -> Tensor:
@@ -238,11 +279,54 @@ class _ExpertsCombine(torch.autograd.Function):
 _EXPERTS_COMBINE_ARGS = _forward_args(_ExpertsCombine)
 
 
+class _ExpertsCombineGathered(torch.autograd.Function):
+    """`_ExpertsCombine` of the gathered form (`dispatch_index`, R = 1): the fused gate/up GEMM reads the
+    tokens by row_src, then the down GEMM with the route-weight scaling and the combine; the home groups
+    alone (a 1-rank plan has no copies: `ops_gathered.no_slots`). It keeps the tokens (as recompute_rows
+    does) and its backward (`moonep::experts_combine_gathered_backward`) reads them and g_out by row_src
+    and returns the tokens' gradient itself."""
+
+    @staticmethod
+    def forward(ctx, tokens, row_w, w_gate, w_up, w_down, row_src, row_primary, row_next, dst_rank, dst_row,
+                primary_row, cu_seqlens, presum, ctrl, P, group_name, ep_key, save_preact):
+        cu = cu_seqlens[:w_gate.shape[0]]
+        no_slots = ops_gathered.no_slots
+        hidden, gate, up = ops_gathered.group_gemm_swiglu_gather(tokens, row_src, w_gate, no_slots(w_gate), w_up,
+                                                                 no_slots(w_up), cu, P, save_preact)
+        y = ops.group_gemm_row_scale(hidden, w_down, no_slots(w_down), cu, row_w, P)
+        out = ops.combine(y, row_primary, row_next, dst_rank, dst_row, primary_row, presum, ctrl, group_name)
+        ctx.save_for_backward(tokens, row_src, row_primary, row_next, dst_rank, dst_row, primary_row, row_w, w_gate,
+                              w_up, w_down, cu_seqlens, gate, up)
+        ctx.P, ctx.ep_key = P, ep_key
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):
+        grads = ops_gathered.experts_combine_gathered_backward(g_out.contiguous(), *ctx.saved_tensors, ctx.P,
+                                                               ctx.ep_key)
+        g_tokens, g_row_w, dw_gate, dw_up, dw_down = grads
+        return _backward_result(_EXPERTS_COMBINE_GATHERED_ARGS, tokens=g_tokens, row_w=g_row_w, w_gate=dw_gate,
+                                w_up=dw_up, w_down=dw_down)
+
+
+_EXPERTS_COMBINE_GATHERED_ARGS = _forward_args(_ExpertsCombineGathered)
+
+
 def experts_combine(ep: EPGroup, w_gate: Tensor, w_up: Tensor, w_down: Tensor, plan: Plan, dispatched: Dispatch
                     ) -> Tensor:
     """`combine(ep, experts_ffn(ep, dispatched.rows, ...), plan, dispatched)` as one differentiable step (the
     same kernels on the same inputs, the same outputs and gradients; one [NvS, H] less at backward's peak:
-    `_ExpertsCombine`): the dispatched rows -> token rows [S, H]."""
+    `_ExpertsCombine`): the dispatched rows -> token rows [S, H]. The gathered form of `dispatched` (from
+    `dispatch_index`: no rows) runs the gathered GEMMs on its tokens (`_ExpertsCombineGathered`)."""
+    if dispatched.rows is None:
+        if dispatched.tokens is None or dispatched.row_src is None:
+            raise ValueError("experts_combine: a Dispatch without rows must be the gathered form, with its tokens "
+                             "and row_src (autograd.dispatch_index sets both)")
+        save_preact = _check_train(ep, dispatched.tokens, dispatched.row_w, w_gate, w_up, w_down)
+        return _ExpertsCombineGathered.apply(dispatched.tokens, dispatched.row_w, w_gate, w_up, w_down,
+                                             dispatched.row_src, dispatched.row_primary, dispatched.row_next,
+                                             plan.dst_rank, plan.dst_row, plan.primary_row, plan.cu_seqlens, ep.presum,
+                                             ep.ctrl, ep.cfg.P, ep.group_name, ep.key, save_preact)
     save_preact = _check_train(ep, dispatched.rows, dispatched.row_w, w_gate, w_up, w_down)
     recompute = ep.recompute_rows and save_preact
     if recompute and dispatched.tokens is None:

@@ -183,13 +183,19 @@ def check_plan_args(topk_ids: torch.Tensor, E: int, B: int, P: int, R: int, ctrl
 
 def check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, send_rows, recv_w,
                         recv_primary, recv_next, recv_src, ctrl) -> None:
-    op = "dispatch"
+    check_dispatch_index_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_w,
+                              recv_primary, recv_next, recv_src, ctrl, op="dispatch")
+    check_peer_buffer("dispatch", "send_rows", send_rows, (x.dtype,), x.shape[0], (x.shape[1],), x.device)
+
+
+def check_dispatch_index_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows, recv_w,
+                              recv_primary, recv_next, recv_src, ctrl, op: str = "dispatch_index") -> None:
+    """The arguments of a dispatch but its staging buffer: dispatch_index's contract, and dispatch's."""
     check_tensor(op, "x", x, ROW_DTYPES, (None, None))
-    S, H = x.shape
+    S = x.shape[0]
     check_tensor(op, "route_w", route_w, F32, (S, None), x.device)
     K = route_w.shape[1]
     check_token_plan(op, S, K, x.device, dst_rank=dst_rank, dst_row=dst_row, primary_row=primary_row)
-    check_peer_buffer(op, "send_rows", send_rows, (x.dtype,), S, (H,), x.device)
     check_tensor(op, "recv_w", recv_w, F32, (None,), x.device)
     NvS = recv_w.shape[0]
     check_tensor(op, "recv_primary", recv_primary, I32, (NvS,), x.device)
@@ -285,8 +291,8 @@ def check_experts_ffn_backward_args(g_y, rows, row_w, w_gate, w_up, w_down, cu_s
     cfg, dtype = config_by_key(op, ep_key)
     check_tensor(op, "g_y", g_y, (dtype,), (cfg.NvS, cfg.H))
     check_tensor(op, "rows", rows, (dtype,), (cfg.NvS, cfg.H), g_y.device)
-    _check_experts_saved(op, cfg, dtype, g_y.device, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate,
-                         up)
+    _check_experts_saved(op, cfg, dtype, g_y.device, row_w, w_gate, w_up, w_down, cu_seqlens, gate, up)
+    check_tensor(op, "experts_to_copy", experts_to_copy, I32, (cfg.R, cfg.B), g_y.device)
     return cfg
 
 
@@ -305,17 +311,40 @@ def check_experts_combine_backward_args(g_out, dst_rank, dst_row, primary_row, g
         check_tensor(op, "tokens", tokens, (dtype,), (cfg.S, cfg.H), dev)
     else:
         check_tensor(op, "rows", rows, (dtype,), (cfg.NvS, cfg.H), dev)
-    _check_experts_saved(op, cfg, dtype, dev, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up)
+    _check_experts_saved(op, cfg, dtype, dev, row_w, w_gate, w_up, w_down, cu_seqlens, gate, up)
+    check_tensor(op, "experts_to_copy", experts_to_copy, I32, (cfg.R, cfg.B), dev)
     return cfg
 
 
-def _check_experts_saved(op, cfg, dtype, dev, row_w, w_gate, w_up, w_down, cu_seqlens, experts_to_copy, gate, up):
+def check_dispatch_index_backward_args(g_row_w, dst_rank, dst_row, ep_key):
+    op = "dispatch_index_backward"
+    cfg, _ = config_by_key(op, ep_key)
+    check_tensor(op, "g_row_w", g_row_w, F32, (cfg.NvS,))
+    check_token_plan(op, cfg.S, cfg.K, g_row_w.device, dst_rank=dst_rank, dst_row=dst_row)
+    return cfg
+
+
+def check_experts_combine_gathered_backward_args(g_out, tokens, row_src, row_primary, row_next, dst_rank, dst_row,
+                                                 primary_row, row_w, w_gate, w_up, w_down, cu_seqlens, gate, up,
+                                                 ep_key):
+    op = "experts_combine_gathered_backward"
+    cfg, dtype = config_by_key(op, ep_key)
+    check_tensor(op, "g_out", g_out, (dtype,), (cfg.S, cfg.H))
+    dev = g_out.device
+    check_tensor(op, "tokens", tokens, (dtype,), (cfg.S, cfg.H), dev)
+    for name, t in (("row_src", row_src), ("row_primary", row_primary), ("row_next", row_next)):
+        check_tensor(op, name, t, I32, (cfg.NvS,), dev)
+    check_token_plan(op, cfg.S, cfg.K, dev, dst_rank=dst_rank, dst_row=dst_row, primary_row=primary_row)
+    _check_experts_saved(op, cfg, dtype, dev, row_w, w_gate, w_up, w_down, cu_seqlens, gate, up)
+    return cfg
+
+
+def _check_experts_saved(op, cfg, dtype, dev, row_w, w_gate, w_up, w_down, cu_seqlens, gate, up):
     """What the experts' forward saved for its backward (the rows aside), held to the group's EPConfig."""
     check_tensor(op, "row_w", row_w, F32, (cfg.NvS,), dev)
     check_tensor(op, "w_gate", w_gate, (dtype,), (cfg.epn, cfg.H, cfg.F), dev)
     check_tensor(op, "w_up", w_up, (dtype,), (cfg.epn, cfg.H, cfg.F), dev)
     check_tensor(op, "w_down", w_down, (dtype,), (cfg.epn, cfg.F, cfg.H), dev)
     check_tensor(op, "cu_seqlens", cu_seqlens, I32, (cfg.G,), dev)
-    check_tensor(op, "experts_to_copy", experts_to_copy, I32, (cfg.R, cfg.B), dev)
     check_tensor(op, "gate", gate, (dtype,), (cfg.NvS, cfg.F), dev)
     check_tensor(op, "up", up, (dtype,), (cfg.NvS, cfg.F), dev)

@@ -100,7 +100,9 @@ def moe_experts(ep: EPGroup, experts, x: torch.Tensor, topk_ids: torch.Tensor, t
         ids = torch.where(present, ids, ABSENT)
         route_w = torch.where(present, route_w, 0.0)
     plan = autograd.plan(ep, ids.contiguous())
-    dispatched = autograd.dispatch(ep, tokens.contiguous(), route_w.contiguous(), plan)
+    # R = 1: the rows are the tokens by index, which the gathered GEMMs read in place (EPGroup(gather_rows))
+    dispatch = autograd.dispatch_index if ep.gather_rows else autograd.dispatch
+    dispatched = dispatch(ep, tokens.contiguous(), route_w.contiguous(), plan)
     out = experts(dispatched, plan, combine=True)  # experts -> combine: one Function (autograd.experts_combine)
     return (out if full else out[:s]).to(x.dtype), plan.counts
 

@@ -60,7 +60,15 @@ class EPGroup:
       same inputs: outputs and gradients bitwise those without it, eager and compiled, CUDA-graph
       replays included. Default (None): True at R = 1, where the second dispatch is a local HBM gather
       (one H200 at the DESIGN shape: peak 15.05 -> 14.37 GB for 29.98 -> 30.08 ms a step;
-      results/bench_peers.json, 0584d8e), False at R > 1, where it would cross the links again.
+      results/bench_peers.json, 0584d8e), False at R > 1, where it would cross the links again. With
+      gather_rows no rows are written to rebuild: it applies to the materialised path only.
+    gather_rows: R = 1 only: the layer dispatches no rows. Every row is one of this rank's own tokens, so
+      the dispatch writes only the row tables (`row_src`: each row's token) and the grouped GEMMs read
+      the tokens [S, H], and in backward the tokens' gradient [S, H], by `row_src` in place
+      (moonep_ops/ops_gathered.py): neither the rows nor their gradient [NvS, H] is written, and the
+      layer keeps its tokens for backward as with recompute_rows. Outputs and gradients bitwise those
+      of the materialised path. Default (None): True at R = 1; True with R > 1 is refused (the rows
+      of other ranks' tokens are pulled over the links by moonep::dispatch).
     device: default from the process group's backend: nccl -> the current CUDA device, gloo -> cpu.
     dtype: the dtype the experts and the communication buffers compute in; default bf16 on CUDA (the
         only dtype of the CUDA kernels: anything else is refused) and torch.get_default_dtype() (fp32)
@@ -74,7 +82,7 @@ class EPGroup:
     def __init__(self, cfg: EPConfig, group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, comm_sms: int | None = None,
-                 debug: bool | None = None, recompute_rows: bool | None = None):
+                 debug: bool | None = None, recompute_rows: bool | None = None, gather_rows: bool | None = None):
         self.owns_process_group = _init_single_rank_world(cfg, group, device)
         self.group = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(self.group)
@@ -93,8 +101,16 @@ class EPGroup:
             recompute_rows = cfg.R == 1
         if not isinstance(recompute_rows, bool):
             raise ValueError(f"EPGroup: recompute_rows must be a bool or None, got {recompute_rows!r}")
+        if gather_rows is None:
+            gather_rows = cfg.R == 1
+        if not isinstance(gather_rows, bool):
+            raise ValueError(f"EPGroup: gather_rows must be a bool or None, got {gather_rows!r}")
+        if gather_rows and cfg.R > 1:
+            raise ValueError(f"EPGroup: gather_rows=True needs R = 1 (the GEMMs read this rank's own tokens), got "
+                             f"R={cfg.R}: with more ranks the rows are pulled over the links (gather_rows=False)")
         agreement.check_fingerprint(cfg, dtype, device, self.group, float(timeout_s), recompute_rows)
         self.recompute_rows = recompute_rows
+        self.gather_rows = gather_rows
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -302,10 +318,11 @@ def _default_device_dtype(group: dist.ProcessGroup, device: torch.device | str |
 
 MOONEP_OPS = ("plan", "dispatch", "combine", "gather_row_weights", "group_gemm", "group_gemm_dgrad",
               "group_gemm_dgrad2", "group_gemm_wgrad", "group_gemm_swiglu", "group_gemm_row_scale", "group_gemm_swiglu_bwd",
-              "prefetch_weights", "reduce_grad")
+              "prefetch_weights", "reduce_grad", "dispatch_index", "group_gemm_swiglu_gather", "group_gemm_wgrad_gather",
+              "group_gemm_wgrad_gather_b", "group_gemm_swiglu_bwd_gather")
 
 
 def cuda_kernels_available() -> bool:
     """True once every moonep op has a CUDA implementation registered (the GPU path of the demo)."""
-    from . import ops  # noqa: F401  (defines the ops)
+    from . import ops, ops_gathered  # noqa: F401  (define the ops)
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"moonep::{op}", "CUDA") for op in MOONEP_OPS)

@@ -25,10 +25,12 @@ class Plan(NamedTuple):
 
 
 class Dispatch(NamedTuple):
-    """What dispatch hands the experts and combine: this rank's rows and, per row, its links."""
+    """What dispatch hands the experts and combine: this rank's rows and, per row, its links. The gathered
+    form (`autograd.dispatch_index`, R = 1) has no rows: row r is `tokens[row_src[r]]` (zero where -1)."""
 
-    rows: torch.Tensor         # [NvS, H] the expert-grouped rows (padding zero)
+    rows: torch.Tensor | None  # [NvS, H] the expert-grouped rows (padding zero); None in the gathered form
     row_w: torch.Tensor        # [NvS] fp32 route weight of each row
     row_primary: torch.Tensor  # [NvS] int32 the row that carried its token over the link (-1: padding)
     row_next: torch.Tensor     # [NvS] int32 the token's next row on this rank in k order (-1: none)
     tokens: torch.Tensor | None = None  # [S, H] what was dispatched (re-dispatched by EPGroup(recompute_rows))
+    row_src: torch.Tensor | None = None  # [NvS] int32 the gathered form's token of each row (-1: padding)

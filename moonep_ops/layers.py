@@ -94,6 +94,10 @@ class MoEExperts(nn.Module):
         backward holds one [NvS, H] less, autograd.experts_combine)."""
         if combine:
             return autograd.experts_combine(self.ep, self.w_gate, self.w_up, self.w_down, plan, dispatched)
+        if dispatched.rows is None:
+            raise ValueError("MoEExperts: dispatched holds no rows (the gathered form of autograd.dispatch_index, "
+                             "EPGroup(gather_rows=True) at R = 1): run the experts with combine=True, or dispatch "
+                             "the rows with autograd.dispatch")
         return autograd.experts_ffn(self.ep, dispatched.rows, dispatched.row_w, self.w_gate, self.w_up, self.w_down,
                                     plan)
 

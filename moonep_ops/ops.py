@@ -69,11 +69,11 @@ def _plan_cuda(topk_ids: Tensor, E: int, B: int, P: int, R: int, ctrl: Tensor, g
     tp, _ = kplan.plan_tokens_cuda(topk_ids, counts, gp, ep.rank, ep.status)
     out = (tp.dst_rank, tp.dst_row, tp.primary_row, gp.experts_to_copy, gp.experts_remote[ep.rank].clone(),
            gp.cu_seqlens[ep.rank].clone(), gp.group_rows[ep.rank].clone(), counts)
-    _debug_check(ep, "plan")
+    debug_check(ep, "plan")
     return out
 
 
-def _debug_check(ep, op: str) -> None:
+def debug_check(ep, op: str) -> None:
     """In debug mode, raise at once if the op's kernels set a status bit (a host sync per op)."""
     if ep.debug and not torch.cuda.is_current_stream_capturing():
         ep.check(f"moonep.{op}")
@@ -89,6 +89,47 @@ def next_row_same_rank(dst_rank: Tensor, dst_row: Tensor) -> Tensor:
             same = dst_rank[:, k2] == dst_rank[:, k]
             nxt[:, k] = torch.where(same, dst_row[:, k2], nxt[:, k])
     return nxt
+
+
+def receive_tables(op: str, check_args, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, primary_row: Tensor,
+                   cu_seqlens: Tensor, group_rows: Tensor, recv_w: Tensor, recv_primary: Tensor, recv_next: Tensor,
+                   recv_src: Tensor, ctrl: Tensor, group) -> None:
+    """CPU reference of the tables half of a dispatch (`op`: dispatch, dispatch_index): after `check_args()`
+    and the rules of the tables (agreed by every rank before anything is written), every (token, k) entry's
+    route weight, primary row, next row on its rank and source (rank * S + token) are sent to its rank,
+    which writes them into its recv_* tables at the entry's row; padding rows get 0 / -1 / -1 / -1."""
+    R = torch.distributed.get_world_size(group)
+    NvS = recv_w.shape[0]
+
+    def check():
+        check_args()
+        check_token_tables(op, R, NvS, dst_rank, dst_row, primary_row)
+        check_unique_rows(op, dst_rank, dst_row, NvS)
+        return real_rows(op, cu_seqlens, group_rows, NvS)
+
+    real = agree(op, ctrl, group, check)
+    S, K = dst_rank.shape
+    rank = torch.distributed.get_rank(group)
+    flat_rank = dst_rank.reshape(-1)
+    next_row = next_row_same_rank(dst_rank, dst_row).reshape(-1)
+    src = rank * S + torch.arange(S * K, dtype=torch.int32) // K
+    tables = []
+    for d in range(R):
+        sel = flat_rank == d
+        # the fp32 route weight travels in the same int32 rows, by its bits (one exchange, not two)
+        tables.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel], src[sel],
+                                   route_w.reshape(-1)[sel].view(torch.int32)], 1))
+    got = torch.cat(exchange(tables, group))
+    got_w = got[:, 4].contiguous().view(torch.float32)
+    # the rows every peer sent must tile this rank's real rows: checked (and agreed) before any write
+    agree(f"{op} (received tables)", ctrl, group,
+          lambda: check_received(op, got[:, 0], got[:, 1], got[:, 2], got[:, 3], real, S, R))
+    recv_w.zero_()
+    for t in (recv_primary, recv_next, recv_src):
+        t.fill_(-1)
+    row = got[:, 0].long()
+    recv_w[row] = got_w
+    recv_primary[row], recv_next[row], recv_src[row] = got[:, 1], got[:, 2], got[:, 3]
 
 
 @custom_op("moonep::dispatch",
@@ -108,40 +149,16 @@ def dispatch(x: Tensor, route_w: Tensor, dst_rank: Tensor, dst_row: Tensor, prim
     from x). Outputs are fresh tensors."""
     group = resolve_group("dispatch", group_name)
     R = torch.distributed.get_world_size(group)
-    NvS = recv_w.shape[0]
 
-    def check():
+    def check_staging():
         checks.check_dispatch_args(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
                                    send_rows, recv_w, recv_primary, recv_next, recv_src, ctrl)
         checks.check_absent_buffer("dispatch", "send_rows", send_rows, R)
-        check_token_tables("dispatch", R, NvS, dst_rank, dst_row, primary_row)
-        check_unique_rows("dispatch", dst_rank, dst_row, NvS)
-        return real_rows("dispatch", cu_seqlens, group_rows, NvS)
 
-    real = agree("dispatch", ctrl, group, check)
-    S, K = dst_rank.shape
-    rank = torch.distributed.get_rank(group)
-    flat_rank = dst_rank.reshape(-1)
-    next_row = next_row_same_rank(dst_rank, dst_row).reshape(-1)
-    src = rank * S + torch.arange(S * K, dtype=torch.int32) // K
-    tables = []
-    for d in range(R):
-        sel = flat_rank == d
-        # the fp32 route weight travels in the same int32 rows, by its bits (one exchange, not two)
-        tables.append(torch.stack([dst_row.reshape(-1)[sel], primary_row.reshape(-1)[sel], next_row[sel], src[sel],
-                                   route_w.reshape(-1)[sel].view(torch.int32)], 1))
-    got = torch.cat(exchange(tables, group))
-    got_w = got[:, 4].contiguous().view(torch.float32)
-    # the rows every peer sent must tile this rank's real rows: checked (and agreed) before any write
-    agree("dispatch (received tables)", ctrl, group,
-          lambda: check_received("dispatch", got[:, 0], got[:, 1], got[:, 2], got[:, 3], real, S, R))
+    receive_tables("dispatch", check_staging, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group_rows,
+                   recv_w, recv_primary, recv_next, recv_src, ctrl, group)
     staged = x if send_rows.shape[0] == 0 else send_rows.copy_(x)  # absent (R = 1): x serves the pull
-    recv_w.zero_()
-    for t in (recv_primary, recv_next, recv_src):
-        t.fill_(-1)
-    row = got[:, 0].long()
-    recv_w[row] = got_w
-    recv_primary[row], recv_next[row], recv_src[row] = got[:, 1], got[:, 2], got[:, 3]
+    S, NvS = x.shape[0], recv_w.shape[0]
     carriers = torch.nonzero(recv_primary == torch.arange(NvS)).flatten()
     token_rows = pull(staged, recv_src[carriers] // S, recv_src[carriers] % S, group)
     rows = x.new_zeros((NvS, x.shape[1]))
@@ -176,7 +193,7 @@ def _dispatch_cuda(x, route_w, dst_rank, dst_row, primary_row, cu_seqlens, group
         torch.empty_like(t) for t in tables[:3])
     kd.dispatch_pull(None if one_rank else peers("dispatch", "send_rows", send_rows), *tables, *out, x.shape[0],
                      ep.status, num_ctas=ep.comm_sms, x=x)  # x: read directly at R = 1
-    _debug_check(ep, "dispatch")
+    debug_check(ep, "dispatch")
     return out
 
 
@@ -232,7 +249,7 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
         # straight from `rows` (bitwise the presum + pull result; combine_local)
         out = rows.new_empty((dst_rank.shape[0], rows.shape[1]))
         kc.combine_local(rows, dst_rank, dst_row, primary_row, out, ep.status, num_ctas=ep.comm_sms)
-        _debug_check(ep, "combine")
+        debug_check(ep, "combine")
         return out
     _barrier(ep, ctrl, "combine")  # every peer is done reading the previous combine's presum
     kc.combine_presum(rows, row_primary, row_next, presum, ep.status, num_ctas=ep.comm_sms)
@@ -240,7 +257,7 @@ def _combine_cuda(rows, row_primary, row_next, dst_rank, dst_row, primary_row, p
     out = rows.new_empty((dst_rank.shape[0], rows.shape[1]))
     kc.combine_pull(peers("combine", "presum", presum), dst_rank, dst_row, primary_row, out, ep.status,
                     num_ctas=ep.comm_sms, nvs=presum.shape[0])  # rows past every rank's presum are skipped
-    _debug_check(ep, "combine")
+    debug_check(ep, "combine")
     return out
 
 
@@ -280,7 +297,7 @@ def _gather_row_weights_cuda(row_vals, dst_rank, dst_row, row_scratch, ctrl, gro
     out = torch.empty(dst_rank.shape, dtype=torch.float32, device=row_vals.device)
     kc.gather_pull(peers("gather_row_weights", "row_scratch", row_scratch), dst_rank, dst_row, out, ep.status,
                    num_ctas=ep.comm_sms, nvs=row_scratch.shape[0])
-    _debug_check(ep, "gather_row_weights")
+    debug_check(ep, "gather_row_weights")
     return out
 
 
@@ -574,7 +591,7 @@ def _prefetch_weights_cuda(w_gate, w_up, w_down, experts_to_copy, pool_gate, poo
                           peers("prefetch_weights", "pool_down", pool_down), ep.rank, ep.status,
                           num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "prefetch_weights")  # every copy has landed
-    _debug_check(ep, "prefetch_weights")
+    debug_check(ep, "prefetch_weights")
 
 
 # --------------------------------------------------------------------------------------- reduce_grad
@@ -636,7 +653,7 @@ def _reduce_grad_cuda(experts_to_copy, reduce_gate, reduce_up, reduce_down, home
                         *homes, ep.rank, ep.status, num_ctas=ep.comm_sms)
     _barrier(ep, ctrl, "reduce_grad")  # every home rank has read its copies' gradients
     weights.reduce_zero(experts_to_copy, *reduce_bufs, ep.rank, num_ctas=ep.comm_sms)
-    _debug_check(ep, "reduce_grad")
+    debug_check(ep, "reduce_grad")
 
 
 # ------------------------------------------------------------------------------------- backward ops

@@ -344,19 +344,24 @@ def moe_layer_vs_dense(rank: int, R: int, cfg_kwargs: dict, skew: str, compiled:
     """The whole MoELayer on the GPU (plan, dispatch, prefetch, grouped GEMMs, combine, reduce_grad):
     forward and every gradient, with the dense fp32 reference of this rank's tokens (routing fixed to
     the ids the layer chose, route weights recomputed in fp32 so the router gradient is checked);
-    two runs bitwise equal, and a layer on an EPGroup with the other recompute_rows (the default: True at
-    R = 1, False at R > 1) bitwise equal to them; optionally torch.compile(fullgraph=True) equal to eager."""
+    two runs bitwise equal, and layers on EPGroups with the other row modes bitwise equal to them (R = 1:
+    the default gathered path against the materialised rows, kept and recomputed; R > 1: the other
+    recompute_rows); optionally torch.compile(fullgraph=True) equal to eager."""
     cfg = EPConfig(R=R, **cfg_kwargs)
+    names = ["y", "x", "router", "gate", "up", "down"]
     ep, layer, x0, g, weights = _layer_with_global_weights(rank, cfg, skew)
     first = _forward_backward(layer, x0, g)
     second = _forward_backward(layer, x0, g)
-    ep_again, layer_again, *_ = _layer_with_global_weights(rank, cfg, skew, recompute_rows=not ep.recompute_rows)
-    other_rows_mode = _forward_backward(layer_again, x0, g)
-    ep_again.destroy()
-    out = dict(names=["y", "x", "router", "gate", "up", "down"], got=first,
-               bitwise=all(torch.equal(a, b) for a, b in zip(first, second)), counts=layer.last_counts.cpu(),
-               rows_mode_differ=[n for n, a, b in zip(["y", "x", "router", "gate", "up", "down"], first,
-                                                      other_rows_mode) if not torch.equal(a, b)])
+    other_modes = ([dict(gather_rows=False, recompute_rows=True), dict(gather_rows=False, recompute_rows=False)]
+                   if R == 1 else [dict(recompute_rows=not ep.recompute_rows)])
+    rows_mode_differ = []
+    for mode in other_modes:
+        ep_again, layer_again, *_ = _layer_with_global_weights(rank, cfg, skew, **mode)
+        other = _forward_backward(layer_again, x0, g)
+        ep_again.destroy()
+        rows_mode_differ += [(mode, n) for n, a, b in zip(names, first, other) if not torch.equal(a, b)]
+    out = dict(names=names, got=first, bitwise=all(torch.equal(a, b) for a, b in zip(first, second)),
+               counts=layer.last_counts.cpu(), gathered=ep.gather_rows, rows_mode_differ=rows_mode_differ)
     if compiled:
         out["compiled"] = _forward_backward(layer, x0, g, torch.compile(layer, fullgraph=True))
     ep.check("moe layer")

@@ -67,17 +67,17 @@ def forward_backward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...]
 
 
 def _experts_node(y: torch.Tensor):
-    """The autograd node of the experts (+ combine) Function in y's graph."""
+    """The autograd node of the experts (+ combine) Function in y's graph (its gathered form at R = 1)."""
     seen, todo = set(), [y.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        if node.name() == "_ExpertsCombineBackward":
+        if node.name() in ("_ExpertsCombineBackward", "_ExpertsCombineGatheredBackward"):
             return node
         seen.add(id(node))
         todo.extend(n for n, _ in node.next_functions)
-    raise AssertionError("no _ExpertsCombineBackward node in the graph")
+    raise AssertionError("no _ExpertsCombineBackward (or _ExpertsCombineGatheredBackward) node in the graph")
 
 
 def inference_forward(rank: int, R: int, cfg_kwargs: dict, skews: tuple[str, ...],
@@ -109,7 +109,7 @@ def train_small_B(rank: int, R: int, cfg_kwargs: dict) -> str:
     return "no error"
 
 
-def _moonep_calls(graph) -> list[str]:
+def moonep_calls(graph) -> list[str]:
     """moonep ops called by an FX graph, in order (functionalised calls shown as such)."""
     calls = []
     for n in graph.nodes:
@@ -160,7 +160,7 @@ def compile_and_export(rank: int, R: int, cfg_kwargs: dict, steps: int):
     # the graphs Inductor runs (forward, then backward), after its post-grad passes: recorded by the same
     # compile (one Inductor compile of forward and backward per rank, not a second one for the golden)
     graphs = []
-    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda g: graphs.append(_moonep_calls(g))):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda g: graphs.append(moonep_calls(g))):
         got = [step(compiled, x) for x in xs]
     out["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max()) for ge, gc in zip(eager, got)
                               for a, b in zip(ge, gc))

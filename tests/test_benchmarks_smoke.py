@@ -194,7 +194,7 @@ def test_bench_peers_smoke_without_peers(peers_smoke):
     for peer in ("quack", "sonicmoe"):  # never imported in tests: absent here, named as missing
         assert d["peers"][peer].startswith("missing"), d["peers"]
         assert d["versions"][peer] is None
-    assert list(d["layer"]) == ["ours", "ours_keep_rows", "torch", "torch_compiled"]
+    assert list(d["layer"]) == ["ours", "ours_rows", "torch", "torch_compiled"]
     for name, r in d["layer"].items():
         assert r["ok"], (name, r)
         for mode in ("fwd", "infer", "fwd_bwd"):
@@ -496,7 +496,7 @@ def test_bench_peers_issue_targets_from_hand_made_rows():
     from benchmarks.bench_peers import issue_targets
 
     layer = dict(ours=dict(fwd_ms=9.0, fwd_bwd_ms=28.0, peak_gb=14.0, non_gemm_gpu_ms=1.5),
-                 ours_keep_rows=dict(fwd_ms=9.0, fwd_bwd_ms=28.5, peak_gb=13.0),
+                 ours_rows=dict(fwd_ms=9.0, fwd_bwd_ms=27.0, peak_gb=13.0),
                  sonicmoe=dict(fwd_ms=10.0, fwd_bwd_ms=30.0, peak_gb=13.0))
     gemm = {"fwd | a": dict(family="fwd", ours_over_quack=1.1),
             "fwd | b": dict(family="fwd", ours_over_quack=0.97),
@@ -505,9 +505,9 @@ def test_bench_peers_issue_targets_from_hand_made_rows():
     t = issue_targets(layer, gemm)
     assert t["layer fwd+bwd / sonicmoe"] == dict(value=28.0 / 30.0, target=0.90, met=False)
     assert t["layer fwd / sonicmoe"] == dict(value=0.9, target=0.95, met=True)
-    assert t["peak / sonicmoe"]["met"] is False and t["peak / sonicmoe (keep rows)"]["value"] == 1.0
+    assert t["peak / sonicmoe"]["met"] is False and t["layer fwd+bwd / sonicmoe (rows)"]["value"] == 0.9
     assert t["non-GEMM GPU ms of a step"] == dict(value=1.5, target=3.0, met=True)
     assert t["fwd / quack (worst layout)"] == dict(value=0.97, target=1.0, met=False)
     assert t["wgrad / quack (worst layout)"]["met"] is None  # QuACK missing at one layout
     none = issue_targets(dict(ours=layer["ours"]), {})
-    assert none["layer fwd / sonicmoe"]["met"] is None and "peak / sonicmoe (keep rows)" not in none
+    assert none["layer fwd / sonicmoe"]["met"] is None and "layer fwd+bwd / sonicmoe (rows)" not in none

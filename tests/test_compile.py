@@ -66,7 +66,8 @@ def test_inductor_code_copies_no_persistent_buffer(gloo1):
     """DESIGN.md's compiler contract: the generated code holds no clone/copy of the receive buffers,
     slot pools or reduce buffers, forward or backward. (It failed while backward called the forward's
     mutating ops on those buffers: AOTAutograd functionalised them and Inductor emitted clone and
-    copy-back kernels over each one; docs/design-notes.md, "Autograd and persistent buffers".)"""
+    copy-back kernels over each one; docs/design-notes.md, "Autograd and persistent buffers".) At R = 1
+    the layer takes the gathered path (EPGroup(gather_rows)): the moonep ops of its graphs are a golden."""
     from torch._inductor.utils import run_and_get_code
 
     from moonep_ops import EPConfig, EPGroup, MoELayer
@@ -75,29 +76,22 @@ def test_inductor_code_copies_no_persistent_buffer(gloo1):
     layer = MoELayer(EPGroup(cfg, dtype=torch.float32))
     loss = torch.compile(lambda x: (layer(x) ** 2).sum(), fullgraph=True)
     x = torch.randn(cfg.S, cfg.H, requires_grad=True)
-    _, codes = run_and_get_code(lambda: loss(x).backward())
+    graphs = []
+    record = lambda g: graphs.append(ep_workers.moonep_calls(g))  # noqa: E731
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record):
+        _, codes = run_and_get_code(lambda: loss(x).backward())
     assert len(codes) == 2  # forward, backward
     assert not _buffer_copy_kernels(codes[0])
     assert not _buffer_copy_kernels(codes[1]), _buffer_copy_kernels(codes[1])
-
-
-def test_recompute_rows_compiles_fullgraph_bitwise(gloo1):
-    """EPGroup(recompute_rows=True) under torch.compile(fullgraph=True): the saved tokens instead of the
-    rows trace like the default (no graph break), and output and gradients are bitwise the default's."""
-    from moonep_ops import EPConfig, EPGroup, MoELayer
-
-    cfg = EPConfig(R=1, E=4, **SHAPE)
-    x0 = torch.randn(cfg.S, cfg.H)
-    results = []
-    for recompute in (False, True):
-        torch.manual_seed(1)
-        layer = MoELayer(EPGroup(cfg, dtype=torch.float32, recompute_rows=recompute))
-        x = x0.clone().requires_grad_()
-        y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
-        (y ** 2).sum().backward()
-        results.append([y.detach(), x.grad, layer.router.weight.grad, *(p.grad for p in layer.experts.parameters())])
-    for name, a, b in zip(("y", "x", "router", "w_gate", "w_up", "w_down"), *results):
-        assert a.abs().sum() > 0 and torch.equal(a, b), name
-    assert EPGroup(cfg, dtype=torch.float32).recompute_rows is True  # the default at R = 1 (None)
-    with pytest.raises(ValueError, match="recompute_rows must be a bool or None"):
-        EPGroup(cfg, dtype=torch.float32, recompute_rows=1)
+    text = "\n".join(f"{graph}:\n" + "\n".join(f"  {op}" for op in calls)
+                     for graph, calls in zip(("forward", "backward"), graphs))
+    assert_expected_inline(text, """\
+forward:
+  auto_functionalized(moonep.plan.default)
+  auto_functionalized(moonep.dispatch_index.default)
+  moonep.group_gemm_swiglu_gather.default
+  moonep.group_gemm_row_scale.default
+  auto_functionalized(moonep.combine.default)
+backward:
+  moonep.experts_combine_gathered_backward.default
+  moonep.dispatch_index_backward.default""")

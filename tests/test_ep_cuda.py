@@ -88,7 +88,8 @@ def test_moe_layer_matches_dense_reference(R, skew):
 
     for r, out in enumerate(res):
         assert out["bitwise"], r
-        assert out["rows_mode_differ"] == [], (r, "differ with the other EPGroup(recompute_rows=...)")
+        assert out["gathered"] == (R == 1), r  # the default: the gathered path at R = 1 only
+        assert out["rows_mode_differ"] == [], (r, "differ with another row mode (gather_rows / recompute_rows)")
         for name, got, want in zip(out["names"][:2], out["got"][:2], out["ref"][:2]):
             close(got, want, (r, name))
         if "compiled" in out:

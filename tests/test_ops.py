@@ -38,6 +38,7 @@ def op_cases(group, ids=None):
                                                       *ep.dispatch_buffers, ep.ctrl, group)
     w_home, w_slot = torch.randn(c.epn, c.H, c.F), torch.randn(c.B, c.H, c.F)
     wd_home = torch.randn(c.epn, c.F, c.H)
+    row_src = ep.recv_src.clone()  # R = 1: each row's token (-1: padding), the gathered ops' index
     hidden = torch.randn(c.NvS, c.F)
     pools = [torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.H, c.F), torch.zeros(c.B, c.F, c.H)]
     return ep, {
@@ -66,6 +67,19 @@ def op_cases(group, ids=None):
                                                   torch.randn(c.B, c.F, c.H), torch.randn(c.epn, c.H, c.F),
                                                   torch.randn(c.epn, c.H, c.F), torch.randn(c.epn, c.F, c.H),
                                                   ep.ctrl, group)),
+        # the gathered path (moonep_ops/ops_gathered.py): the tokens x by row_src in place of the rows
+        "dispatch_index": (ops.dispatch_index.default, (x, route_w, dst_rank, dst_row, primary_row, cu, group_rows,
+                                                        *ep.dispatch_buffers[1:], ep.ctrl, group)),
+        "group_gemm_swiglu_gather": (ops.group_gemm_swiglu_gather.default, (x, row_src, w_home, w_slot, w_home * 0.5,
+                                                                            w_slot * 2, cu, c.P, True)),
+        "group_gemm_wgrad_gather": (ops.group_gemm_wgrad_gather.default, (x, row_src, hidden, cu,
+                                                                          torch.zeros(c.epn, c.H, c.F),
+                                                                          torch.zeros(c.B, c.H, c.F), c.P)),
+        "group_gemm_wgrad_gather_b": (ops.group_gemm_wgrad_gather_b.default, (hidden, x, row_src, cu,
+                                                                              torch.zeros(c.epn, c.F, c.H),
+                                                                              torch.zeros(c.B, c.F, c.H), c.P)),
+        "group_gemm_swiglu_bwd_gather": (ops.group_gemm_swiglu_bwd_gather.default, (
+            x, row_src, wd_home, pools[2], cu, row_w.float(), hidden, hidden * 0.5, c.P)),
         # backward ops: they name the group by key and use its buffers (functional to the compiler)
         "combine_backward": (ops.combine_backward.default, (x, dst_rank, dst_row, primary_row, cu, group_rows,
                                                             ep.key)),
@@ -81,11 +95,15 @@ def op_cases(group, ids=None):
         "experts_combine_backward_recompute": (ops.experts_combine_backward.default, (
             x, dst_rank, dst_row, primary_row, group_rows, None, x * 0.5, row_w, w_home, w_home * 0.5, wd_home, cu,
             etc, hidden, hidden * 0.5, c.P, ep.key)),
+        "dispatch_index_backward": (ops.dispatch_index_backward.default, (row_w, dst_rank, dst_row, ep.key)),
+        "experts_combine_gathered_backward": (ops.experts_combine_gathered_backward.default, (
+            x, x * 0.5, row_src, row_primary, row_next, dst_rank, dst_row, primary_row, row_w, w_home, w_home * 0.5,
+            wd_home, cu, hidden, hidden * 0.5, c.P, ep.key)),
     }
 
 
 BACKWARD_OPS = ("combine_backward", "dispatch_backward", "experts_ffn_backward", "experts_combine_backward",
-                "experts_combine_backward_recompute")
+                "experts_combine_backward_recompute", "dispatch_index_backward", "experts_combine_gathered_backward")
 
 
 @pytest.mark.parametrize("name", MOONEP_OPS + BACKWARD_OPS)

@@ -1,8 +1,9 @@
 """Fake kernels of moonep::group_gemm, group_gemm_dgrad, group_gemm_dgrad2, group_gemm_wgrad, group_gemm_swiglu,
 group_gemm_row_scale and group_gemm_swiglu_bwd, and their contracts (``check_*_args``: the checks the fake,
-the CPU reference and the CUDA path each run once); also the contracts of the kernels that read an
-operand's rows by index (csrc_cute/group_gemm/host_gather.py: x [S, H] or g_out [S, H] and row_src [N] in
-place of the rows [N, H]), which their host wrappers run."""
+the CPU reference and the CUDA path each run once); also of the ops that read an operand's rows by index
+(group_gemm_swiglu_gather, group_gemm_wgrad_gather, group_gemm_swiglu_bwd_gather, group_gemm_wgrad_gather_b:
+x [S, H] or g_out [S, H] and row_src [N] in place of the rows [N, H]), whose contracts the host wrappers
+of their kernels (csrc_cute/group_gemm/host_gather.py) run as well."""
 
 import torch
 
@@ -136,6 +137,14 @@ def group_gemm_wgrad(x, dy, cu_seqlens, dw_home, dw_slot, P: int) -> None:
     check_wgrad_args(x, dy, cu_seqlens, dw_home, dw_slot, P)
 
 
+def group_gemm_wgrad_gather(x, row_src, dy, cu_seqlens, dw_home, dw_slot, P: int) -> None:
+    check_wgrad_gather_args(x, row_src, dy, cu_seqlens, dw_home, dw_slot, P)
+
+
+def group_gemm_wgrad_gather_b(x, dy_src, row_src, cu_seqlens, dw_home, dw_slot, P: int) -> None:
+    check_wgrad_gather_b_args(x, dy_src, row_src, cu_seqlens, dw_home, dw_slot, P)
+
+
 def check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote=None, *,
                       op: str = "group_gemm_swiglu") -> int:
     check_tensor(op, "x", x, ROW_DTYPES, (None, None))
@@ -164,6 +173,13 @@ def check_swiglu_gather_args(x, row_src, w_gate_home, w_gate_slot, w_up_home, w_
     F = check_swiglu_args(x, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P, experts_remote, op=op)
     check_tensor(op, "row_src", row_src, (torch.int32,), (None,), x.device)
     return F
+
+
+def group_gemm_swiglu_gather(x, row_src, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P: int,
+                             save_preact: bool):
+    F = check_swiglu_gather_args(x, row_src, w_gate_home, w_gate_slot, w_up_home, w_up_slot, cu_seqlens, P)
+    n, n_pre = row_src.shape[0], row_src.shape[0] if save_preact else 0
+    return x.new_empty((n, F)), x.new_empty((n_pre, F)), x.new_empty((n_pre, F))
 
 
 def check_row_scale_args(x, w_home, w_slot, cu_seqlens, row_w, P, experts_remote=None) -> int:
@@ -217,3 +233,10 @@ def group_gemm_swiglu_bwd(g_y, w_down_home, w_down_slot, cu_seqlens, row_w, gate
     N = g_y.shape[0]
     return (g_y.new_empty((N, F)), g_y.new_empty((N, F)), g_y.new_empty((N, F)),
             g_y.new_empty((N,), dtype=torch.float32))
+
+
+def group_gemm_swiglu_bwd_gather(g_out, row_src, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P: int):
+    F = check_swiglu_bwd_gather_args(g_out, row_src, w_down_home, w_down_slot, cu_seqlens, row_w, gate, up, P)
+    N = row_src.shape[0]
+    return (g_out.new_empty((N, F)), g_out.new_empty((N, F)), g_out.new_empty((N, F)),
+            g_out.new_empty((N,), dtype=torch.float32))
