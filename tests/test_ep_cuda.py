@@ -215,7 +215,8 @@ def test_precompile_compiles_ahead_and_the_step_only_loads(R, tmp_path):
     runs (plan, dispatch, the grouped GEMMs, combine; sync's exchange and barriers with R > 1) and compiles
     them side by side (some in child processes); the training step after it then compiles nothing itself
     (it only loads what the children wrote), and a second precompile finds nothing missing. Then the same
-    for inference, whose fused SwiGLU keeps no pre-activations: only that kernel is new."""
+    for inference, whose fused SwiGLU keeps no pre-activations: only that kernel is new (at R = 1 the
+    gathered one: EPGroup(gather_rows))."""
     cfg_kwargs = dict(S=256, H=256, K=4, E=8 * R, F=128, P=64)
     res = run_ranks(cuda_workers.precompile_cold, R, cfg_kwargs, str(tmp_path / "cache"),
                     str(tmp_path / "compiles.jsonl"), 4, backend="nccl")
@@ -223,8 +224,8 @@ def test_precompile_compiles_ahead_and_the_step_only_loads(R, tmp_path):
     train_calls = {c for r in res for c in r["train"]["calls"]}
     assert {m for m, _ in train_calls} >= {"csrc_cute.plan", "csrc_cute.dispatch", "csrc_cute.combine",
                                            "csrc_cute.group_gemm.host"}, train_calls
-    assert {c for r in res for c in r["inference"]["calls"]} == {("csrc_cute.group_gemm.host",
-                                                                  "compile_group_gemm_swiglu")}, res
+    swiglu = "compile_group_gemm_swiglu_gather" if R == 1 else "compile_group_gemm_swiglu"
+    assert {c for r in res for c in r["inference"]["calls"]} == {("csrc_cute.group_gemm.host", swiglu)}, res
     for rank, r in enumerate(res):
         for kind in ("train", "inference"):
             got = r[kind]
