@@ -511,3 +511,18 @@ def test_bench_peers_issue_targets_from_hand_made_rows():
     assert t["wgrad / quack (worst layout)"]["met"] is None  # QuACK missing at one layout
     none = issue_targets(dict(ours=layer["ours"]), {})
     assert none["layer fwd / sonicmoe"]["met"] is None and "layer fwd+bwd / sonicmoe (rows)" not in none
+
+
+def test_bench_sustained_smoke_times_every_step(tmp_path_factory):
+    """bench_sustained --smoke (CPU): both of ours' row modes run every step of every round, the summary's
+    first-steps and last-steps means are those of the recorded step times, and no clock is claimed."""
+    stdout, d, _ = run_smoke(tmp_path_factory, "bench_sustained")
+    for key in ("gpu", "command", "commit", "date", "torch"):
+        assert key in d
+    assert d["smoke"] and [r["impl"] for r in d["runs"]] == ["ours", "ours_rows"]
+    for run in d["runs"]:
+        assert len(run["ms"]) == d["steps"] and all(m > 0 for m in run["ms"])
+        row = d["summary"]["1"][run["impl"]]
+        assert abs(row["first3_ms"] - sum(run["ms"][:3]) / 3) < 1e-2 and row["clock_mhz"] is None
+        assert abs(row["last20_ms"] - sum(run["ms"]) / len(run["ms"])) < 1e-2  # 4 steps: the last 20 are all
+    assert "wrote" in stdout
