@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,27 +43,36 @@ SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 class ClockSampler:
     """nvidia-smi sampling SM clock, power and the clock-limit reasons every `period_ms` in the background
-    (None on a machine without it): `samples()` -> [(unix time, MHz, W, reasons)]."""
+    into a file of its own (none on a machine without it): `samples()` stops it and returns [(unix time,
+    MHz, W, reasons)]. (Through a pipe, nvidia-smi's block-buffered output since the last flush was lost
+    when it was stopped: the first GPU run of this script lost its last ~30 s of samples.)"""
 
     def __init__(self, period_ms: int = 100):
+        self.path = tempfile.mktemp(suffix=".csv", prefix="bench_sustained_smi_")
         try:
             self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
-                                          f"-lms={period_ms}"], stdout=subprocess.PIPE, text=True)
+                                          f"-lms={period_ms}", f"--filename={self.path}"])
         except OSError:
             self.proc = None
 
     def samples(self) -> list[tuple[float, float, float, str]]:
         if self.proc is None:
             return []
-        self.proc.terminate()
+        self.proc.send_signal(signal.SIGINT)  # its clean exit: the file is flushed and closed
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         out = []
-        for line in self.proc.communicate()[0].splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            try:  # nvidia-smi's timestamp is the machine's local time
-                stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                out.append((stamp, float(parts[1]), float(parts[2]), parts[3]))
-            except (ValueError, IndexError):
-                continue
+        with open(self.path) as f:
+            for line in f:
+                parts = [p.strip() for p in line.split(",")]
+                try:  # nvidia-smi's timestamp is the machine's local time
+                    stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    out.append((stamp, float(parts[1]), float(parts[2]), parts[3]))
+                except (ValueError, IndexError):
+                    continue
+        os.unlink(self.path)
         return out
 
 
