@@ -252,11 +252,40 @@ def plot_op_overhead(path: str) -> None:
     plt.close(fig)
 
 
+def plot_sustained(path: str) -> None:
+    """bench_sustained: every step's time from idle, per implementation (the last round of the last phase),
+    and the sampled SM clock over the whole run."""
+    d = json.load(open(path))
+    last = max(r["phase"] for r in d["runs"])
+    runs = [r for r in d["runs"] if r["phase"] == last]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in runs:
+        if r["round"] == max(x["round"] for x in runs):
+            ax0.plot(range(1, len(r["ms"]) + 1), r["ms"], label=r["impl"])
+    ax0.set_xlabel("step after idle")
+    ax0.set_ylabel("fwd+bwd ms")
+    ax0.legend(fontsize=8)
+    ax0.set_title(f"S={d['S']} H={d['H']} F={d['F']} E={d['E']} K={d['K']}, phase {last}\n{caption(d)}", fontsize=9)
+    samples = d.get("clock_samples") or []
+    if samples:
+        t0 = samples[0][0]
+        ax1.plot([s[0] - t0 for s in samples], [s[1] for s in samples], label="SM clock (MHz)")
+        ax1.plot([s[0] - t0 for s in samples], [s[2] for s in samples], label="power (W)")
+        for r in d["runs"]:
+            ax1.axvspan(r["t0"] - t0, r["t1"] - t0, alpha=0.1)
+        ax1.set_xlabel("s (shaded: timed runs)")
+        ax1.legend(fontsize=8)
+        ax1.set_title("nvidia-smi samples", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
                        ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e),
                        ("bench_inference.json", plot_inference), ("bench_peers.json", plot_peers),
                        ("bench_cold_start.json", plot_cold_start), ("hf_qwen3_gpu.json", plot_hf_qwen3),
-                       ("bench_op_overhead.json", plot_op_overhead)):
+                       ("bench_op_overhead.json", plot_op_overhead), ("bench_sustained.json", plot_sustained)):
         if os.path.exists(os.path.join(RESULTS, name)):
             plot(os.path.join(RESULTS, name))

@@ -60,7 +60,7 @@ class EPGroup:
       same inputs: outputs and gradients bitwise those without it, eager and compiled, CUDA-graph
       replays included. Default (None): True at R = 1, where the second dispatch is a local HBM gather
       (one H200 at the DESIGN shape: peak 15.05 -> 14.37 GB for 29.98 -> 30.08 ms a step;
-      results/bench_peers.json, 0584d8e), False at R > 1, where it would cross the links again. With
+      results/bench_peers_0584d8e.json), False at R > 1, where it would cross the links again. With
       gather_rows no rows are written to rebuild: it applies to the materialised path only.
     gather_rows: R = 1 only: the layer dispatches no rows. Every row is one of this rank's own tokens, so
       the dispatch writes only the row tables (`row_src`: each row's token) and the grouped GEMMs read
