@@ -89,8 +89,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.baseline_ep import BaselineBlock, BaselineModel, BaselineMoE  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    Bench, apply_smoke_defaults, capture, grad_clearer, kernel_breakdown, make_step, run_info, short_error,
-    symmetric_bytes, write_json)
+    Bench, apply_smoke_defaults, capture, grad_clearer, kernel_breakdown, make_step, names_option, run_info,
+    short_error, symmetric_bytes, write_json)
 from benchmarks.routing_gen import ForcedRouter, Routings, counts_of, realized_maxvio  # noqa: E402
 
 MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0, 20.0)
@@ -479,11 +479,8 @@ def main(argv=None) -> None:
     args.dtype = args.dtype or "bfloat16"
     args.compile_backend = args.compile_backend or "inductor"
     opts = vars(args)
-    opts["variants"] = [v for v in args.variants.split(",") if v]
-    opts["model_variants"] = [v for v in args.model_variants.split(",") if v]
-    for v in opts["variants"] + opts["model_variants"]:
-        if v not in LAYER_VARIANTS:
-            ap.error(f"unknown variant {v!r} (known: {', '.join(LAYER_VARIANTS)})")
+    opts["variants"] = names_option(ap, "--variants", args.variants, LAYER_VARIANTS)
+    opts["model_variants"] = names_option(ap, "--model-variants", args.model_variants, LAYER_VARIANTS)
     t0 = time.perf_counter()
     if "LOCAL_RANK" in os.environ:  # torchrun
         rank, R = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

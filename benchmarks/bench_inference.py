@@ -46,7 +46,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.baseline_ep import BaselineMoE  # noqa: E402
-from benchmarks.common import Bench, apply_smoke_defaults, capture, run_info, short_error, write_json  # noqa: E402
+from benchmarks.common import (Bench, apply_smoke_defaults, capture, names_option, run_info, short_error,  # noqa: E402
+                               write_json)
 from benchmarks.routing_gen import ForcedRouter, Routings, counts_of, realized_maxvio  # noqa: E402
 
 VARIANTS = ("ours_full", "ours_b3", "ours_b3_graph", "base")
@@ -215,9 +216,7 @@ def main(argv=None) -> None:
     if args.smoke:
         apply_smoke_defaults(args, argv, SMOKE)
     opts = vars(args)
-    opts["variants"] = [v for v in args.variants.split(",") if v]
-    if set(opts["variants"]) - set(VARIANTS):
-        ap.error(f"unknown variants {sorted(set(opts['variants']) - set(VARIANTS))} (known: {', '.join(VARIANTS)})")
+    opts["variants"] = names_option(ap, "--variants", args.variants, VARIANTS)
     t0, backend = time.perf_counter(), "gloo" if args.smoke else "nccl"
     opts["device"] = "cpu" if args.smoke else "cuda"
     if "LOCAL_RANK" in os.environ:  # torchrun

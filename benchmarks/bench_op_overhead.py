@@ -39,8 +39,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_comm import graph_time_ms  # noqa: E402
-from benchmarks.common import (apply_smoke_defaults, cuda_time_ms, profile_step, run_info,  # noqa: E402
-                               run_without_host_sync, short_error, write_json)
+from benchmarks.common import (apply_smoke_defaults, cuda_time_ms, names_option, profile_step,  # noqa: E402
+                               run_info, run_without_host_sync, short_error, write_json)
 from moonep_ops.handles import Dispatch, Plan  # noqa: E402
 
 ops = torch.ops.moonep
@@ -292,9 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.smoke:
         apply_smoke_defaults(args, argv, SMOKE)
-    unknown = set(args.shapes.split(",")) - set(SHAPES)
-    if unknown:
-        ap.error(f"--shapes: unknown {sorted(unknown)}, known {sorted(SHAPES)}")
+    names_option(ap, "--shapes", args.shapes, SHAPES)
     if not args.smoke and not torch.cuda.is_available():
         ap.error("the GPU parts need a CUDA device; --smoke runs the CPU part alone")
     return args

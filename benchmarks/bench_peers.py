@@ -68,8 +68,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (Bench, apply_smoke_defaults, kernel_breakdown, run_info, short_error,  # noqa: E402
-                               symmetric_bytes, write_json)
+from benchmarks.common import (Bench, apply_smoke_defaults, kernel_breakdown, names_option, run_info,  # noqa: E402
+                               short_error, symmetric_bytes, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
 
@@ -744,13 +744,9 @@ def main(argv=None) -> None:
         apply_smoke_defaults(args, argv, SMOKE)
     args.compile_backend = args.compile_backend or "inductor"
     opts = vars(args)
-    opts["only"] = [s for s in args.only.split(",") if s]
-    opts["families"] = [f for f in args.families.split(",") if f]
-    opts["impls"] = [i for i in args.impls.split(",") if i]
-    for name, got, known in (("--only", opts["only"], SECTIONS), ("--families", opts["families"], FAMILIES),
-                             ("--impls", opts["impls"], IMPLS)):
-        if set(got) - set(known):
-            ap.error(f"{name}: unknown {sorted(set(got) - set(known))} (known: {', '.join(known)})")
+    opts["only"] = names_option(ap, "--only", args.only, SECTIONS)
+    opts["families"] = names_option(ap, "--families", args.families, FAMILIES)
+    opts["impls"] = names_option(ap, "--impls", args.impls, IMPLS)
     opts["device"] = "cpu" if args.smoke else "cuda"
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench_peers: no CUDA device (use --smoke for the CPU check)")

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_peers import (  # noqa: E402
     OursLayer, SonicLayer, exact_routing_inputs, expert_weights, load_peers, versions)
-from benchmarks.common import apply_smoke_defaults, run_info, write_json  # noqa: E402
+from benchmarks.common import apply_smoke_defaults, names_option, run_info, write_json  # noqa: E402
 
 IMPLS = ("ours", "ours_rows", "sonicmoe")
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, steps=4, rounds=1, idle_s=0.0)
@@ -157,9 +157,7 @@ def main(argv=None) -> None:
     if args.smoke:
         apply_smoke_defaults(args, argv, SMOKE)
     opts = vars(args)
-    wanted = [i for i in args.impls.split(",") if i]
-    if set(wanted) - set(IMPLS):
-        ap.error(f"--impls: unknown {sorted(set(wanted) - set(IMPLS))} (known: {', '.join(IMPLS)})")
+    wanted = names_option(ap, "--impls", args.impls, IMPLS)
     cuda = not args.smoke
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench_sustained: no CUDA device (use --smoke for the CPU check)")

@@ -60,6 +60,16 @@ def apply_smoke_defaults(args, argv: list[str] | None, smoke: dict) -> None:
             setattr(args, k, v)
 
 
+def names_option(ap, option: str, text: str, known) -> list[str]:
+    """A comma-separated option's names (empty items dropped), each one of `known`; else the parser's error
+    naming the option and the unknown names."""
+    got = [n for n in text.split(",") if n]
+    unknown = sorted(set(got) - set(known))
+    if unknown:
+        ap.error(f"{option}: unknown {unknown} (known: {', '.join(known)})")
+    return got
+
+
 def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
     out_dir = out_dir or RESULTS
     os.makedirs(out_dir, exist_ok=True)

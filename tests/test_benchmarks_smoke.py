@@ -526,3 +526,16 @@ def test_bench_sustained_smoke_times_every_step(tmp_path_factory):
         assert abs(row["first3_ms"] - sum(run["ms"][:3]) / 3) < 1e-2 and row["clock_mhz"] is None
         assert abs(row["last20_ms"] - sum(run["ms"]) / len(run["ms"])) < 1e-2  # 4 steps: the last 20 are all
     assert "wrote" in stdout
+
+
+def test_names_option_keeps_known_names_and_names_the_unknown():
+    """The benchmarks' comma-separated options: empty items dropped, order kept; an unknown name is the
+    parser's error, naming the option, the unknown names and the known ones."""
+    import argparse
+
+    from benchmarks.common import names_option
+
+    ap = argparse.ArgumentParser(prog="bench")
+    assert names_option(ap, "--impls", "b,,a", ("a", "b", "c")) == ["b", "a"]
+    with pytest.raises(SystemExit):
+        names_option(ap, "--impls", "a,x,y", ("a", "b"))
