@@ -528,7 +528,7 @@ def test_bench_sustained_smoke_times_every_step(tmp_path_factory):
     assert "wrote" in stdout
 
 
-def test_names_option_keeps_known_names_and_names_the_unknown():
+def test_names_option_keeps_known_names_and_names_the_unknown(capsys):
     """The benchmarks' comma-separated options: empty items dropped, order kept; an unknown name is the
     parser's error, naming the option, the unknown names and the known ones."""
     import argparse
@@ -538,4 +538,5 @@ def test_names_option_keeps_known_names_and_names_the_unknown():
     ap = argparse.ArgumentParser(prog="bench")
     assert names_option(ap, "--impls", "b,,a", ("a", "b", "c")) == ["b", "a"]
     with pytest.raises(SystemExit):
-        names_option(ap, "--impls", "a,x,y", ("a", "b"))
+        names_option(ap, "--impls", "a,y,x", ("a", "b"))
+    assert "bench: error: --impls: unknown ['x', 'y'] (known: a, b)" in capsys.readouterr().err
