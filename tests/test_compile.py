@@ -39,12 +39,15 @@ def test_export_runs_and_matches_eager(compiled_r2):
         assert res["export_diff"] < 1e-5
 
 
+def graph_ops_text(graphs: dict[str, list[str]]) -> str:
+    """The moonep ops of each compiled graph, one per line under the graph's name (the goldens' form)."""
+    return "\n".join(f"{graph}:\n" + "\n".join(f"  {op}" for op in calls) for graph, calls in graphs.items())
+
+
 @on_compiled_r2
 def test_compiled_graph_ops(compiled_r2):
     assert compiled_r2[0]["n_inductor_graphs"] == 2  # one forward, one backward over the 5 steps
-    ops = compiled_r2[0]["graph_ops"]
-    text = "\n".join(f"{graph}:\n" + "\n".join(f"  {op}" for op in calls) for graph, calls in ops.items())
-    assert_expected_inline(text, """\
+    assert_expected_inline(graph_ops_text(compiled_r2[0]["graph_ops"]), """\
 forward:
   auto_functionalized(moonep.plan.default)
   auto_functionalized(moonep.dispatch.default)
@@ -83,9 +86,7 @@ def test_inductor_code_copies_no_persistent_buffer(gloo1):
     assert len(codes) == 2  # forward, backward
     assert not _buffer_copy_kernels(codes[0])
     assert not _buffer_copy_kernels(codes[1]), _buffer_copy_kernels(codes[1])
-    text = "\n".join(f"{graph}:\n" + "\n".join(f"  {op}" for op in calls)
-                     for graph, calls in zip(("forward", "backward"), graphs))
-    assert_expected_inline(text, """\
+    assert_expected_inline(graph_ops_text(dict(zip(("forward", "backward"), graphs))), """\
 forward:
   auto_functionalized(moonep.plan.default)
   auto_functionalized(moonep.dispatch_index.default)
