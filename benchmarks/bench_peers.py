@@ -340,18 +340,33 @@ def impl_params(impl) -> list[torch.Tensor]:
     return [p for p in impl.module.parameters() if p.requires_grad]
 
 
+def layer_inputs(o: dict, device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The layer's shared inputs ((x, router_w, w_gate, w_up, w_down, output gradient g), all bf16 on
+    `device`) from the seed in `o`, and the target ids the router picks exactly."""
+    x, router_w, ids = exact_routing_inputs(o["S"], o["H"], o["E"], o["K"], o["seed"])
+    weights = expert_weights(o["E"], o["H"], o["F"], device, o["seed"] + 2)
+    g = (torch.randn(o["S"], o["H"], generator=torch.Generator().manual_seed(o["seed"] + 3)) / 4).bfloat16()
+    return (x.to(device), router_w.to(device), *weights, g.to(device)), ids
+
+
+def ours_group(o: dict, device, name: str):
+    """The 1-rank EPGroup of implementation `name`: ours (the defaults: the gathered path) or ours_rows
+    (gather_rows=False); `o["comm_sms"]` when given."""
+    from moonep_ops import EPConfig, EPGroup
+
+    cfg = EPConfig(S=o["S"], H=o["H"], K=o["K"], E=o["E"], F=o["F"], R=1, P=o["P"])
+    sms = {} if o.get("comm_sms") is None else dict(comm_sms=o["comm_sms"])
+    return EPGroup(cfg, dtype=torch.bfloat16, device=device, timeout_s=600.0,
+                   gather_rows=False if name == "ours_rows" else None, **sms)
+
+
 def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
     """Run the layer implementations `impls` (a subset of ours, ours_rows = ours with
     EPGroup(gather_rows=False), torch, torch_compiled, sonicmoe) into st."""
     o = b.opts
     if "inputs" not in st:
-        x, router_w, ids = exact_routing_inputs(o["S"], o["H"], o["E"], o["K"], o["seed"])
-        x, router_w = x.to(b.device), router_w.to(b.device)
-        weights = expert_weights(o["E"], o["H"], o["F"], b.device, o["seed"] + 2)
-        g = (torch.randn(o["S"], o["H"], generator=torch.Generator().manual_seed(o["seed"] + 3)) / 4).bfloat16()
-        g = g.to(b.device)
-        st["inputs"] = (x, router_w, *weights, g)
-        st["ref"] = layer_reference(x, router_w, *weights, g, o["K"], ids)
+        st["inputs"], ids = layer_inputs(o, b.device)
+        st["ref"] = layer_reference(*st["inputs"], o["K"], ids)
         st["rows"] = {}
         b.log("layer: inputs and fp32 reference ready (exact routing checked)")
         b.free()
@@ -360,12 +375,7 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
         impl = None
         try:
             if name in ("ours", "ours_rows"):
-                from moonep_ops import EPConfig, EPGroup
-
-                cfg = EPConfig(S=o["S"], H=o["H"], K=o["K"], E=o["E"], F=o["F"], R=1, P=o["P"])
-                sms = {} if o["comm_sms"] is None else dict(comm_sms=o["comm_sms"])
-                st["ep"] = EPGroup(cfg, dtype=torch.bfloat16, device=b.device, timeout_s=600.0,
-                                   gather_rows=False if name == "ours_rows" else None, **sms)
+                st["ep"] = ours_group(o, b.device, name)
                 impl = OursLayer(st["ep"], router_w, w_gate, w_up, w_down)
                 st["ours_symmetric_gb"] = (symmetric_bytes(st["ep"]) or 0) / 2**30
             elif name in ("torch", "torch_compiled"):

@@ -33,8 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_peers import (  # noqa: E402
-    OursLayer, SonicLayer, exact_routing_inputs, expert_weights, load_peers, versions)
-from benchmarks.common import apply_smoke_defaults, names_option, run_info, write_json  # noqa: E402
+    OursLayer, SonicLayer, layer_inputs, load_peers, ours_group, versions)
+from benchmarks.common import (  # noqa: E402
+    apply_smoke_defaults, grad_clearer, make_step, names_option, run_info, write_json)
 
 IMPLS = ("ours", "ours_rows", "sonicmoe")
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, steps=4, rounds=1, idle_s=0.0)
@@ -77,16 +78,11 @@ class ClockSampler:
 
 
 def build(impl: str, opts: dict, inputs, peers: dict, device):
-    """One implementation on the shared inputs (bench_peers' layer classes)."""
-    x, router_w, w_gate, w_up, w_down = inputs
+    """One implementation on the shared inputs (bench_peers' layer classes and groups)."""
+    x, router_w, w_gate, w_up, w_down, _ = inputs
     if impl == "sonicmoe":
         return SonicLayer(peers["sonicmoe"], router_w, w_gate, w_up, w_down, opts["K"])
-    from moonep_ops import EPConfig, EPGroup
-
-    cfg = EPConfig(S=opts["S"], H=opts["H"], K=opts["K"], E=opts["E"], F=opts["F"], R=1, P=opts["P"])
-    ep = EPGroup(cfg, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device,
-                 timeout_s=600.0, gather_rows=False if impl == "ours_rows" else None)
-    return OursLayer(ep, router_w, w_gate, w_up, w_down)
+    return OursLayer(ours_group(opts, device, impl), router_w, w_gate, w_up, w_down)
 
 
 def timed_steps(step, n: int, cuda: bool) -> list[float]:
@@ -171,24 +167,13 @@ def main(argv=None) -> None:
     def log(msg: str) -> None:
         print(f"[bench_sustained {time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
 
-    x, router_w, _ = exact_routing_inputs(opts["S"], opts["H"], opts["E"], opts["K"], opts["seed"])
-    weights = expert_weights(opts["E"], opts["H"], opts["F"], device, opts["seed"] + 2)
-    if not cuda:
-        weights = tuple(w.float() for w in weights)
-    dtype = weights[0].dtype
-    x, router_w = x.to(device, dtype), router_w.to(device, dtype)
-    g = torch.randn(opts["S"], opts["H"], generator=torch.Generator().manual_seed(opts["seed"] + 3)) / 4
-    g = g.to(device, dtype)
+    inputs, _ = layer_inputs(opts, device)
+    x, g, dtype = inputs[0], inputs[-1], inputs[0].dtype
     xg = x.clone().requires_grad_()
     mods, status = load_peers(cuda)
 
     def step_of(impl):
-        def step():
-            xg.grad = None
-            for p in impl.module.parameters():
-                p.grad = None
-            impl(xg).backward(g)
-        return step
+        return make_step(impl, xg, g, grad_clearer(impl.module, xg))
 
     sampler = ClockSampler() if cuda else None
     impls, runs, samples = {}, [], []
@@ -202,7 +187,7 @@ def main(argv=None) -> None:
     for phase, names in enumerate(phases, 1):
         for name in names:
             if name not in impls:
-                impls[name] = build(name, opts, (x, router_w, *weights), mods, device)
+                impls[name] = build(name, opts, inputs, mods, device)
                 for _ in range(3):  # compiles (and, for SonicMoE, its first-call setup) happen here
                     step_of(impls[name])()
                 log(f"{name}: built and warm")
