@@ -10,9 +10,10 @@ reference, timed round-robin with the row's other candidates (``time_round_robin
 QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is imported after our kernels
 have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
-the M-major raster or in bands of 16 or 64 M tiles of each group (``GroupGemmConfig.band_m``; bands of 16
-also for the groups of at most 16 M tiles alone, ``tall_m_major``); the wgrad cooperative at 128 x 256 or
-pingpong at 128 / 192; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always
+the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), each also in
+clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and pingpong
+128 x 192 in clusters (QuACK's default tile); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192,
+each with and without clusters; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always
 pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
 groups alone. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
 """
@@ -34,20 +35,23 @@ from benchmarks.common import cuda_time_ms, run_info, short_error, write_json  #
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
-# (tile_m, tile_n, pingpong, band_m, tall_m_major) per family. Dropped after earlier sweeps (kept in
-# results/bench_tiles_*.json): the row kernels' pingpong 128 x 192 and bands of 8 (no faster at any
-# layout), the SwiGLU backward's 128 x 128 tile.
-ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 16, False), (128, 256, False, 64, False),
-                  (128, 256, False, 16, True))
+# (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n]) per family. Dropped after earlier sweeps (kept
+# in results/bench_tiles_*.json): the row kernels' pingpong 128 x 192 without clusters and bands of 8 (no
+# faster at any layout), their bands of 16 and the short-groups-only raster (config.py's comment), the
+# SwiGLU backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short).
+ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 256, False, 64, False),
+                  (128, 256, False, 64, False, 2), (128, 192, True, 0, False, 2))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES,
-                  wgrad=((128, 256, False, 0, False), (128, 192, True, 0, False), (128, 128, True, 0, False)),
+                  wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
+                         (128, 192, True, 0, False, 2)),
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True)),
                   swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True)))
 
 
-def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False) -> str:
+def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False,
+                cluster_n: int = 1) -> str:
     return (f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
-            f"{' short groups' if tall_m_major else ''}")
+            f"{' short groups' if tall_m_major else ''}{f' cluster 1x{cluster_n}' if cluster_n > 1 else ''}")
 
 
 def shared_empty(d: dict, fam: str, index: int, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:

@@ -116,6 +116,25 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
                      else "cp.async.bulk.tensor.3d.global.shared") == (128 // 64) * (192 // 32)
 
 
+@pytest.mark.parametrize("op", ["dgrad2", "wgrad"])
+def test_cluster_option_compiles_sm90a_no_spills(tmp_path, op):
+    """``GroupGemmConfig.cluster_n`` = 2: clusters of two CTAs, each loading its half of every A tile by
+    TMA multicast into both (one multicast load per A operand), the cluster's start and end synchronised
+    (barrier.cluster), each consumer warp releasing a stage in both CTAs (mapa + a remote mbarrier arrive);
+    the B loads stay per CTA."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 256, 132, cluster_n=2))
+    loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln and ".global.tile.mbarrier" in ln]
+    multicast = [ln for ln in loads if ".multicast::cluster" in ln]
+    if op == "dgrad2":  # A (the rows) is 2-D, B (the weights) 3-D: every A load multicast, no B load
+        assert multicast == [ln for ln in loads if ".2d." in ln] and len(multicast) % 2 == 0
+    else:  # A = x^T and B = dy^T both 2-D: A's loads multicast, B's not
+        assert multicast and len(multicast) < len(loads)
+    assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
+    assert "mapa.shared::cluster" in ptx and "mbarrier.arrive.release.cta.shared::cluster" in ptx
+
+
 @pytest.mark.parametrize(
     "op, kd, nd, pad",
     [

@@ -25,15 +25,15 @@ from group_gemm_cases import zero_inputs, zero_swiglu_inputs
 
 
 def test_select_config_rejects_small_pad():
-    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False)  # cooperative, M-major
-    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False)
-    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False)  # the dgrad's: M-major too
+    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1)  # cooperative, M-major
+    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1)
+    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1)  # the dgrad's: M-major too
     # the dgrad2 in bands of 64 M tiles where the output has more than 8 n tiles (DGRAD2_BAND, BANDED_N_TILES)
-    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False)
+    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False, 1)
     assert select_dgrad2_config(128, 2049).band_m == 64 and select_dgrad2_config(128, 2048).band_m == 0
     # the fused SwiGLU: only the groups of at most 16 M tiles banded (SWIGLU_BAND); M-major at 8 n tiles
-    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, True)
-    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False)
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, True, 1)
+    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):
@@ -45,8 +45,8 @@ def test_select_config_rejects_small_pad():
 
 def test_select_swiglu_bwd_config():
     # 160 columns where they pad F by at most 5%, else 128; tile_M as the forward's
-    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False)
-    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False)
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False, 1)
+    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False, 1)
     assert select_swiglu_bwd_config(128, 1024).band_m == 0  # 8 n tiles
     assert select_swiglu_bwd_config(128, 1024).tile_n == 128  # 1120 columns: 9% more
     assert select_swiglu_bwd_config(128, 200).tile_n == 128
@@ -65,9 +65,29 @@ def test_config_band_m_must_be_a_non_negative_int_and_tall_m_major_needs_it():
         GroupGemmConfig(128, 256, 132, tall_m_major=True)
 
 
+def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
+    from csrc_cute.group_gemm import GroupGemmConfig
+    from csrc_cute.group_gemm.rows import GroupGemmSm90
+    from csrc_cute.group_gemm.swiglu import GroupGemmSwigluGatherSm90, GroupGemmSwigluSm90
+    from csrc_cute.group_gemm.wgrad import GroupGemmWgradGatherSm90, GroupGemmWgradSm90
+
+    assert GroupGemmConfig(128, 256, 132).cluster_n == 1 and GroupGemmConfig(128, 256, 132, cluster_n=2).cluster_n == 2
+    for bad in (0, 3, True, 1.5):
+        with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
+            GroupGemmConfig(128, 256, 132, cluster_n=bad)
+    with pytest.raises(ValueError, match="cluster_n = 2 needs num_sms >= 2"):
+        GroupGemmConfig(128, 256, 1, cluster_n=2)
+    cluster = GroupGemmConfig(128, 256, 132, cluster_n=2)
+    for kernel in (GroupGemmSm90(cluster), GroupGemmSm90(cluster, b_k_major=True), GroupGemmWgradSm90(cluster)):
+        assert kernel.cluster_n == 2
+    for cls in (GroupGemmSwigluSm90, GroupGemmSwigluGatherSm90, GroupGemmWgradGatherSm90):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: GroupGemmConfig.cluster_n must be 1"):
+            cls(GroupGemmConfig(128, 128, 132, cluster_n=2))
+
+
 def test_select_wgrad_config():
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, 0, False)
-    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, 0, False, 1)
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)

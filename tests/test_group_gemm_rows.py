@@ -364,3 +364,50 @@ def test_banded_raster_tiles_equal_the_m_major_raster(pingpong, band_m, tall_m_m
     compile_op("dgrad2", 1216, 320, 128, 4, config)(*pair_a, *pair_b, cu, got)
     torch.cuda.synchronize()
     assert torch.equal(got, want), f"dgrad2 differs in {(got != want).any(1).sum().item()} rows"
+
+
+@gpu
+@pytest.mark.parametrize("pingpong,band_m,tall_m_major", [(False, 0, False), (True, 0, False), (False, 2, False),
+                                                         (False, 3, True)])
+def test_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m, tall_m_major):
+    # GroupGemmConfig.cluster_n = 2: clusters of two CTAs computing one M tile at two neighbouring n tiles,
+    # each loading half of every A tile into both by TMA multicast. On 4 CTAs (2 clusters, many tiles each),
+    # with empty home and slot groups, groups of 1 to 9 M tiles, rows past the last group and an odd number
+    # of n tiles (1216 columns: 5 tiles of 256 or 7 of 192, the last pair's second tile past the output, a
+    # partial tile before it), the forward, row-scaled forward, dgrad and dgrad2 are bitwise the kernels
+    # without clusters (each output element has the same k loop), which match the reference
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
+    tile_n = 192 if pingpong else 256
+    single = GroupGemmConfig(128, tile_n, 4, pingpong, band_m, tall_m_major)
+    cluster = GroupGemmConfig(128, tile_n, 4, pingpong, band_m, tall_m_major, cluster_n=2)
+
+    def both(op, kd, nd, args, out):
+        got = {}
+        for name, cfg in (("single", single), ("cluster", cluster)):
+            got[name] = torch.full_like(out, float("nan"))
+            compile_op(op, kd, nd, 128, 4, cfg)(*args, got[name])
+        torch.cuda.synchronize()
+        diff = (got["cluster"] != got["single"]).any(1).sum().item()
+        assert torch.equal(got["cluster"], got["single"]), f"{op}: the cluster kernel differs in {diff} rows"
+        return got["cluster"]
+
+    x, wh, ws, cu = random_problem(lengths, 5, kd=320, nd=1216, n_total=sum(lengths) + 200, seed=71)
+    check_rows(both("fwd", 320, 1216, (x, wh, ws, cu), torch.empty(x.shape[0], 1216, dtype=torch.bfloat16,
+                                                                    device=x.device)),
+               reference_group_gemm(x, wh, ws, cu), cu)
+    row_w = random_row_weights(x.shape[0], seed=71)
+    y = both("row_scale", 320, 1216, (x, wh, ws, cu, row_w), torch.empty(x.shape[0], 1216, dtype=torch.bfloat16,
+                                                                          device=x.device))
+    torch.testing.assert_close(y, check_row_scale(x, wh, ws, cu, row_w), atol=0, rtol=0)
+    _, dy, wh, ws, cu = random_bwd_problem(lengths, 5, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=72)
+    check_rows(both("dgrad", 1216, 320, (dy, wh, ws, cu), torch.empty(dy.shape[0], 1216, dtype=torch.bfloat16,
+                                                                       device=dy.device)),
+               reference_dgrad(dy, wh, ws, cu, 128), cu)
+    pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=73)
+    want = _check_dgrad2(pair_a, pair_b, cu)
+    got = both("dgrad2", 1216, 320, (*pair_a, *pair_b, cu), torch.empty_like(want))
+    if not pingpong and not band_m:  # the op's own kernel (the dgrad2's raster is banded only past 8 n tiles)
+        assert torch.equal(got, want)

@@ -102,6 +102,31 @@ def test_wgrad_pingpong_tiles_equal_the_cooperative_kernel():
 
 
 @gpu
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_wgrad_cluster_tiles_equal_the_single_cta_kernel(pingpong):
+    # GroupGemmConfig.cluster_n = 2: the two CTAs of a cluster compute one (group, m tile) at two
+    # neighbouring n tiles, sharing its A (x^T) tiles by TMA multicast. Nd = 1200: 5 n tiles of 256 or 7 of
+    # 192 (the last pair's second tile past dW, a partial tile before it); home and slot items, an empty
+    # slot group; 4 CTAs (2 clusters, many items each). Bitwise the kernel without clusters
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    lengths = random_lengths(128, 5, 3, 7, seed=9)
+    x, dy, wh, ws, cu = random_bwd_problem(lengths, 5, kd=384, nd=1200, n_total=sum(lengths) + 128, seed=9)
+    dws0, dwh, dws = _wgrad_case(x, dy, cu, epn=5, seed=9)
+    tile_n = 192 if pingpong else 256
+    got = {}
+    for cluster_n in (1, 2):
+        got_h, got_s = torch.full_like(dwh, float("nan")), dws0.clone()
+        compile_op("wgrad", 384, 1200, 128, 4, GroupGemmConfig(128, tile_n, 4, pingpong, cluster_n=cluster_n))(
+            x, dy, cu, got_h, got_s)
+        got[cluster_n] = (got_h, got_s)
+    torch.cuda.synchronize()
+    assert torch.equal(got[2][0], got[1][0]) and torch.equal(got[2][1], got[1][1])
+    assert torch.equal(got[2][0], dwh) and torch.equal(got[2][1], dws)
+
+
+@gpu
 def test_wgrad_all_rows_one_group_and_b0():
     # all rows in one home group (the other home groups: zeros), all in the slot group (every home
     # group: zeros), and B = 0

@@ -36,12 +36,22 @@ class GroupGemmSm90Base:
     # named barriers: 1 the cooperative TMA-store epilogue's, 2-3 the pingpong mainloop turns, 4-5 each
     # pingpong warp group's epilogue
     pingpong_epi_barrier_base = 4
+    # whether the kernel may run in clusters of two CTAs sharing each A tile (``GroupGemmConfig.cluster_n``):
+    # the families whose A is loaded by TMA and whose tile walk ``cta_tiles`` / the scheduler drive set it
+    multicast_a = False
 
     def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int,
                      pingpong: bool = False):
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_sms = config.num_sms
         self.band_m, self.tall_m_major = config.band_m, config.tall_m_major
+        self.cluster_n = config.cluster_n
+        if self.cluster_n > 1 and not self.multicast_a:
+            raise ValueError(
+                f"{type(self).__name__}: GroupGemmConfig.cluster_n must be 1 for this kernel (got "
+                f"{self.cluster_n}): only the forward, dgrad, dgrad2, row-scale and wgrad kernels run in clusters "
+                f"(their A tiles shared by TMA multicast)"
+            )
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         # Cooperative: the consumer warp groups share each tile, 64 rows each. Pingpong: two consumer
@@ -108,10 +118,16 @@ class GroupGemmSm90Base:
         return cute.make_tensor(w.iterator, cute.select(w.layout, mode=self.b_modes))
 
     def _tma_load_a(self, a):
-        """TMA atom (and its tensor) loading (tile_m, tile_k) tiles of ``a`` into one A stage."""
+        """TMA atom (and its tensor) loading (tile_m, tile_k) tiles of ``a`` into one A stage; in a cluster
+        (``cluster_n`` = 2) each CTA loads its share of the tile's rows into every CTA of the cluster."""
+        if self.cluster_n == 1:
+            return cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(self.a_smem_staged, (None, None, 0)),
+                (self.tile_m, self.tile_k),
+            )
         return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(self.a_smem_staged, (None, None, 0)),
-            (self.tile_m, self.tile_k),
+            cpasync.CopyBulkTensorTileG2SMulticastOp(), a, cute.slice_(self.a_smem_staged, (None, None, 0)),
+            (self.tile_m, self.tile_k), num_multicast=self.cluster_n,
         )
 
     def _tma_load_b(self, b):
@@ -135,9 +151,11 @@ class GroupGemmSm90Base:
         )
 
     def _row_tiles(self, a, c):
-        """(#n tiles, #tiles) of the output ``c`` of a row-grouped kernel with A operand ``a``."""
+        """(#n tiles, #tiles) of the output ``c`` of a row-grouped kernel with A operand ``a``, counted in
+        the tiles the persistent walk hands out: with ``cluster_n`` = 2 a tile is a pair of neighbouring n
+        tiles (the cluster's, ``cta_tiles``)."""
         num_m_tiles = cute.ceil_div(cute.size(a, mode=[0]), self.tile_m)
-        num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), self.tile_n)
+        num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), self.tile_n * self.cluster_n)
         return num_n_tiles, num_m_tiles * num_n_tiles
 
     def _make_shared_storage(self, b_buffers=("sB",), with_c: bool = False, epi_barriers: int = 0):
@@ -161,23 +179,52 @@ class GroupGemmSm90Base:
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _launch_persistent(self, kernel, num_tiles, stream):
-        """Launch ``kernel`` (a ``self.kernel(...)`` call) on min(#tiles, #SMs) persistent CTAs."""
-        kernel.launch(
-            grid=[cutlass.min(num_tiles, self.num_sms), 1, 1],
-            block=[self.num_threads, 1, 1],
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        """Launch ``kernel`` (a ``self.kernel(...)`` call) on min(#tiles, #SMs) persistent CTAs, or with
+        ``cluster_n`` = 2 on min(#tiles, #SMs / 2) clusters of two CTAs (#tiles counts the clusters' tiles)."""
+        if cutlass.const_expr(self.cluster_n == 1):
+            kernel.launch(
+                grid=[cutlass.min(num_tiles, self.num_sms), 1, 1],
+                block=[self.num_threads, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+        else:
+            kernel.launch(
+                grid=[cutlass.min(num_tiles, self.num_sms // self.cluster_n) * self.cluster_n, 1, 1],
+                block=[self.num_threads, 1, 1],
+                cluster=[self.cluster_n, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
 
     @cute.jit
     def warp_roles(self):
-        """(thread, CTA, #CTAs, warp, warp group) indices; warp and warp group warp-uniform."""
+        """(thread, first tile, tile stride (``cta_tiles``), warp, warp group) indices; warp and warp group
+        warp-uniform."""
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+        bidx, gdim = self.cta_tiles()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         return tidx, bidx, gdim, warp_idx, wg_idx
+
+    @cute.jit
+    def cta_tiles(self):
+        """(first tile, tile stride) of this CTA's persistent walk over the kernel's tiles: its block index
+        and the grid size, or with ``cluster_n`` = 2 its cluster's index and the number of clusters (both
+        CTAs of a cluster walk the same tiles, each computing its own n tile of the pair: ``cluster_rank``)."""
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(self.cluster_n > 1):
+            bidx, gdim = bidx // self.cluster_n, gdim // self.cluster_n
+        return bidx, gdim
+
+    @cute.jit
+    def cluster_rank(self):
+        """This CTA's index in its cluster (0 without clusters): its n tile within the cluster's pair."""
+        rank = 0
+        if cutlass.const_expr(self.cluster_n > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return rank
 
     @cute.jit
     def prefetch_tma_descriptors(self, warp_idx, atoms):
@@ -195,7 +242,7 @@ class GroupGemmSm90Base:
         mainloop = self.make_mainloop_pipeline(
             storage.mbar.data_ptr(), a_smem_staged, b_smem_staged, len(b_buffers)
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sBs = [getattr(storage, name).get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
                for name in b_buffers]
@@ -214,10 +261,12 @@ class GroupGemmSm90Base:
 
     @cute.jit
     def partition_a_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor):
-        """TMA views of this CTA's A loads, (TMA, RestM, RestK) and (TMA, stage), and A's number of k tiles."""
+        """TMA views of this CTA's A loads, (TMA, RestM, RestK) and (TMA, stage), and A's number of k tiles
+        (in a cluster: this CTA's share of each tile, multicast to the cluster by ``load_k_tiles``)."""
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
         tAsA, tAgA = cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            tma_a, self.cluster_rank(), cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2)
         )
         return tAgA, tAsA, cute.size(gA, mode=[3])
 
@@ -353,15 +402,17 @@ class GroupGemmSm90Base:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + num_b_rings * cute.size_in_bytes(
             self.ab_dtype, b_smem
         )
+        # A stage is free once the consumers of every CTA that loads into it released it: one arrival per
+        # consumer warp of each CTA of the cluster (each CTA's A loads fill the stage in all of them)
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=mbar_ptr,
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.tile_mma_threads // 32  # one arrival per consumer warp
+                pipeline.Agent.Thread, self.tile_mma_threads // 32 * self.cluster_n
             ),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
             defer_sync=True,
         )
 
@@ -385,7 +436,11 @@ class GroupGemmSm90Base:
         for k in cutlass.range(k_count, unroll=1):
             mainloop.producer_acquire(prod_state)
             bar = mainloop.producer_get_barrier(prod_state)
-            cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.cluster_n == 1):
+                cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+            else:
+                cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
             for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
                 cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
                           tma_desc_ptr=desc)
@@ -475,7 +530,7 @@ class GroupGemmSm90Base:
         )
         p.k_tiles = k_tiles
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
         if wg_idx == 0:
             self.produce(warp_idx, mainloop, p, tAgA, tAsA, b_loads)
@@ -521,8 +576,7 @@ class GroupGemmSm90Base:
         the slot's previous pass for this one (on the H200: hangs and faults once a CTA had two tiles).
         Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
+            bidx, gdim = self.cta_tiles()
             if tile != bidx:
                 cute.arch.barrier(barrier_id=self.turn_barrier_id(tile, bidx, gdim),
                                   number_of_threads=2 * self.threads_per_wg)
@@ -532,8 +586,7 @@ class GroupGemmSm90Base:
         """Pingpong, after the mainloop of ``tile``: let the other warp group start the CTA's next tile.
         Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
+            bidx, gdim = self.cta_tiles()
             if tile + gdim < p.num_tiles:
                 cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(tile + gdim, bidx, gdim),
                                          number_of_threads=2 * self.threads_per_wg)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class GroupGemmConfig(tuple):
-    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major). ``pingpong``: the kernels
+    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n).
+    ``pingpong``: the kernels
     whose consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale; the
     wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's epilogue
     under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU ignores it).
@@ -15,16 +16,23 @@ class GroupGemmConfig(tuple):
     weight again (``RowTileScheduler.row_tile``). ``tall_m_major`` (with band_m): only groups of at most
     band_m M tiles are walked N-major, each as one band; taller groups keep the M-major walk (the sweep
     found the forward and dgrad faster banded at short groups, slower at tall ones; the fused SwiGLU
-    runs so: ``select_swiglu_config``)."""
+    runs so: ``select_swiglu_config``). ``cluster_n`` (1 or 2; the kernels whose A operand is loaded by
+    TMA): 2 launches clusters of two CTAs that compute the same M tile at two neighbouring N tiles, each
+    loading half of every A (rows) tile by TMA multicast into both CTAs' shared memory, so the cluster
+    reads each A tile from L2 once for two output tiles (``GroupGemmSm90Base.cta_tiles``)."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
-                tall_m_major: bool = False):
+                tall_m_major: bool = False, cluster_n: int = 1):
         if isinstance(band_m, bool) or int(band_m) < 0:
             raise ValueError(f"GroupGemmConfig: band_m must be an int >= 0, got {band_m!r}")
         if tall_m_major and not band_m:
             raise ValueError("GroupGemmConfig: tall_m_major needs band_m > 0 (the tallest group walked N-major)")
+        if isinstance(cluster_n, bool) or cluster_n not in (1, 2):
+            raise ValueError(f"GroupGemmConfig: cluster_n must be 1 or 2, got {cluster_n!r}")
+        if cluster_n == 2 and int(num_sms) < 2:
+            raise ValueError(f"GroupGemmConfig: cluster_n = 2 needs num_sms >= 2 (one cluster), got {num_sms!r}")
         return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m),
-                                     bool(tall_m_major)))
+                                     bool(tall_m_major), int(cluster_n)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -35,6 +43,7 @@ class GroupGemmConfig(tuple):
     pingpong = property(lambda self: self[3])
     band_m = property(lambda self: self[4])
     tall_m_major = property(lambda self: self[5])
+    cluster_n = property(lambda self: self[6])
 
 
 H100_H200_NUM_SMS = 132

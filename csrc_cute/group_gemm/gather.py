@@ -94,6 +94,7 @@ class GatherOperandMixin:
 
     gather_m_major = False
     gather_b = False
+    multicast_a = False  # the gathered operand is not loaded by TMA, nor is its pipeline a cluster's
 
     def _init_gather(self):
         # every producer thread holds the source rows and addresses of up to 8 rows: with two consumer

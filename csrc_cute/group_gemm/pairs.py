@@ -43,8 +43,7 @@ class OperandPairsMixin(RowTileScheduler):
     def load_tiles(self, mainloop, prod_state, p, tAgA, tAsA, b_loads):
         """Producer warp: over this CTA's tiles, the first pair's k tiles (A0, W0_g), then the second's
         (A1, W1_g), into the one ring; tiles past the last group load nothing."""
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+        bidx, gdim = self.cta_tiles()
         num_groups = cute.size(p.cu_seqlens, mode=[0])
         num_home = cute.size(b_loads[p.home_rings[0]][1], mode=[3])
         for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):

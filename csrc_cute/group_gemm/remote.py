@@ -31,6 +31,8 @@ class RemoteWeightsMixin(RowTileScheduler):
     and lists the home B rings first in ``p.home_rings``. Put it before the kernel class:
     ``class GroupGemmRowScaleRemoteSm90(RemoteWeightsMixin, GroupGemmRowScaleSm90)``."""
 
+    multicast_a = False  # each CTA's remote descriptors are its own; clusters are not tested with them
+
     @cute.jit
     def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
         """``RowTileScheduler.load_tiles`` (producer warp) with remote groups (``p.remote``): groups [epn + B, G)
@@ -45,8 +47,7 @@ class RemoteWeightsMixin(RowTileScheduler):
         tma_a, k_tiles = p.tma_a, p.k_tiles
         b_home = [b_loads[i] for i in p.home_rings]
         b_slot = [b_loads[i] for i in p.slot_rings]
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+        bidx, gdim = self.cta_tiles()
         num_groups = cute.size(cu_seqlens, mode=[0])
         num_home = cute.size(b_home[0][1], mode=[3])
         slot_end = num_groups - cute.size(remote_experts, mode=[0])

@@ -41,6 +41,8 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
     ``b_k_major=True``: dgrad, ``op(W) = W^T`` (the reduction runs over ``Nd``, B K-major).
     """
 
+    multicast_a = True  # GroupGemmConfig.cluster_n = 2: two n tiles of one M tile share its A (rows) tiles
+
     def __init__(self, config: GroupGemmConfig, b_k_major: bool = False, row_scale: bool = False):
         self.b_k_major = bool(b_k_major)
         # Forward only: scale each output row by row_w[row] (fp32) before the bf16 convert.

@@ -30,7 +30,8 @@ class RowTileScheduler:
         times #n tiles) are walked in bands of up to b M tiles, N-major within a band, so CTAs that run
         at once read the same weight tiles (groups lie on M-tile boundaries: their ends are multiples of
         P, which tile_M divides); with ``tall_m_major`` only groups of at most b M tiles are (each one
-        band). Past the last group: M-major."""
+        band). Past the last group: M-major. With ``cluster_n`` = 2 the walk's n tiles are pairs of n tiles
+        (``_row_tiles``) and each CTA of the cluster takes its own of the pair (``cluster_rank``)."""
         m_idx = tile // num_n_tiles
         n_idx = tile % num_n_tiles
         g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
@@ -45,6 +46,8 @@ class RowTileScheduler:
                         m_idx, n_idx = self.band_tile(cu_seqlens, g, first, local, num_n_tiles)
                 else:
                     m_idx, n_idx = self.band_tile(cu_seqlens, g, first, local, num_n_tiles)
+        if cutlass.const_expr(self.cluster_n > 1):
+            n_idx = n_idx * self.cluster_n + self.cluster_rank()
         return m_idx, n_idx, g
 
     @cute.jit
@@ -98,8 +101,7 @@ class RowTileScheduler:
         group; tiles past the last group load nothing."""
         b_home = [b_loads[i] for i in p.home_rings]
         b_slot = [b_loads[i] for i in p.slot_rings]
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+        bidx, gdim = self.cta_tiles()
         num_groups = cute.size(p.cu_seqlens, mode=[0])
         num_home = cute.size(b_home[0][1], mode=[3])
         for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
@@ -125,11 +127,14 @@ class GroupTileScheduler:
         num_n_tiles: cutlass.Int32,
         tiles_per_group: cutlass.Int32,
     ):
-        """Work item ``tile`` -> (group, m tile, n tile, first k tile, number of k tiles)."""
+        """Work item ``tile`` -> (group, m tile, n tile, first k tile, number of k tiles). With
+        ``cluster_n`` = 2 an item's n tile is a pair of n tiles, each CTA of the cluster taking its own."""
         g = tile // tiles_per_group
         rest = tile - g * tiles_per_group
         m_idx = rest // num_n_tiles
         n_idx = rest - m_idx * num_n_tiles
+        if cutlass.const_expr(self.cluster_n > 1):
+            n_idx = n_idx * self.cluster_n + self.cluster_rank()
         row_start = cutlass.Int32(0)
         if g > 0:
             row_start = cu_seqlens[g - 1]
@@ -157,8 +162,7 @@ class GroupTileScheduler:
         """Producer warp: over this CTA's work items, the item's k tiles of A = x^T and B = dy^T
         (``load_work_item``)."""
         (b_load,) = b_loads
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
+        bidx, gdim = self.cta_tiles()
         for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
             g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
             prod_state = self.load_work_item(mainloop, prod_state, p.tma_a, tAgA, tAsA, b_load, m_idx, n_idx,

@@ -44,6 +44,8 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
     partial tiles); empty slot groups' items are skipped (their dW is not touched).
     """
 
+    multicast_a = True  # GroupGemmConfig.cluster_n = 2: two n tiles of one (group, m tile) share its A tiles
+
     def __init__(self, config: GroupGemmConfig):
         self._init_common(
             config,
@@ -90,7 +92,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         tma_c, mC = self._tma_store_c(d_home)
 
         num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m)
-        num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n)
+        num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n * self.cluster_n)  # (cluster pairs)
         num_tiles = cute.size(cu_seqlens, mode=[0]) * (num_m_tiles * num_n_tiles)
         self._make_shared_storage(with_c=True)
         self._launch_persistent(
