@@ -1,6 +1,6 @@
 """Tile sweep: our grouped-GEMM kernels at each candidate tile configuration against QuACK (1 GPU, one run).
 
-    python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,wgrad,swiglu,swiglu_bwd] [--out DIR]
+    python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,row_scale,wgrad,swiglu,swiglu_bwd] [--out DIR]
 
 The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer schedule each family
 runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48
@@ -12,7 +12,8 @@ have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
 the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), each also in
 clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and pingpong
-128 x 192 in clusters (QuACK's default tile); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192,
+128 x 192 (QuACK's default tile) with and without clusters; the same for the row-scaled forward (the
+layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192,
 each with and without clusters; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always
 pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
 groups alone. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
@@ -36,12 +37,14 @@ from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
 # (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n]) per family. Dropped after earlier sweeps (kept
-# in results/bench_tiles_*.json): the row kernels' pingpong 128 x 192 without clusters and bands of 8 (no
-# faster at any layout), their bands of 16 and the short-groups-only raster (config.py's comment), the
-# SwiGLU backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short).
+# in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their bands of 16 and
+# the short-groups-only raster (config.py's comment), the SwiGLU backward's 128 x 128 tile; the wgrad's
+# pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the layer's down projection, y = (h @ W_down)
+# * row_w, K = F, N = H) is ours only: QuACK has no GEMM with a row scale.
+QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 256, False, 64, False),
-                  (128, 256, False, 64, False, 2), (128, 192, True, 0, False, 2))
-CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES,
+                  (128, 256, False, 64, False, 2), (128, 192, True, 0, False), (128, 192, True, 0, False, 2))
+CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True)),
@@ -79,6 +82,10 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         fn = host.compile_op("dgrad2", H, F, P, cfg.num_sms, cfg)
         out = shared_empty(d, fam, 0, M, H)
         return (lambda: fn(dy, w, w, dy_up, w_up, w_up, ends, out)), (lambda _: (out,))
+    if fam == "row_scale":
+        fn = host.compile_op("row_scale", F, H, P, cfg.num_sms, cfg)
+        out = shared_empty(d, fam, 0, M, H)
+        return (lambda: fn(dy, w_down, w_down, ends, d["row_w"], out)), (lambda _: (out,))
     if fam == "wgrad":
         fn = host.compile_op("wgrad", H, F, P, cfg.num_sms, cfg)
         dw = shared_empty(d, fam, 0, *w.shape)
@@ -95,6 +102,12 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         return ((lambda: fn(g_y, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
                 (lambda _: (*outs, part.sum(1))))
     raise ValueError(f"bench_tiles: unknown family {fam!r}")
+
+
+def row_scale_reference(d: dict) -> tuple[torch.Tensor]:
+    """fp32 (dy_g @ W_down_g) * row_w per group (the row_scale family's operands: A = dy [M, F])."""
+    out = torch.cat([d["dy"][s:e].float() @ d["w_down"][g].float() for g, (s, e) in enumerate(d["bounds"])])
+    return (out * d["row_w"][:, None],)
 
 
 def check(rows: dict, key: str, name: str, call, outputs, ref, opts) -> bool:
@@ -157,7 +170,9 @@ def run(opts) -> dict:
             for fam in families:
                 key = f"{fam} | {lname}"
                 rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
-                ref = gemm_reference(fam, d)
+                if phase == "quack" and fam not in QUACK_FAMILIES:
+                    continue
+                ref = row_scale_reference(d) if fam == "row_scale" else gemm_reference(fam, d)
                 if phase == "ours":
                     candidates = {config_name(*c): ours_call(fam, d, P, GroupGemmConfig(c[0], c[1], num_sms, *c[2:]))
                                   for c in CANDIDATES[fam]}
