@@ -40,13 +40,15 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their bands of 16 and
 # the short-groups-only raster (config.py's comment), the SwiGLU backward's 128 x 128 tile; the wgrad's
 # pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the layer's down projection, y = (h @ W_down)
-# * row_w, K = F, N = H) is ours only: QuACK has no GEMM with a row scale.
+# * row_w, K = F, N = H) and ``wgrad_gather`` (the layer's gate/up wgrad at R = 1: x's rows read by a random
+# permutation row_src) are ours only: QuACK has no GEMM with a row scale nor a varlen-K one with gathered rows.
 QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 256, False, 64, False),
                   (128, 256, False, 64, False, 2), (128, 192, True, 0, False), (128, 192, True, 0, False, 2))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
+                  wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False)),
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True)),
                   swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True)))
 
@@ -86,6 +88,11 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         fn = host.compile_op("row_scale", F, H, P, cfg.num_sms, cfg)
         out = shared_empty(d, fam, 0, M, H)
         return (lambda: fn(dy, w_down, w_down, ends, d["row_w"], out)), (lambda _: (out,))
+    if fam == "wgrad_gather":
+        fn = host.compile_op("wgrad_gather", H, F, P, cfg.num_sms, cfg)
+        dw = shared_empty(d, fam, 0, *w.shape)
+        no_slot = host._no_slots_f32(dw)
+        return (lambda: fn(x, gather_rows(d), dy, ends, dw, no_slot)), (lambda _: (dw,))
     if fam == "wgrad":
         fn = host.compile_op("wgrad", H, F, P, cfg.num_sms, cfg)
         dw = shared_empty(d, fam, 0, *w.shape)
@@ -102,6 +109,23 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         return ((lambda: fn(g_y, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
                 (lambda _: (*outs, part.sum(1))))
     raise ValueError(f"bench_tiles: unknown family {fam!r}")
+
+
+def gather_rows(d: dict) -> torch.Tensor:
+    """The wgrad_gather family's row_src: a random permutation of x's rows (int32, made once per layout)."""
+    if "row_src" not in d:
+        gen = torch.Generator(device=d["x"].device).manual_seed(int(d["x"].shape[0]))
+        d["row_src"] = torch.randperm(d["x"].shape[0], generator=gen, device=d["x"].device).int()
+    return d["row_src"]
+
+
+def family_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
+    """bench_peers' fp32 reference of `fam`, or of the families only bench_tiles has (row_scale, wgrad_gather)."""
+    if fam == "row_scale":
+        return row_scale_reference(d)
+    if fam == "wgrad_gather":
+        return gemm_reference("wgrad", dict(d, x=d["x"][gather_rows(d).long()]))
+    return gemm_reference(fam, d)
 
 
 def row_scale_reference(d: dict) -> tuple[torch.Tensor]:
@@ -172,7 +196,7 @@ def run(opts) -> dict:
                 rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
                 if phase == "quack" and fam not in QUACK_FAMILIES:
                     continue
-                ref = row_scale_reference(d) if fam == "row_scale" else gemm_reference(fam, d)
+                ref = family_reference(fam, d)
                 if phase == "ours":
                     candidates = {config_name(*c): ours_call(fam, d, P, GroupGemmConfig(c[0], c[1], num_sms, *c[2:]))
                                   for c in CANDIDATES[fam]}

@@ -298,6 +298,24 @@ def test_wgrad_gather_equals_wgrad_on_gathered_rows(pad):
 
 
 @gpu
+def test_wgrad_gather_pingpong_tiles_equal_the_cooperative_kernel():
+    # the gathered wgrad with pingpong 128 x 192 consumers (each warp group whole items, alternating; the
+    # four producer warps gathering): Nd = 1000 (a partial last n tile), home and slot items, an empty slot
+    # group, padding rows; 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    epn = 5
+    lengths = random_lengths(128, epn, 3, 7, seed=12)
+    _, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=384, nd=1000, n_total=sum(lengths) + 128, seed=12)
+    x = random_tokens(301, 384, seed=13)
+    row_src = random_row_src(cu, dy.shape[0], x.shape[0], 4)
+    kernel = compile_op("wgrad_gather", 384, 1000, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))
+    check_gathered_wgrad(lambda h, s: kernel(x, row_src, dy, cu, h, s), gathered_rows(x, row_src), dy, cu, epn,
+                         128, 12)
+
+
+@gpu
 def test_wgrad_gather_design_shape():
     # the gate/up projection's wgrad: A = x^T [H = 7168, N], B = dy [N, F = 2048], P = 128; ~22k rows from
     # S = 8192 tokens, 8 home + 2 slot groups (an empty one of each, an all-padding home group)
