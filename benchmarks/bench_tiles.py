@@ -155,7 +155,7 @@ def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
     taking all of a slow stretch (in one run two candidates with the same tile order, timed one after
     the other, differed by 12%), and each takes each place in a round equally often (with a fixed order,
     one H200 run had the third of four candidates fastest at every layout, also where its tile order was
-    the first one's: results/bench_tiles.json, 456724f)."""
+    the first one's: results/bench_tiles_456724f.json)."""
     names = list(calls)
     times: dict = {name: [] for name in names}
     for r in range(repeats):

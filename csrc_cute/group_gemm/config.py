@@ -51,7 +51,7 @@ H100_H200_NUM_SMS = 132
 # where the output has more than BANDED_N_TILES n tiles; the forward, dgrad and row-scale kernels stay
 # M-major. Tile sweeps at H = 7168, F = 2048, P = 128 (48 equal groups / 16 x 4096 / 48 skewed), each
 # candidate's time over the M-major one's: the dgrad2 in bands of 64 M tiles 0.94/0.96/0.91 and
-# 0.98/0.98/0.96 in two H200 runs at 456724f / 4d6def9 (results/bench_tiles.json, the second with
+# 0.98/0.98/0.96 in two H200 runs at 456724f / 4d6def9 (results/bench_tiles_456724f.json, the second with
 # rotated rounds: results/bench_tiles_rotated_h200.log), where bands of 16 took 1.00/1.00/0.97 and
 # 1.03/1.01/0.99 (0.86/0.92/0.90 at d6c9627, results/bench_tiles_d6c9627.json, where 64 took 0.84/0.93/0.96);
 # the fused SwiGLU with only the groups of at most 16 M tiles banded 0.97/0.98/0.98 and 0.98/1.00/0.99
@@ -76,7 +76,8 @@ def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
     consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
-    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles_d6c9627.json); the M-major raster."""
+    dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles_d6c9627.json; the dgrad and the
+    row-scaled forward now run it at wide outputs: ``select_wide_rows_config``); the M-major raster."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     tile_m = 128 if pad >= 128 else 64
@@ -87,6 +88,27 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
         )
     tile_n = 256 if nd >= 256 else 128
     return GroupGemmConfig(tile_m, tile_n, num_sms)
+
+
+# The dgrad and the row-scaled forward (the down projection) where the output has more than BANDED_N_TILES
+# 256-column tiles and tile_M is 128: pingpong 128 x 192 (each consumer warp group a whole tile, its epilogue
+# under the other's mainloop). Two H200 sweeps of session 18 at H = 7168, F = 2048, P = 128 (48 equal /
+# 16 x 4096 / 48 skewed groups; results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json, rotated rounds):
+# the dgrad at 128 x 192 pingpong took 0.93/0.91/0.94 of the cooperative 128 x 256 tile's time, the
+# row-scaled forward 0.93/0.91/0.89; with the A tiles shared in a cluster (GroupGemmConfig.cluster_n) the
+# pingpong tile was 3-5% slower than without (0.95/0.93/0.95 of 128 x 256 in the first sweep). Earlier
+# sweeps (results/bench_tiles_953407e.json, ae98b06, d6c9627; the kernels before sessions 16-17's changes,
+# rounds not all rotated) had the dgrad's pingpong 128 x 192 at 0.98-1.12x the cooperative tile's time.
+WIDE_ROWS_PINGPONG_TILE_N = 192
+
+
+def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the dgrad (``nd`` = its output's Kd columns) and of the row-scaled forward: ``select_config``'s,
+    or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N where that has tile_M 128 and more than BANDED_N_TILES n tiles."""
+    base = select_config(pad, nd, num_sms)
+    if base.tile_m == 128 and -(-nd // base.tile_n) > BANDED_N_TILES:
+        return GroupGemmConfig(128, WIDE_ROWS_PINGPONG_TILE_N, num_sms, pingpong=True)
+    return base
 
 
 def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:

@@ -26,6 +26,7 @@ from .config import (
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
+    select_wide_rows_config,
 )
 # ---------------------------------------------------------------------------------------------------
 # Compilation (once per static key)
@@ -450,7 +451,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
-        return compile_group_gemm_dgrad(kd, nd, select_config(pad, kd, num_sms))
+        return compile_group_gemm_dgrad(kd, nd, select_wide_rows_config(pad, kd, num_sms))
     if op == "dgrad2":
         return compile_group_gemm_dgrad2(kd, nd, select_dgrad2_config(pad, kd, num_sms))
     if op == "wgrad":
@@ -460,7 +461,9 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op == "wgrad_gather_b":
         return compile_group_gemm_wgrad_gather_b(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op in ("row_scale", "row_scale_remote"):
-        return compile_group_gemm_row_scale(kd, nd, select_config(pad, nd, num_sms), op == "row_scale_remote")
+        # the remote variant keeps the cooperative tile (its pingpong is not tested)
+        config = select_config(pad, nd, num_sms) if op == "row_scale_remote" else select_wide_rows_config(pad, nd, num_sms)
+        return compile_group_gemm_row_scale(kd, nd, config, op == "row_scale_remote")
     if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
         return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms),
                                          op in ("swiglu", "swiglu_remote"), op.endswith("_remote"))
