@@ -9,7 +9,12 @@ import os
 import pytest
 
 from csrc_cute import compile_check
-from csrc_cute.group_gemm import compile_group_gemm_for_sm90, select_swiglu_bwd_config
+from csrc_cute.group_gemm import (
+    compile_group_gemm_for_sm90,
+    select_swiglu_bwd_config,
+    select_wgrad_config,
+    select_wide_rows_config,
+)
 
 
 def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int, config=None) -> str:
@@ -74,7 +79,7 @@ def test_compile_sm90a_no_spills(tmp_path, pad):
 def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
     if op == "wgrad_gather":
-        check_gathered_wgrad_a(ptx, tile_m=128, tile_n=256 if nd >= 256 else 128)
+        check_gathered_wgrad_a(ptx, tile_m=128, tile_n=select_wgrad_config(pad, kd, nd).tile_n)
         op = "wgrad"
     if op == "wgrad_gather_b":
         check_gathered_wgrad_b(ptx, tile_m=128 if kd > 64 else 64, tile_n=256 if nd >= 256 else 128)
@@ -206,8 +211,10 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
         assert stores == (12 if op == "swiglu" else 4), stores
     else:
-        # the route weight: two distinct rows per thread and tile, loaded once each (loads CSE'd)
-        assert ptx.count("ld.global.f32") == 2, ptx.count("ld.global.f32")
+        # the route weight: two distinct rows per thread and tile (four: a pingpong warp group's thread holds
+        # rows in both 64-row halves of its tile), loaded once each (loads CSE'd)
+        rows = 4 if op_name == "row_scale" and select_wide_rows_config(pad, nd).pingpong else 2
+        assert ptx.count("ld.global.f32") == rows, ptx.count("ld.global.f32")
 
 
 def check_cp_async_gather(ptx: str, copies: int, commits: int):

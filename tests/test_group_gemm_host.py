@@ -20,6 +20,7 @@ from csrc_cute.group_gemm import (
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
+    select_wgrad_gather_b_config,
     select_wide_rows_config,
 )
 from group_gemm_cases import zero_inputs, zero_swiglu_inputs
@@ -35,8 +36,9 @@ def test_select_config_rejects_small_pad():
     assert select_wide_rows_config(128, 2049, 132).pingpong
     assert select_wide_rows_config(64, 7168, 132) == select_config(64, 7168, 132)  # tile_M 64: cooperative
     # the dgrad2 in bands of 64 M tiles where the output has more than 8 n tiles (DGRAD2_BAND, BANDED_N_TILES)
-    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False, 1)
+    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False, 2)  # in clusters
     assert select_dgrad2_config(128, 2049).band_m == 64 and select_dgrad2_config(128, 2048).band_m == 0
+    assert select_dgrad2_config(128, 2049).cluster_n == 2 and select_dgrad2_config(128, 2048).cluster_n == 1
     # the fused SwiGLU: only the groups of at most 16 M tiles banded (SWIGLU_BAND); M-major at 8 n tiles
     assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, True, 1)
     assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1)
@@ -92,7 +94,9 @@ def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
 
 
 def test_select_wgrad_config():
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 256, 132, False, 0, False, 1)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1)  # pingpong
+    assert tuple(select_wgrad_gather_b_config(128, 2048, 7168, 132)) == (128, 256, 132, False, 0, False, 1)
+    assert select_wgrad_gather_b_config(64, 520, 136, 132) == select_wgrad_config(64, 520, 136, 132)
     assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     with pytest.raises(ValueError, match=r"P \(pad\)"):

@@ -22,6 +22,7 @@ from .config import (
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
+    select_wgrad_gather_b_config,
     select_wide_rows_config,
 )
 from .host import (
@@ -61,6 +62,7 @@ __all__ = [
     "select_swiglu_bwd_config",
     "select_swiglu_config",
     "select_wgrad_config",
+    "select_wgrad_gather_b_config",
     "select_wide_rows_config",
     "compile_group_gemm",
     "compile_group_gemm_dgrad",

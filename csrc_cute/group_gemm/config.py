@@ -62,6 +62,11 @@ H100_H200_NUM_SMS = 132
 # the three rasters walk the same tiles in the same order, and their times still differed by up to 4%:
 # that is the resolution of one sweep.
 DGRAD2_BAND = (64, False)
+# The banded dgrad2 in clusters of two CTAs that share each A tile (GroupGemmConfig.cluster_n): in two H200
+# sweeps of session 18 (results/bench_tiles_fb51b4d.json, bench_tiles_b179bdb.json) 0.99/0.98/1.01 and
+# 1.00/0.98/0.98 of the banded kernel's time without clusters (pingpong 128 x 192: 0.98/1.00/1.07 in the
+# second; cooperative 128 x 256 stays the tile).
+DGRAD2_CLUSTER_N = 2
 SWIGLU_BAND = (16, True)
 SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8
@@ -112,10 +117,13 @@ def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS)
 
 
 def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of the dgrad of two operand pairs: the dgrad's (``select_config`` over the output's Kd
-    columns), in DGRAD2_BAND's raster where Kd has more than BANDED_N_TILES n tiles."""
+    """Tile of the dgrad of two operand pairs: ``select_config``'s over the output's Kd columns; where Kd
+    has more than BANDED_N_TILES n tiles, in DGRAD2_BAND's raster and in clusters of two CTAs sharing the A
+    tiles (DGRAD2_CLUSTER_N)."""
     base = select_config(pad, kd, num_sms)
-    return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, False, *_row_band(kd, base.tile_n, DGRAD2_BAND))
+    band = _row_band(kd, base.tile_n, DGRAD2_BAND)
+    return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, False, *band,
+                           cluster_n=DGRAD2_CLUSTER_N if band[0] else 1)
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -139,8 +147,19 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
     return GroupGemmConfig(base.tile_m, tile_n, num_sms, False, *_row_band(f, tile_n, SWIGLU_BWD_BAND))
 
 
+# The wgrad (and the gathered-A wgrad, the layer's gate/up one) at tile_M 128 where Nd >= 256: pingpong
+# 128 x 192 in place of the cooperative 128 x 256. H200 sweeps of session 18 at H = 7168, F = 2048, P = 128
+# (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of
+# the cooperative tile's time (results/bench_tiles_fb51b4d.json, bench_tiles_b179bdb.json), the gathered
+# wgrad 0.93/0.94/0.95 (bench_tiles_b179bdb.json); with the A tiles shared in a cluster the pingpong wgrad
+# was 1.10-1.15x slower. The earlier sweep at 953407e (the kernels before sessions 16-17) had the wgrad's
+# pingpong 128 x 192 at 0.98/1.02/1.07.
+WGRAD_PINGPONG_TILE_N = 192
+
+
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd; its k tile (64 rows) must divide P."""
+    """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd (cooperative; pingpong 128 x
+    WGRAD_PINGPONG_TILE_N where that would be 128 x 256); its k tile (64 rows) must divide P."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     if pad < 64:
@@ -150,4 +169,15 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
         )
     tile_m = 128 if kd > 64 else 64
     tile_n = 256 if nd >= 256 else 128
+    if tile_m == 128 and tile_n == 256:
+        return GroupGemmConfig(128, WGRAD_PINGPONG_TILE_N, num_sms, pingpong=True)
     return GroupGemmConfig(tile_m, tile_n, num_sms)
+
+
+def select_wgrad_gather_b_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+    """Tile of the wgrad whose B rows are gathered (cp.async): ``select_wgrad_config``'s, cooperative 128 x 256
+    in place of its pingpong 128 x 192 (the gather copy's thread layout needs a power-of-two tile_N)."""
+    config = select_wgrad_config(pad, kd, nd, num_sms)
+    if config.pingpong:
+        return GroupGemmConfig(128, 256, num_sms)
+    return config

@@ -26,6 +26,7 @@ from .config import (
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
+    select_wgrad_gather_b_config,
     select_wide_rows_config,
 )
 # ---------------------------------------------------------------------------------------------------
@@ -459,7 +460,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op == "wgrad_gather":
         return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op == "wgrad_gather_b":
-        return compile_group_gemm_wgrad_gather_b(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+        return compile_group_gemm_wgrad_gather_b(kd, nd, select_wgrad_gather_b_config(pad, kd, nd, num_sms))
     if op in ("row_scale", "row_scale_remote"):
         # the remote variant keeps the cooperative tile (its pingpong is not tested)
         config = select_config(pad, nd, num_sms) if op == "row_scale_remote" else select_wide_rows_config(pad, nd, num_sms)
