@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,46 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_peers import (  # noqa: E402
     OursLayer, SonicLayer, layer_inputs, load_peers, ours_group, versions)
 from benchmarks.common import (  # noqa: E402
-    apply_smoke_defaults, grad_clearer, make_step, names_option, run_info, write_json)
+    ClockSampler, apply_smoke_defaults, grad_clearer, make_step, names_option, run_info, window_means, write_json)
 
 IMPLS = ("ours", "ours_rows", "sonicmoe")
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, steps=4, rounds=1, idle_s=0.0)
-SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
-
-
-class ClockSampler:
-    """nvidia-smi sampling SM clock, power and the clock-limit reasons every `period_ms` in the background
-    into a file of its own (none on a machine without it): `samples()` stops it and returns [(unix time,
-    MHz, W, reasons)]. (Through a pipe, nvidia-smi's block-buffered output since the last flush was lost
-    when it was stopped: the first GPU run of this script lost its last ~30 s of samples.)"""
-
-    def __init__(self, period_ms: int = 100):
-        self.path = tempfile.mktemp(suffix=".csv", prefix="bench_sustained_smi_")
-        try:
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
-                                          f"-lms={period_ms}", f"--filename={self.path}"])
-        except OSError:
-            self.proc = None
-
-    def samples(self) -> list[tuple[float, float, float, str]]:
-        if self.proc is None:
-            return []
-        self.proc.send_signal(signal.SIGINT)  # its clean exit: the file is flushed and closed
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        out = []
-        with open(self.path) as f:
-            for line in f:
-                parts = [p.strip() for p in line.split(",")]
-                try:  # nvidia-smi's timestamp is the machine's local time
-                    stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                    out.append((stamp, float(parts[1]), float(parts[2]), parts[3]))
-                except (ValueError, IndexError):
-                    continue
-        os.unlink(self.path)
-        return out
 
 
 def build(impl: str, opts: dict, inputs, peers: dict, device):
@@ -112,12 +74,11 @@ def summary(runs: list[dict], samples: list[tuple[float, float, float, str]]) ->
         ms = run["ms"]
         row["first3_ms"].append(sum(ms[:3]) / len(ms[:3]))
         row["last20_ms"].append(sum(ms[-20:]) / len(ms[-20:]))
-        tail = run["t0"] + 0.6 * (run["t1"] - run["t0"])
-        late = [s for s in samples if tail <= s[0] <= run["t1"]]
-        if late:
-            row["clock_mhz"].append(sum(s[1] for s in late) / len(late))
-            row["power_w"].append(sum(s[2] for s in late) / len(late))
-            row["reasons"].update(s[3] for s in late)
+        late = window_means(samples, run["t0"] + 0.6 * (run["t1"] - run["t0"]), run["t1"])
+        if late is not None:
+            row["clock_mhz"].append(late["clock_mhz"])
+            row["power_w"].append(late["power_w"])
+            row["reasons"].update(late["reasons"])
 
     def mean(v):
         return round(sum(v) / len(v), 3) if v else None

@@ -1,6 +1,7 @@
 """Tile sweep: our grouped-GEMM kernels at each candidate tile configuration against QuACK (1 GPU, one run).
 
     python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,row_scale,wgrad,swiglu,swiglu_bwd] [--out DIR]
+                                     [--sustained-s 3]
 
 The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer schedule each family
 runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48
@@ -16,15 +17,19 @@ clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.clu
 layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192,
 each with and without clusters; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always
 pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
-groups alone. Writes ``bench_tiles.json`` (and a PNG with matplotlib).
+groups alone. ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds
+with nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
+beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -32,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_peers import gemm_call, gemm_flops, gemm_operands, gemm_reference, group_layouts, rel_err  # noqa: E402
-from benchmarks.common import cuda_time_ms, run_info, short_error, write_json  # noqa: E402
+from benchmarks.common import ClockSampler, cuda_time_ms, run_info, short_error, window_means, write_json  # noqa: E402
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
@@ -177,6 +182,39 @@ def measure(rows: dict, key: str, calls: dict, opts) -> None:
               flush=True)
 
 
+def measure_sustained(rows: dict, key: str, calls: dict, opts, turn: int) -> None:
+    """``--sustained-s`` S > 0: each timed call of sweep row `key` launched back to back for about S seconds (the
+    row's candidates in turn, the order rotated by `turn`, each after ``--idle-s`` idle), with nvidia-smi sampling
+    the SM clock and the power: per candidate its time per call over the whole run and, over the run's second half
+    (where a kernel that draws the board's cap has settled at it), the mean clock, power and energy per call
+    (power x time). Why: the burst timing above runs near the boost clock, but a training step holds the board
+    at its power cap, where a kernel's time follows its energy (results/bench_sustained.json)."""
+    row, names = rows[key], [n for n in calls if "ms" in rows[key][n]]
+    names = names[turn % len(names):] + names[:turn % len(names)] if names else names
+    sampler, runs = ClockSampler(), {}
+    for name in names:
+        time.sleep(opts.idle_s)
+        n = max(1, math.ceil(opts.sustained_s * 1e3 / row[name]["ms"]))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.time()
+        start.record()
+        for _ in range(n):
+            calls[name]()
+        end.record()
+        end.synchronize()
+        runs[name] = (t0, time.time(), start.elapsed_time(end) / n)
+    samples = sampler.samples()
+    for name, (t0, t1, ms) in runs.items():
+        late = window_means(samples, t0 + 0.5 * (t1 - t0), t1)
+        row[name].update(sustained_ms=ms)
+        if late is not None:
+            row[name].update(sustained_clock_mhz=late["clock_mhz"], sustained_power_w=late["power_w"],
+                             sustained_mj=late["power_w"] * ms, sustained_reasons=late["reasons"])
+        print(f"{key:24s} {name:30s} sustained {ms:7.3f} ms"
+              + (f" {late['clock_mhz']:6.0f} MHz {late['power_w']:5.0f} W {late['power_w'] * ms:7.1f} mJ"
+                 if late is not None else " (no clock samples)"), flush=True)
+
+
 def run(opts) -> dict:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -205,6 +243,8 @@ def run(opts) -> dict:
                 checked = {name: call for name, (call, outputs) in candidates.items()
                            if check(rows, key, name, call, outputs, ref, opts)}
                 measure(rows, key, checked, opts)
+                if opts.sustained_s > 0:
+                    measure_sustained(rows, key, checked, opts, len(rows))
                 del ref, candidates, checked
             del d
             torch.cuda.empty_cache()
@@ -215,6 +255,7 @@ def run(opts) -> dict:
                 cell["over_quack"] = q / cell["ms"]  # > 1: faster than QuACK
     return dict(run_info(), H=H, F=F, P=P, E=opts.E, rows_total=opts.rows,
                 iters=opts.iters, repeats=opts.repeats, warmup=opts.warmup, tol=opts.tol,
+                sustained_s=opts.sustained_s, idle_s=opts.idle_s,
                 candidates={f: [config_name(*c) for c in CANDIDATES[f]] for f in families}, rows=rows)
 
 
@@ -250,6 +291,10 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tol", type=float, default=3e-2)
     ap.add_argument("--no-quack", action="store_true", help="ours only (QuACK not installed)")
+    ap.add_argument("--sustained-s", dest="sustained_s", type=float, default=0.0,
+                    help="also launch each candidate back to back for this many seconds with the clock and power "
+                         "sampled (measure_sustained); 0: off")
+    ap.add_argument("--idle-s", dest="idle_s", type=float, default=1.0, help="idle seconds before each sustained run")
     opts = ap.parse_args(argv)
     payload = run(opts)
     path = write_json("bench_tiles.json", payload, opts.out)

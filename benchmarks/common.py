@@ -1,5 +1,6 @@
-"""Shared benchmark plumbing: CUDA timing, the multi-rank timing harness (`Bench`), training-step and
-CUDA-graph capture helpers, and result files that name the GPU, command, commit, date."""
+"""Shared benchmark plumbing: CUDA timing, nvidia-smi's clock and power samples (`ClockSampler`), the multi-rank
+timing harness (`Bench`), training-step and CUDA-graph capture helpers, and result files that name the GPU,
+command, commit, date."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import datetime
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -16,6 +19,52 @@ import torch.distributed as dist
 from torch import nn
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+
+class ClockSampler:
+    """nvidia-smi sampling SM clock, power and the clock-limit reasons every `period_ms` in the background
+    into a file of its own (none on a machine without it): `samples()` stops it and returns [(unix time,
+    MHz, W, reasons)]. (Through a pipe, nvidia-smi's block-buffered output since the last flush was lost
+    when it was stopped: the first GPU run of bench_sustained lost its last ~30 s of samples.)"""
+
+    def __init__(self, period_ms: int = 100):
+        self.path = tempfile.mktemp(suffix=".csv", prefix="moonep_bench_smi_")
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
+                                          f"-lms={period_ms}", f"--filename={self.path}"])
+        except OSError:
+            self.proc = None
+
+    def samples(self) -> list[tuple[float, float, float, str]]:
+        if self.proc is None:
+            return []
+        self.proc.send_signal(signal.SIGINT)  # its clean exit: the file is flushed and closed
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        out = []
+        with open(self.path) as f:
+            for line in f:
+                parts = [p.strip() for p in line.split(",")]
+                try:  # nvidia-smi's timestamp is the machine's local time
+                    stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    out.append((stamp, float(parts[1]), float(parts[2]), parts[3]))
+                except (ValueError, IndexError):
+                    continue
+        os.unlink(self.path)
+        return out
+
+
+def window_means(samples: list[tuple[float, float, float, str]], t0: float, t1: float) -> dict | None:
+    """Mean SM clock (MHz) and power (W) of the ClockSampler samples in [t0, t1] (unix time) and the clock-limit
+    reasons seen there; None when no sample falls in it."""
+    late = [s for s in samples if t0 <= s[0] <= t1]
+    if not late:
+        return None
+    return dict(clock_mhz=sum(s[1] for s in late) / len(late), power_w=sum(s[2] for s in late) / len(late),
+                reasons=sorted({s[3] for s in late}))
 
 
 def cuda_time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:

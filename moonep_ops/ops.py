@@ -99,10 +99,10 @@ def receive_tables(op: str, check_args, route_w: Tensor, dst_rank: Tensor, dst_r
     route weight, primary row, next row on its rank and source (rank * S + token) are sent to its rank,
     which writes them into its recv_* tables at the entry's row; padding rows get 0 / -1 / -1 / -1."""
     R = torch.distributed.get_world_size(group)
-    NvS = recv_w.shape[0]
 
     def check():
-        check_args()
+        check_args()  # first: it names a recv_w that is not a tensor before its shape is read
+        NvS = recv_w.shape[0]
         check_token_tables(op, R, NvS, dst_rank, dst_row, primary_row)
         check_unique_rows(op, dst_rank, dst_row, NvS)
         return real_rows(op, cu_seqlens, group_rows, NvS)

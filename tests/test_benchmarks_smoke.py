@@ -532,6 +532,18 @@ def test_bench_sustained_smoke_times_every_step(tmp_path_factory):
     assert "wrote" in stdout
 
 
+def test_window_means_average_the_samples_inside_the_window():
+    """The clock / power means that bench_sustained and bench_tiles --sustained-s report: only the samples whose
+    time lies in [t0, t1], their reasons sorted and deduplicated; None for a window without samples."""
+    from benchmarks.common import window_means
+
+    samples = [(0.0, 1980.0, 300.0, "0x0"), (1.0, 1500.0, 690.0, "0x4"), (2.0, 1400.0, 700.0, "0x4"),
+               (3.0, 1980.0, 100.0, "0x0")]
+    assert window_means(samples, 1.0, 2.0) == dict(clock_mhz=1450.0, power_w=695.0, reasons=["0x4"])
+    assert window_means(samples, 0.0, 3.0)["reasons"] == ["0x0", "0x4"]
+    assert window_means(samples, 3.5, 4.0) is None and window_means([], 0.0, 1.0) is None
+
+
 def test_names_option_keeps_known_names_and_names_the_unknown(capsys):
     """The benchmarks' comma-separated options: empty items dropped, order kept; an unknown name is the
     parser's error, naming the option, the unknown names and the known ones."""
