@@ -43,7 +43,11 @@ peer (not importable, or no CUDA) is named in the JSON `peers` and in the table,
 a peer (or any implementation) that fails is recorded as an error in its cell and the run goes on. Peers are
 imported after ours and torch have run: importing quack makes CuTe DSL compiles single-threaded process-wide.
 
-Timing: CUDA events (wall clock on the CPU), median over --repeats of the mean of --iters calls after --warmup.
+Timing: CUDA events (wall clock on the CPU), median over --repeats of the mean of --iters calls after --warmup;
+the GEMM families' implementations in rotated rounds, one round timing each once, so that ours and QuACK share
+the GPU's clock and power state (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
+the same QuACK dgrad at 16 x 4096 took 2.50 ms there and 2.81 ms in a bench_tiles run of the same session on
+another machine, 1 H200: results/bench_peers_h200.log, bench_tiles_session18_h200.log).
 Writes bench_peers.json (GPU, command, commit, date, versions of torch, cutlass, quack, sonicmoe) and
 bench_peers.png (benchmarks/plot_results.plot_peers, if matplotlib is there); the table is printed last.
 """
@@ -69,7 +73,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (Bench, apply_smoke_defaults, kernel_breakdown, names_option, run_info,  # noqa: E402
-                               short_error, symmetric_bytes, write_json)
+                               short_error, symmetric_bytes, time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
 
@@ -517,7 +521,9 @@ def gemm_flops(fam: str, M: int, H: int, F: int) -> float:
 
 
 def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
-    """Every family x layout for the implementations `impls` (ours, torch, quack) into st["rows"]."""
+    """Every family x layout for the implementations `impls` (ours, torch, quack) into st["rows"]: each checked,
+    then all timed in rotated rounds (``time_round_robin``); a later call with more implementations re-times
+    the row's earlier ones beside them."""
     o = b.opts
     H, F, P = o["H"], o["F"], o["P"]
     if "layouts" not in st:
@@ -531,6 +537,7 @@ def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
             ref = gemm_reference(fam, d)
             row = st["rows"].setdefault(f"{fam} | {lname}", dict(family=fam, layout=lname, groups=ends.numel(),
                                                                  rows=M, flops=gemm_flops(fam, M, H, F)))
+            calls = {}
             for impl in impls:
                 try:
                     call, outputs = gemm_call(impl, fam, d, P, qgi)
@@ -539,16 +546,19 @@ def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
                     del got
                     for _ in range(o["warmup"]):
                         call()
-                    b.sync()
-                    ms = b.time_ms(call)
-                    row.update({f"{impl}_ms": ms, f"{impl}_tflops": row["flops"] / ms / 1e9, f"{impl}_err": err,
-                                f"{impl}_ok": err <= o["tol"]})
-                    b.log(f"gemm {fam:10s} {lname:12s} {impl:6s} {ms:8.3f} ms {row[f'{impl}_tflops']:7.1f} TF/s "
-                          f"err {err:.2e}")
+                    calls[impl] = call
+                    row.update({f"{impl}_err": err, f"{impl}_ok": err <= o["tol"]})
                 except Exception as e:  # noqa: BLE001  (recorded in the cell, the run goes on)
                     row[f"{impl}_error"] = short_error(e)
                     b.log(f"gemm {fam} {lname} {impl}: failed: {short_error(e)}")
                     traceback.print_exc()
+            b.sync()
+            if calls:  # in rotated rounds: the implementations share the GPU's clock and power state
+                for impl, ms in time_round_robin(calls, lambda c: b.time_ms(c, repeats=1), o["repeats"]).items():
+                    row.update({f"{impl}_ms": ms, f"{impl}_tflops": row["flops"] / ms / 1e9})
+                    b.log(f"gemm {fam:10s} {lname:12s} {impl:6s} {ms:8.3f} ms {row[f'{impl}_tflops']:7.1f} TF/s "
+                          f"err {row[f'{impl}_err']:.2e}")
+            del calls
             del ref
         del d
         b.free()
@@ -715,8 +725,8 @@ def run(opts: dict) -> dict:
     b.log("peers: " + "; ".join(f"{k} {v}" for k, v in status.items()))
     if "sonicmoe" in mods:
         section("layer", ["sonicmoe"], mods)
-    if "quack" in mods:
-        section("gemm", ["quack"], mods)
+    if "quack" in mods:  # ours and torch again, timed beside QuACK (their first pass compiled ours before the import)
+        section("gemm", ["ours", "torch", "quack"], mods)
     dist.destroy_process_group()
     info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], section_errors=errors,
                 device=opts["device"],

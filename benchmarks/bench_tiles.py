@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_peers import gemm_call, gemm_flops, gemm_operands, gemm_reference, group_layouts, rel_err  # noqa: E402
-from benchmarks.common import ClockSampler, cuda_time_ms, run_info, short_error, window_means, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ClockSampler, cuda_time_ms, run_info, short_error, time_round_robin, window_means, write_json)
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
@@ -151,22 +152,6 @@ def check(rows: dict, key: str, name: str, call, outputs, ref, opts) -> bool:
         print(f"{key} {name}: failed: {short_error(e)}", flush=True)
         traceback.print_exc()
         return False
-
-
-def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
-    """Median time of each of `calls` (name -> zero-argument call) over `repeats` rounds, each round
-    timing every call once (``time_once(call)``), round r starting at the r-th call (rotated): the
-    candidates of one sweep row share the GPU's clock and temperature drift instead of one candidate
-    taking all of a slow stretch (in one run two candidates with the same tile order, timed one after
-    the other, differed by 12%), and each takes each place in a round equally often (with a fixed order,
-    one H200 run had the third of four candidates fastest at every layout, also where its tile order was
-    the first one's: results/bench_tiles_456724f.json)."""
-    names = list(calls)
-    times: dict = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(time_once(calls[name]))
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def measure(rows: dict, key: str, calls: dict, opts) -> None:

@@ -84,6 +84,22 @@ def cuda_time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> floa
     return sorted(times)[len(times) // 2]
 
 
+def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
+    """Median time of each of `calls` (name -> zero-argument call) over `repeats` rounds, each round
+    timing every call once (``time_once(call)``), round r starting at the r-th call (rotated): the
+    candidates of one sweep row share the GPU's clock and temperature drift instead of one candidate
+    taking all of a slow stretch (in one run two candidates with the same tile order, timed one after
+    the other, differed by 12%), and each takes each place in a round equally often (with a fixed order,
+    one H200 run had the third of four candidates fastest at every layout, also where its tile order was
+    the first one's: results/bench_tiles_456724f.json; used by bench_tiles and bench_peers' GEMM section)."""
+    names = list(calls)
+    times: dict = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(time_once(calls[name]))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
 def run_info() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = os.environ.get("MOONEP_COMMIT", "")  # device runs get a tree copy without git history
@@ -152,9 +168,10 @@ class Bench:
         dist.all_reduce(t, op=op, group=self.group)
         return [None if v < 0 else v for v in t.tolist()]
 
-    def time_ms(self, fn) -> float:
-        """Median over repeats of the mean time of `iters` back-to-back steps, in ms (after warm-up)."""
-        iters, repeats = self.opts["iters"], self.opts["repeats"]
+    def time_ms(self, fn, repeats: int | None = None) -> float:
+        """Median over `repeats` (default --repeats) of the mean time of `iters` back-to-back steps, in ms
+        (after warm-up)."""
+        iters, repeats = self.opts["iters"], repeats or self.opts["repeats"]
         times = []
         for _ in range(repeats):
             if self.cuda:

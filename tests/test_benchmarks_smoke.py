@@ -481,7 +481,7 @@ def test_bench_tiles_times_the_candidates_round_robin():
     repeats in a row would set them a whole candidate's repeats (5 units) apart; a faster candidate stays
     faster. A clock that favours one place in a round (the third of four, 3 units): over 4 rounds every
     candidate takes every place once, so equal candidates get equal medians."""
-    from benchmarks.bench_tiles import time_round_robin
+    from benchmarks.common import time_round_robin
 
     clock = iter(range(1000))
     calls = dict(a=lambda: 10.0, b=lambda: 10.0, c=lambda: 10.0, fast=lambda: 4.0)
