@@ -94,7 +94,7 @@ def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
     the first one's: results/bench_tiles_456724f.json; used by bench_tiles and bench_peers' GEMM section)."""
     names = list(calls)
     times: dict = {name: [] for name in names}
-    for r in range(repeats):
+    for r in range(repeats if names else 0):  # no calls (every candidate failed its check): nothing to time
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(time_once(calls[name]))
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}

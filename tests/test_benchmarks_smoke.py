@@ -492,6 +492,7 @@ def test_bench_tiles_times_the_candidates_round_robin():
     place = iter(range(1000))
     med = time_round_robin(calls, lambda call: call() - 3 * (next(place) % 4 == 2), repeats=4)
     assert med == dict(a=10, b=10, c=10, fast=4)
+    assert time_round_robin({}, lambda call: call(), repeats=3) == {}  # every candidate failed: nothing timed
 
 
 def test_bench_peers_issue_targets_from_hand_made_rows():
