@@ -5,19 +5,18 @@ from __future__ import annotations
 
 class GroupGemmConfig(tuple):
     """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n).
-    ``pingpong``: the kernels
-    whose consumers are cooperative by default (the row kernels: forward, dgrad, dgrad2, row scale; the
-    wgrad) run two consumer warp groups that take alternate whole tiles instead, each one's epilogue
-    under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU ignores it).
-    ``band_m`` (the row-grouped kernels; the wgrad ignores it): 0 walks the tiles M-major (each M tile
+    ``pingpong``: the kernels whose consumers are cooperative by default (the row kernels: forward, dgrad,
+    dgrad2, row scale; the wgrad) run two consumer warp groups that take alternate whole tiles instead, each
+    one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU
+    ignores it). ``band_m`` (the row-grouped kernels; the wgrad ignores it): 0 walks the tiles M-major (each M tile
     over every N tile); b > 0 walks each group's tiles in bands of up to b M tiles, N tile by N tile
     within a band, so the CTAs that run at once share each weight tile (B) among the band's rows and
     read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole
     weight again (``RowTileScheduler.row_tile``). ``tall_m_major`` (with band_m): only groups of at most
     band_m M tiles are walked N-major, each as one band; taller groups keep the M-major walk (the sweep
     found the forward and dgrad faster banded at short groups, slower at tall ones; the fused SwiGLU
-    runs so: ``select_swiglu_config``). ``cluster_n`` (1 or 2; the kernels whose A operand is loaded by
-    TMA): 2 launches clusters of two CTAs that compute the same M tile at two neighbouring N tiles, each
+    runs so: ``select_swiglu_config``). ``cluster_n`` (1 or 2; the forward, dgrad, dgrad2, row-scale
+    and wgrad kernels): 2 launches clusters of two CTAs that compute the same M tile at two neighbouring N tiles, each
     loading half of every A (rows) tile by TMA multicast into both CTAs' shared memory, so the cluster
     reads each A tile from L2 once for two output tiles (``GroupGemmSm90Base.cta_tiles``)."""
 
@@ -102,8 +101,8 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 # the dgrad at 128 x 192 pingpong took 0.93/0.91/0.94 of the cooperative 128 x 256 tile's time, the
 # row-scaled forward 0.93/0.91/0.89; with the A tiles shared in a cluster (GroupGemmConfig.cluster_n) the
 # pingpong tile was 3-5% slower than without (0.95/0.93/0.95 of 128 x 256 in the first sweep). Earlier
-# sweeps (results/bench_tiles_953407e.json, ae98b06, d6c9627; the kernels before sessions 16-17's changes,
-# rounds not all rotated) had the dgrad's pingpong 128 x 192 at 0.98-1.12x the cooperative tile's time.
+# sweeps (results/bench_tiles_953407e.json, ae98b06, d6c9627: those commits' kernels, rounds not all
+# rotated) had the dgrad's pingpong 128 x 192 at 0.98-1.12x the cooperative tile's time.
 WIDE_ROWS_PINGPONG_TILE_N = 192
 
 
@@ -152,8 +151,8 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
 # (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of
 # the cooperative tile's time (results/bench_tiles_fb51b4d.json, bench_tiles_b179bdb.json), the gathered
 # wgrad 0.93/0.94/0.95 (bench_tiles_b179bdb.json); with the A tiles shared in a cluster the pingpong wgrad
-# was 1.10-1.15x slower. The earlier sweep at 953407e (the kernels before sessions 16-17) had the wgrad's
-# pingpong 128 x 192 at 0.98/1.02/1.07.
+# was 1.10-1.15x slower. The earlier sweep at 953407e (that commit's kernels) had the wgrad's pingpong
+# 128 x 192 at 0.98/1.02/1.07.
 WGRAD_PINGPONG_TILE_N = 192
 
 

@@ -444,8 +444,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
     "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index) for static
     (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
-    wgrad and its gathered variants, row scale, fused SwiGLU, SwiGLU backward): this tile configuration instead of the op's own choice
-    (config.py), e.g. the pingpong row and wgrad kernels, which no op chooses today, or another raster
+    wgrad and its gathered variants, row scale, fused SwiGLU, SwiGLU backward): this tile configuration
+    instead of the op's own choice (config.py), e.g. another tile, raster or cluster shape
     (benchmarks/bench_tiles.py, their tests)."""
     if config is not None:
         return _compile_with_config(op, kd, nd, config)
@@ -462,9 +462,9 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op == "wgrad_gather_b":
         return compile_group_gemm_wgrad_gather_b(kd, nd, select_wgrad_gather_b_config(pad, kd, nd, num_sms))
     if op in ("row_scale", "row_scale_remote"):
-        # the remote variant keeps the cooperative tile (its pingpong is not tested)
-        config = select_config(pad, nd, num_sms) if op == "row_scale_remote" else select_wide_rows_config(pad, nd, num_sms)
-        return compile_group_gemm_row_scale(kd, nd, config, op == "row_scale_remote")
+        remote = op == "row_scale_remote"  # the remote variant keeps the cooperative tile (pingpong untested)
+        config = select_config(pad, nd, num_sms) if remote else select_wide_rows_config(pad, nd, num_sms)
+        return compile_group_gemm_row_scale(kd, nd, config, remote)
     if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
         return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms),
                                          op in ("swiglu", "swiglu_remote"), op.endswith("_remote"))
