@@ -533,6 +533,54 @@ def test_bench_sustained_smoke_times_every_step(tmp_path_factory):
     assert "wrote" in stdout
 
 
+def test_bench_tiles_sustained_runs_each_timed_candidate_and_reports_its_energy(monkeypatch):
+    """bench_tiles --sustained-s on stand-ins for the CUDA events and nvidia-smi (CPU): every candidate that was
+    timed runs about S seconds of back-to-back calls (S / its burst time, rounded up), in the order rotated by
+    the row's turn, and gets its time per call (the events' elapsed time / calls) and, from the samples of its
+    run's second half, the clock, power and energy per call (W x ms = mJ); a candidate without a burst time
+    (failed its check) is skipped."""
+    import time
+    import types
+
+    from benchmarks import bench_tiles
+
+    class Event:  # each run's end event reports 2 ms per call made since its start event
+        def __init__(self, enable_timing):
+            self.calls = None
+
+        def record(self):
+            self.calls = len(order)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 2.0 * (end.calls - self.calls)
+
+    class Sampler:  # 1500 MHz, 600 W every millisecond since it started
+        def __init__(self):
+            self.t0 = time.time()
+
+        def samples(self):
+            t1 = time.time()
+            return [(self.t0 + i / 1e3, 1500.0, 600.0, "0x4") for i in range(int((t1 - self.t0) * 1e3) + 2)]
+
+    monkeypatch.setattr(bench_tiles.torch.cuda, "Event", Event)
+    monkeypatch.setattr(bench_tiles, "ClockSampler", Sampler)
+    order = []
+    calls = {name: (lambda name=name: (order.append(name), time.sleep(1e-3))) for name in ("a", "b", "c")}
+    rows = {"k": dict(a=dict(ms=1.0), b=dict(ms=4.0), c=dict(error="failed its check"))}
+    opts = types.SimpleNamespace(sustained_s=0.02, idle_s=0.0)
+    bench_tiles.measure_sustained(rows, "k", calls, opts, turn=1)
+    assert order == ["b"] * 5 + ["a"] * 20  # 20 ms / 4 ms and / 1 ms calls; turn 1: b first; c skipped
+    for name in ("a", "b"):
+        cell = rows["k"][name]
+        assert cell["sustained_ms"] == 2.0 and cell["sustained_power_w"] == 600.0
+        assert cell["sustained_clock_mhz"] == 1500.0 and cell["sustained_mj"] == 1200.0
+        assert cell["sustained_reasons"] == ["0x4"]
+    assert "sustained_ms" not in rows["k"]["c"]
+
+
 def test_window_means_average_the_samples_inside_the_window():
     """The clock / power means that bench_sustained and bench_tiles --sustained-s report: only the samples whose
     time lies in [t0, t1], their reasons sorted and deduplicated; None for a window without samples."""
