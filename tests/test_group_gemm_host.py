@@ -39,6 +39,7 @@ def test_select_config_rejects_small_pad():
     assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False, 2)  # in clusters
     assert select_dgrad2_config(128, 2049).band_m == 64 and select_dgrad2_config(128, 2048).band_m == 0
     assert select_dgrad2_config(128, 2049).cluster_n == 2 and select_dgrad2_config(128, 2048).cluster_n == 1
+    assert select_dgrad2_config(128, 7168, 1).cluster_n == 1 and select_dgrad2_config(128, 7168, 1).band_m == 64
     # the fused SwiGLU: only the groups of at most 16 M tiles banded (SWIGLU_BAND); M-major at 8 n tiles
     assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, True, 1)
     assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1)

@@ -121,8 +121,9 @@ def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS) ->
     tiles (DGRAD2_CLUSTER_N)."""
     base = select_config(pad, kd, num_sms)
     band = _row_band(kd, base.tile_n, DGRAD2_BAND)
+    clustered = band[0] and num_sms >= DGRAD2_CLUSTER_N  # (a device of one SM: no cluster of two)
     return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, False, *band,
-                           cluster_n=DGRAD2_CLUSTER_N if band[0] else 1)
+                           cluster_n=DGRAD2_CLUSTER_N if clustered else 1)
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
