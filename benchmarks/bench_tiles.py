@@ -94,16 +94,12 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         fn = host.compile_op("row_scale", F, H, P, cfg.num_sms, cfg)
         out = shared_empty(d, fam, 0, M, H)
         return (lambda: fn(dy, w_down, w_down, ends, d["row_w"], out)), (lambda _: (out,))
-    if fam == "wgrad_gather":
-        fn = host.compile_op("wgrad_gather", H, F, P, cfg.num_sms, cfg)
-        dw = shared_empty(d, fam, 0, *w.shape)
-        no_slot = host._no_slots_f32(dw)
-        return (lambda: fn(x, gather_rows(d), dy, ends, dw, no_slot)), (lambda _: (dw,))
-    if fam == "wgrad":
-        fn = host.compile_op("wgrad", H, F, P, cfg.num_sms, cfg)
+    if fam in ("wgrad", "wgrad_gather"):
+        fn = host.compile_op(fam, H, F, P, cfg.num_sms, cfg)
         dw = shared_empty(d, fam, 0, *w.shape)
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
-        return (lambda: fn(x, dy, ends, dw, no_slot)), (lambda _: (dw,))
+        a = (x, gather_rows(d)) if fam == "wgrad_gather" else (x,)  # the gathered wgrad's A: x read by row_src
+        return (lambda: fn(*a, dy, ends, dw, no_slot)), (lambda _: (dw,))
     if fam == "swiglu":
         fn = host.compile_op("swiglu", H, F, P, cfg.num_sms, cfg)
         h, gate, up = (shared_empty(d, fam, i, M, F) for i in range(3))
