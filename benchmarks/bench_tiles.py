@@ -11,10 +11,10 @@ reference, timed round-robin with the row's other candidates (``time_round_robin
 QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is imported after our kernels
 have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
-the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), each also in
-clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and pingpong
-128 x 192 (QuACK's default tile) with and without clusters; the same for the row-scaled forward (the
-layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192,
+the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), the banded one
+also in clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and
+pingpong 128 x 192 (QuACK's default tile) M-major or in bands of 64 or 16 M tiles; the same for the
+row-scaled forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192,
 each with and without clusters; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always
 pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
 groups alone. ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds
@@ -43,14 +43,15 @@ from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
 # (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n]) per family. Dropped after earlier sweeps (kept
-# in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their bands of 16 and
-# the short-groups-only raster (config.py's comment), the SwiGLU backward's 128 x 128 tile; the wgrad's
-# pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the layer's down projection, y = (h @ W_down)
+# in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their cooperative
+# bands of 16 and the short-groups-only raster (config.py's comment), their M-major and pingpong tiles in
+# clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
+# backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the layer's down projection, y = (h @ W_down)
 # * row_w, K = F, N = H) and ``wgrad_gather`` (the layer's gate/up wgrad at R = 1: x's rows read by a random
 # permutation row_src) are ours only: QuACK has no GEMM with a row scale nor a varlen-K one with gathered rows.
 QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
-ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 256, False, 64, False),
-                  (128, 256, False, 64, False, 2), (128, 192, True, 0, False), (128, 192, True, 0, False, 2))
+ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
+                  (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
@@ -241,6 +242,8 @@ def run(opts) -> dict:
 
 
 def plot(payload: dict, path: str) -> None:
+    """TFLOP/s per candidate and sweep row: the burst timing, and under it (``--sustained-s``) the time per
+    call at the power cap."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,15 +251,19 @@ def plot(payload: dict, path: str) -> None:
 
     keys = list(payload["rows"])
     names = sorted({n for r in payload["rows"].values() for n, c in r.items() if isinstance(c, dict) and "tflops" in c})
-    fig, ax = plt.subplots(figsize=(max(8, len(keys) * 1.1), 4.5))
+    panels = [("ms", "burst")] + ([("sustained_ms", "sustained at the power cap")] if payload.get("sustained_s") else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, len(keys) * 1.1), 4.5 * len(panels)), squeeze=False)
     width = 0.8 / max(1, len(names))
-    for i, n in enumerate(names):
-        vals = [payload["rows"][k].get(n, {}).get("tflops", 0) for k in keys]
-        ax.bar([j + i * width for j in range(len(keys))], vals, width, label=n)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"tile sweep vs QuACK, {payload.get('gpu', '')}, {payload.get('commit', '')[:7]}", fontsize=9)
-    ax.legend(fontsize=7)
+    for ax, (field, title) in zip(axes[:, 0], panels):
+        for i, n in enumerate(names):
+            cells = [payload["rows"][k].get(n, {}) for k in keys]
+            vals = [payload["rows"][k]["flops"] / c[field] / 1e9 if field in c else 0 for k, c in zip(keys, cells)]
+            ax.bar([j + i * width for j in range(len(keys))], vals, width, label=n)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], keys, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"tile sweep vs QuACK ({title}), {payload.get('gpu', '')}, {payload.get('commit', '')[:7]}",
+                     fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -106,19 +106,22 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         assert "cvt.rn.bf16x2.f32" in ptx and "ld.global.f32" in ptx and "st.global.f32" in ptx
 
 
-@pytest.mark.parametrize("op", ["dgrad2", "wgrad"])
+@pytest.mark.parametrize("op", ["dgrad2", "row_scale", "wgrad"])
 def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
-    """The row kernels' and the wgrad's pingpong option (``GroupGemmConfig.pingpong``, 128 x 192; no op
-    chooses it today, bench_tiles measures it): each warp group a whole tile (m64n192 wgmma), the
-    mainloops taking turns on named barriers, each epilogue's 64 x 32 TMA-store sub-tiles."""
+    """The row kernels' and the wgrad's pingpong option (``GroupGemmConfig.pingpong``, 128 x 192; the wgrads
+    choose it, bench_tiles measures it for the others): each warp group a whole tile (m64n192 wgmma), the
+    mainloops taking turns on named barriers, each epilogue's 64 x 32 TMA-store sub-tiles; the row-scaled
+    forward's thread holds rows in both 64-row halves of its tile: four route weights loaded per tile."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
     ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 192, 132, True))
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma and all("m64n192k16" in ln for ln in mma), mma[:1]
     assert "bar.arrive" in ptx and "bar.sync" in ptx
-    assert ptx.count("cp.async.bulk.tensor.2d.global.shared" if op == "dgrad2"
-                     else "cp.async.bulk.tensor.3d.global.shared") == (128 // 64) * (192 // 32)
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared" if op == "wgrad"
+                     else "cp.async.bulk.tensor.2d.global.shared") == (128 // 64) * (192 // 32)
+    if op == "row_scale":
+        assert ptx.count("ld.global.f32") == 4
 
 
 @pytest.mark.parametrize("op", ["dgrad2", "wgrad"])
@@ -211,8 +214,8 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
         assert stores == (12 if op == "swiglu" else 4), stores
     else:
-        # the route weight: two distinct rows per thread and tile (four: a pingpong warp group's thread holds
-        # rows in both 64-row halves of its tile), loaded once each (loads CSE'd)
+        # the route weight: two distinct rows per thread and tile (four with pingpong consumers:
+        # test_pingpong_option_compiles_sm90a_no_spills), loaded once each (loads CSE'd)
         rows = 4 if op_name == "row_scale" and select_wide_rows_config(pad, nd).pingpong else 2
         assert ptx.count("ld.global.f32") == rows, ptx.count("ld.global.f32")
 

@@ -81,7 +81,7 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
     """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
     consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
     dgrad2 or wgrad at H = 7168, F = 2048 in two runs: results/bench_tiles_d6c9627.json; the dgrad and the
-    row-scaled forward now run it at wide outputs: ``select_wide_rows_config``); the M-major raster."""
+    row-scaled forward ran it at wide outputs in session 18: results/bench_tiles_3abd0d1.json); the M-major raster."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     tile_m = 128 if pad >= 128 else 64
@@ -95,23 +95,24 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 
 
 # The dgrad and the row-scaled forward (the down projection) where the output has more than BANDED_N_TILES
-# 256-column tiles and tile_M is 128: pingpong 128 x 192 (each consumer warp group a whole tile, its epilogue
-# under the other's mainloop). Two H200 sweeps of session 18 at H = 7168, F = 2048, P = 128 (48 equal /
-# 16 x 4096 / 48 skewed groups; results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json, rotated rounds):
-# the dgrad at 128 x 192 pingpong took 0.93/0.91/0.94 of the cooperative 128 x 256 tile's time, the
-# row-scaled forward 0.93/0.91/0.89; with the A tiles shared in a cluster (GroupGemmConfig.cluster_n) the
-# pingpong tile was 3-5% slower than without (0.95/0.93/0.95 of 128 x 256 in the first sweep). Earlier
-# sweeps (results/bench_tiles_953407e.json, ae98b06, d6c9627: those commits' kernels, rounds not all
-# rotated) had the dgrad's pingpong 128 x 192 at 0.98-1.12x the cooperative tile's time.
-WIDE_ROWS_PINGPONG_TILE_N = 192
+# 256-column tiles and tile_M is 128: the cooperative 128 x 256 tile in bands of 64 M tiles (WIDE_ROWS_BAND),
+# chosen by the time per call at the board's power cap, where a training step runs (bench_sustained).
+# H200 sweep at ec8e04b, H = 7168, F = 2048, P = 128, 48 equal / 16 x 4096 / 48 skewed groups, each candidate
+# launched back to back for 1.5 s (bench_tiles --sustained-s; results/bench_tiles_ec8e04b.json): the banded
+# tile took 0.96/0.96/0.97 of pingpong 128 x 192's time for the dgrad and 0.96/0.97/0.96 for the row-scaled
+# forward, at 1429-1474 MHz and 648-652 W where pingpong ran at 1301-1344 MHz and 670-687 W (energy per call
+# 0.93/0.93/0.92 and 0.93/0.92/0.91 of pingpong's). In the same run's burst timing (the board below its cap)
+# pingpong was the faster: 0.93/0.92/0.94 and 0.92/0.92/0.94 of the banded tile's time, as in session 18's
+# sweeps (results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json), which chose it.
+WIDE_ROWS_BAND = (64, False)
 
 
 def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the dgrad (``nd`` = its output's Kd columns) and of the row-scaled forward: ``select_config``'s,
-    or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N where that has tile_M 128 and more than BANDED_N_TILES n tiles."""
+    in WIDE_ROWS_BAND's raster where that has tile_M 128 and more than BANDED_N_TILES n tiles."""
     base = select_config(pad, nd, num_sms)
-    if base.tile_m == 128 and -(-nd // base.tile_n) > BANDED_N_TILES:
-        return GroupGemmConfig(128, WIDE_ROWS_PINGPONG_TILE_N, num_sms, pingpong=True)
+    if base.tile_m == 128:
+        return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, False, *_row_band(nd, base.tile_n, WIDE_ROWS_BAND))
     return base
 
 
