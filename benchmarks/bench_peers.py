@@ -47,7 +47,7 @@ Timing: CUDA events (wall clock on the CPU), median over --repeats of the mean o
 the GEMM families' implementations in rotated rounds, one round timing each once, so that ours and QuACK share
 the GPU's clock and power state (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
 the same QuACK dgrad at 16 x 4096 took 2.50 ms there and 2.81 ms in a bench_tiles run of the same session on
-another machine, 1 H200: results/bench_peers_h200.log, bench_tiles_session18_h200.log).
+another machine, 1 H200: results/bench_peers_4cde1fc_h200.log, bench_tiles_session18_h200.log).
 Writes bench_peers.json (GPU, command, commit, date, versions of torch, cutlass, quack, sonicmoe) and
 bench_peers.png (benchmarks/plot_results.plot_peers, if matplotlib is there); the table is printed last.
 """

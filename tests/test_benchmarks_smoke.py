@@ -453,8 +453,9 @@ def test_tile_choices_are_the_fastest_of_the_committed_sweep():
     )
 
     sweeps = []  # newest first: each family's rows come from the first sweep that has them
-    for name in ("bench_tiles_ec8e04b.json", "bench_tiles_b179bdb.json", "bench_tiles_3abd0d1.json",
-                 "bench_tiles_fb51b4d.json", "bench_tiles_456724f.json", "bench_tiles_953407e.json"):
+    for name in ("bench_tiles_eca93ff.json", "bench_tiles_ec8e04b.json", "bench_tiles_b179bdb.json",
+                 "bench_tiles_3abd0d1.json", "bench_tiles_fb51b4d.json", "bench_tiles_456724f.json",
+                 "bench_tiles_953407e.json"):
         with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
             sweeps.append(json.load(f))
         assert (sweeps[-1]["H"], sweeps[-1]["F"], sweeps[-1]["P"]) == (7168, 2048, 128), name

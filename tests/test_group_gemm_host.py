@@ -30,18 +30,19 @@ def test_select_config_rejects_small_pad():
     assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1)  # cooperative, M-major
     assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1)
     assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1)  # M-major too
-    # the dgrad's and the down projection's at H = 7168 (28 tiles of 256): in bands of 64 M tiles (WIDE_ROWS_BAND)
-    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 256, 132, False, 64, False, 1)
-    assert select_wide_rows_config(128, 2048, 132) == select_config(128, 2048, 132)  # 8 tiles: M-major
-    assert select_wide_rows_config(128, 2049, 132).band_m == 64
+    # the dgrad's and the down projection's at H = 7168 (28 tiles of 256): pingpong 128 x 192 in bands of 16
+    # M tiles (WIDE_ROWS_BAND)
+    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1)
+    assert select_wide_rows_config(128, 2048, 132) == select_config(128, 2048, 132)  # 8 tiles: cooperative
+    assert select_wide_rows_config(128, 2049, 132).pingpong and select_wide_rows_config(128, 2049, 132).band_m == 16
     assert select_wide_rows_config(64, 7168, 132) == select_config(64, 7168, 132)  # tile_M 64: cooperative
     # the dgrad2 in bands of 64 M tiles where the output has more than 8 n tiles (DGRAD2_BAND, BANDED_N_TILES)
     assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False, 2)  # in clusters
     assert select_dgrad2_config(128, 2049).band_m == 64 and select_dgrad2_config(128, 2048).band_m == 0
     assert select_dgrad2_config(128, 2049).cluster_n == 2 and select_dgrad2_config(128, 2048).cluster_n == 1
     assert select_dgrad2_config(128, 7168, 1).cluster_n == 1 and select_dgrad2_config(128, 7168, 1).band_m == 64
-    # the fused SwiGLU: only the groups of at most 16 M tiles banded (SWIGLU_BAND); M-major at 8 n tiles
-    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, True, 1)
+    # the fused SwiGLU: every group in bands of 16 M tiles (SWIGLU_BAND); M-major at 8 n tiles
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1)
     assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):

@@ -14,8 +14,8 @@ class GroupGemmConfig(tuple):
     read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole
     weight again (``RowTileScheduler.row_tile``). ``tall_m_major`` (with band_m): only groups of at most
     band_m M tiles are walked N-major, each as one band; taller groups keep the M-major walk (the sweep
-    found the forward and dgrad faster banded at short groups, slower at tall ones; the fused SwiGLU
-    runs so: ``select_swiglu_config``). ``cluster_n`` (1 or 2; the forward, dgrad, dgrad2, row-scale
+    found the forward and dgrad faster banded at short groups, slower at tall ones; bench_tiles sweeps it
+    for the fused SwiGLU and its backward). ``cluster_n`` (1 or 2; the forward, dgrad, dgrad2, row-scale
     and wgrad kernels): 2 launches clusters of two CTAs that compute the same M tile at two neighbouring N tiles, each
     loading half of every A (rows) tile by TMA multicast into both CTAs' shared memory, so the cluster
     reads each A tile from L2 once for two output tiles (``GroupGemmSm90Base.cta_tiles``)."""
@@ -54,7 +54,10 @@ H100_H200_NUM_SMS = 132
 # rotated rounds: results/bench_tiles_rotated_h200.log), where bands of 16 took 1.00/1.00/0.97 and
 # 1.03/1.01/0.99 (0.86/0.92/0.90 at d6c9627, results/bench_tiles_d6c9627.json, where 64 took 0.84/0.93/0.96);
 # the fused SwiGLU with only the groups of at most 16 M tiles banded 0.97/0.98/0.98 and 0.98/1.00/0.99
-# (bands of 16 everywhere: 1.00/1.00/1.00 and 1.00/1.00/0.99); the SwiGLU backward in bands of 16
+# (bands of 16 everywhere: 1.00/1.00/1.00 and 1.00/1.00/0.99), but at the board's power cap (bench_tiles
+# --sustained-s at eca93ff, results/bench_tiles_eca93ff.json: each candidate 1.5 s back to back) bands of 16
+# everywhere took 0.97/0.97/0.96 of the M-major time and short groups alone 0.97/1.00/0.98 (burst, same run:
+# 0.97/0.99/0.99 and 0.95/1.00/1.00), so the SwiGLU bands every group; the SwiGLU backward in bands of 16
 # 0.99/1.00/0.99 and 0.99/1.00/0.96 (short groups alone the same within 1%). The forward and the dgrad
 # (one weight, 8 / 28 n tiles) were faster banded only at 48 equal groups in the d6c9627 run (the dgrad
 # 0.91x), elsewhere at most 1% faster and up to 15% slower. At 48 equal groups (11 M tiles)
@@ -66,7 +69,7 @@ DGRAD2_BAND = (64, False)
 # 1.00/0.98/0.98 of the banded kernel's time without clusters (pingpong 128 x 192: 0.98/1.00/1.07 in the
 # second; cooperative 128 x 256 stays the tile).
 DGRAD2_CLUSTER_N = 2
-SWIGLU_BAND = (16, True)
+SWIGLU_BAND = (16, False)
 SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8
 
@@ -95,24 +98,29 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 
 
 # The dgrad and the row-scaled forward (the down projection) where the output has more than BANDED_N_TILES
-# 256-column tiles and tile_M is 128: the cooperative 128 x 256 tile in bands of 64 M tiles (WIDE_ROWS_BAND),
-# chosen by the time per call at the board's power cap, where a training step runs (bench_sustained).
-# H200 sweep at ec8e04b, H = 7168, F = 2048, P = 128, 48 equal / 16 x 4096 / 48 skewed groups, each candidate
-# launched back to back for 1.5 s (bench_tiles --sustained-s; results/bench_tiles_ec8e04b.json): the banded
-# tile took 0.96/0.96/0.97 of pingpong 128 x 192's time for the dgrad and 0.96/0.97/0.96 for the row-scaled
-# forward, at 1429-1474 MHz and 648-652 W where pingpong ran at 1301-1344 MHz and 670-687 W (energy per call
-# 0.93/0.93/0.92 and 0.93/0.92/0.91 of pingpong's). In the same run's burst timing (the board below its cap)
-# pingpong was the faster: 0.93/0.92/0.94 and 0.92/0.92/0.94 of the banded tile's time, as in session 18's
-# sweeps (results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json), which chose it.
-WIDE_ROWS_BAND = (64, False)
+# 256-column tiles and tile_M is 128: pingpong 128 x 192 (each consumer warp group a whole tile, its epilogue
+# under the other's mainloop) in bands of 16 M tiles (WIDE_ROWS_BAND), chosen by the time per call at the
+# board's power cap, where a training step runs (results/bench_sustained.json). Two H200 sweeps, H = 7168,
+# F = 2048, P = 128, 48 equal / 16 x 4096 / 48 skewed groups, each candidate launched back to back for 1.5 s
+# (bench_tiles --sustained-s): at eca93ff (results/bench_tiles_eca93ff.json) the banded pingpong tile took
+# 0.92/0.93/0.92 of the M-major pingpong tile's time at the cap for the dgrad and 0.93/0.93/0.94 for the
+# row-scaled forward, 0.96/0.97/0.96 and 0.98/0.97/0.98 of the cooperative 128 x 256 tile in bands of 64,
+# at 1388-1448 MHz where the M-major pingpong tile ran at 1286-1316 MHz (at ec8e04b,
+# results/bench_tiles_ec8e04b.json, without the banded pingpong candidates: cooperative banded 0.96-0.97x
+# M-major pingpong). In the burst timing (the board below its cap) the M-major pingpong tile was 0.5-3% faster
+# than the banded one and 3-6% faster than the cooperative banded tile (as in session 18's sweeps,
+# results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json, which chose it).
+WIDE_ROWS_PINGPONG_TILE_N = 192
+WIDE_ROWS_BAND = (16, False)
 
 
 def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the dgrad (``nd`` = its output's Kd columns) and of the row-scaled forward: ``select_config``'s,
-    in WIDE_ROWS_BAND's raster where that has tile_M 128 and more than BANDED_N_TILES n tiles."""
+    or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in WIDE_ROWS_BAND's raster where that has tile_M 128 and more
+    than BANDED_N_TILES n tiles."""
     base = select_config(pad, nd, num_sms)
-    if base.tile_m == 128:
-        return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, False, *_row_band(nd, base.tile_n, WIDE_ROWS_BAND))
+    if base.tile_m == 128 and -(-nd // base.tile_n) > BANDED_N_TILES:
+        return GroupGemmConfig(128, WIDE_ROWS_PINGPONG_TILE_N, num_sms, True, *WIDE_ROWS_BAND)
     return base
 
 
