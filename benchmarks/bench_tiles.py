@@ -11,12 +11,12 @@ reference, timed round-robin with the row's other candidates (``time_round_robin
 QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is imported after our kernels
 have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
-the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), the banded one
-also in clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and
-pingpong 128 x 192 (QuACK's default tile) M-major or in bands of 64 or 16 M tiles; the same for the
-row-scaled forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192,
-each with and without clusters; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward (always
-pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
+the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), the banded one also
+in clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and pingpong
+128 x 192 (QuACK's default tile) M-major or in bands of 64 or 16 M tiles; the same for the row-scaled
+forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at
+128 x 192, each with and without clusters; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward
+(always pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
 groups alone. ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds
 with nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
 beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).
@@ -46,9 +46,10 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their cooperative
 # bands of 16 and the short-groups-only raster (config.py's comment), their M-major and pingpong tiles in
 # clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
-# backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the layer's down projection, y = (h @ W_down)
-# * row_w, K = F, N = H) and ``wgrad_gather`` (the layer's gate/up wgrad at R = 1: x's rows read by a random
-# permutation row_src) are ours only: QuACK has no GEMM with a row scale nor a varlen-K one with gathered rows.
+# backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the
+# layer's down projection, y = (h @ W_down) * row_w, K = F, N = H) and ``wgrad_gather`` (the layer's gate/up
+# wgrad at R = 1: x's rows read by a random permutation row_src) are ours only: QuACK has no GEMM with a row
+# scale nor a varlen-K one with gathered rows.
 QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False))
