@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_peers import (  # noqa: E402
     OursLayer, SonicLayer, layer_inputs, load_peers, ours_group, versions)
 from benchmarks.common import (  # noqa: E402
-    ClockSampler, apply_smoke_defaults, grad_clearer, make_step, names_option, run_info, window_means, write_json)
+    ClockSampler, apply_smoke_defaults, grad_clearer, make_step, names_option, rotated, run_info, window_means,
+    write_json)
 
 IMPLS = ("ours", "ours_rows", "sonicmoe")
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, steps=4, rounds=1, idle_s=0.0)
@@ -91,7 +92,7 @@ def summary(runs: list[dict], samples: list[tuple[float, float, float, str]]) ->
 def run_rounds(impls: dict, opts: dict, step_of, cuda: bool, phase: int, log) -> list[dict]:
     names, runs = list(impls), []
     for rnd in range(opts["rounds"]):
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+        for name in rotated(names, rnd):
             time.sleep(opts["idle_s"])
             t0 = time.time()
             ms = timed_steps(step_of(impls[name]), opts["steps"], cuda)

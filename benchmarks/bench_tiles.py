@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_peers import gemm_call, gemm_flops, gemm_operands, gemm_reference, group_layouts, rel_err  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ClockSampler, cuda_time_ms, run_info, short_error, time_round_robin, window_means, write_json)
+    ClockSampler, cuda_time_ms, rotated, run_info, short_error, time_round_robin, window_means, write_json)
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
@@ -173,7 +173,7 @@ def measure_sustained(rows: dict, key: str, calls: dict, opts, turn: int) -> Non
     (power x time). Why: the burst timing above runs near the boost clock, but a training step holds the board
     at its power cap, where a kernel's time follows its energy (results/bench_sustained.json)."""
     row, names = rows[key], [n for n in calls if "ms" in rows[key][n]]
-    names = names[turn % len(names):] + names[:turn % len(names)] if names else names
+    names = rotated(names, turn)
     sampler, runs = ClockSampler(), {}
     for name in names:
         time.sleep(opts.idle_s)

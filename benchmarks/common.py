@@ -84,6 +84,13 @@ def cuda_time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> floa
     return sorted(times)[len(times) // 2]
 
 
+def rotated(names: list, turn: int) -> list:
+    """`names` starting at entry ``turn`` (mod its length), wrapping around: the order of round `turn` of a
+    rotation in which every name takes every place equally often (empty stays empty)."""
+    k = turn % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
     """Median time of each of `calls` (name -> zero-argument call) over `repeats` rounds, each round
     timing every call once (``time_once(call)``), round r starting at the r-th call (rotated): the
@@ -95,7 +102,7 @@ def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
     names = list(calls)
     times: dict = {name: [] for name in names}
     for r in range(repeats if names else 0):  # no calls (every candidate failed its check): nothing to time
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             times[name].append(time_once(calls[name]))
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 

@@ -74,10 +74,15 @@ SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8
 
 
+def _wide(nd: int, tile_n: int) -> bool:
+    """Whether an output of `nd` columns has more than BANDED_N_TILES tiles of `tile_n` columns."""
+    return -(-nd // tile_n) > BANDED_N_TILES
+
+
 def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
-    """(band_m, tall_m_major) of an output of `nd` columns in tiles of `tile_n`: `band` where it has more
-    than BANDED_N_TILES n tiles, else the M-major raster."""
-    return band if -(-nd // tile_n) > BANDED_N_TILES else (0, False)
+    """(band_m, tall_m_major) of an output of `nd` columns in tiles of `tile_n`: `band` where it is `_wide`,
+    else the M-major raster."""
+    return band if _wide(nd, tile_n) else (0, False)
 
 
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -119,7 +124,7 @@ def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS)
     or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in WIDE_ROWS_BAND's raster where that has tile_M 128 and more
     than BANDED_N_TILES n tiles."""
     base = select_config(pad, nd, num_sms)
-    if base.tile_m == 128 and -(-nd // base.tile_n) > BANDED_N_TILES:
+    if base.tile_m == 128 and _wide(nd, base.tile_n):
         return GroupGemmConfig(128, WIDE_ROWS_PINGPONG_TILE_N, num_sms, True, *WIDE_ROWS_BAND)
     return base
 
