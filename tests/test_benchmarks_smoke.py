@@ -609,3 +609,47 @@ def test_names_option_keeps_known_names_and_names_the_unknown(capsys):
     with pytest.raises(SystemExit):
         names_option(ap, "--impls", "a,y,x", ("a", "b"))
     assert "bench: error: --impls: unknown ['x', 'y'] (known: a, b)" in capsys.readouterr().err
+
+
+def test_ncu_gemm_summary_of_a_hand_made_details_page():
+    """benchmarks/ncu_gemm.py reads ncu's CSV details page: a call that launched two kernels keeps the
+    longer (the GEMM) and names the other; durations and clocks in ncu's base units become ms and MHz;
+    stall reasons are keyed by reason; a unit it has not seen keeps the metric under a name with the unit."""
+    from benchmarks.ncu_gemm import details_rows, summarize
+
+    head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+
+    def page(names):
+        rows = [(0, names[0], "Duration", "nsecond", "2,500"), (0, names[0], "SM Frequency", "cycle/second",
+                                                                  "1,755,000,000"),
+                (1, names[1], "Duration", "nsecond", "3,000,000"), (1, names[1], "SM Frequency", "hz", "1.98e9"),
+                (1, names[1], "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio", "", "0.5"),
+                (1, names[1], "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio", "", "1.25"),
+                (2, names[2], "Duration", "usecond", "2,900"), (2, names[2], "SM Frequency", "furlong", "7"),
+                (2, names[2], "Block Limit Registers", "block", "n/a")]
+        return "==PROF== noise before the table\n" + head + "".join(
+            f'"{i}","{n}","S","{m}","{u}","{v}"\n' for i, n, m, u, v in rows)
+    kernels = page(["zero_fill", "ours_gemm_kernel", "quack_gemm_kernel"])
+    ranges = page(["ours dgrad", "ours dgrad", "quack dgrad"])
+    got = summarize(details_rows(kernels), details_rows(ranges))
+    assert sorted(got) == ["ours dgrad", "quack dgrad"]
+    ours, quack = got["ours dgrad"], got["quack dgrad"]
+    assert (ours["kernel"], ours["others"]) == ("ours_gemm_kernel", ["zero_fill"])
+    assert ours["summary"]["ms"] == pytest.approx(3.0) and ours["summary"]["SM MHz"] == pytest.approx(1980.0)
+    assert ours["top_stalls"] == [("wait", 1.25), ("long_scoreboard", 0.5)]
+    assert quack["summary"]["ms"] == pytest.approx(2.9) and quack["summary"]["SM MHz"] is None
+    assert quack["metrics"]["SM Frequency [furlong]"] == 7.0
+    with pytest.raises(ValueError, match="no ncu details table"):
+        details_rows("==ERROR== ERR_NVGPUCTRPERM\n")
+
+
+def test_ncu_gemm_smoke_runs_every_call_on_the_cpu():
+    """`ncu_gemm.py --smoke`: the profiled process's calls (bench_peers' operands, ours and torch) run on the
+    CPU, each family once, without the profiler."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ncu_gemm.py"), "--smoke",
+                           "--impls", "ours,torch", "--families", "dgrad,wgrad"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.split("\n")[:4] == [f"ncu_gemm smoke: {i} {f} ran" for i in ("ours", "torch")
+                                           for f in ("dgrad", "wgrad")]
