@@ -159,7 +159,7 @@ def profile(opts: dict, argv: list[str]) -> None:
     rep = os.path.join(out, "ncu_gemm")
     cmd = ["ncu", "--profile-from-start", "off", "--nvtx", "--clock-control", "none", "--target-processes", "all",
            "-f", "-o", rep] + [a for s in SECTIONS for a in ("--section", s)] + [
-        a for m in EXTRA_METRICS for a in ("--metrics", m)] + [sys.executable, os.path.abspath(__file__), "--child"
+        "--metrics", ",".join(EXTRA_METRICS)] + [sys.executable, os.path.abspath(__file__), "--child"
                                                               ] + argv
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
