@@ -68,7 +68,10 @@ class GroupGemmSm90Base:
         self.mma_regs = 232 if self.num_mma_wg == 2 else 240
         self.a_layout = a_layout
         self.b_layout = b_layout
-        self.ab_stage = self._mainloop_stages(self.tile_m, self.tile_n, reserved_smem)
+        smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        a_bytes = self.tile_m * self.tile_k * 2
+        b_bytes = self.tile_n * self.tile_k * 2
+        self.ab_stage = min(8, (smem_capacity - 2048 - reserved_smem) // (a_bytes + b_bytes))
 
     def _setup_mainloop(self):
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -88,22 +91,13 @@ class GroupGemmSm90Base:
             self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
         )
 
-    @classmethod
-    def _mainloop_stages(cls, tile_m: int, tile_n: int, reserved_smem: int) -> int:
-        """A/B ring stages (one B ring) that fit beside ``reserved_smem`` bytes (and the ring's mbarriers)."""
-        stage_bytes = (tile_m + tile_n) * cls.tile_k * 2
-        return min(8, (utils.get_smem_capacity_in_bytes("sm_90") - 2048 - reserved_smem) // stage_bytes)
-
-    def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False, tile_n: int | None = None) -> int:
+    def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False) -> int:
         """bf16 C [N, out] (N-major) stored registers -> shared (stmatrix) -> global (TMA) in
         sub-tiles of all consumer warp groups' rows (or, ``pingpong``, 64 of one warp group's rows) x 32
         columns: a ring of ``epi_stage`` sub-tile slots per storing group
         (the cooperative consumers together; each pingpong warp group on its own, with its own
         slots, named barrier and storing warp, since the two epilogues may overlap). Returns the
-        shared memory of the slots (reserved before the mainloop stages are sized). With ``tile_n`` (a
-        kernel of one B ring) the ring has 4 slots unless 3 or 2 leave room for one more mainloop stage:
-        ncu of the 128 x 192 pingpong dgrad at 4 stages had its tensor pipe idle 5.7% of the cycles,
-        QuACK's with 5 stages 0.5% (results/ncu_gemm_ab0de90.json)."""
+        shared memory of the slots (reserved before the mainloop stages are sized)."""
         self.c_dtype = cutlass.BFloat16
         self.c_layout = LayoutEnum.ROW_MAJOR
         # a pingpong warp group's accumulators run along N first, then over its two 64-row blocks, so
@@ -111,11 +105,8 @@ class GroupGemmSm90Base:
         # 32 (e % (tile_n / 32)) on: contiguous accumulator registers, as ``acc_subtile_to_bf16`` reads)
         self.epi_tile = (64 if pingpong else tile_m, 32)
         self.epi_groups = 2 if pingpong else 1
-        slot_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_groups
         self.epi_stage = 4
-        if tile_n is not None:  # the fewest mainloop stages lost, then the most slots
-            self.epi_stage = max((4, 3, 2), key=lambda n: (self._mainloop_stages(tile_m, tile_n, n * slot_bytes), n))
-        return slot_bytes * self.epi_stage
+        return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage * self.epi_groups
 
     def _setup_tma_store_epilogue(self):
         self.epi_smem_staged = sm90_utils.make_smem_layout_epi(

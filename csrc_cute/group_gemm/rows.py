@@ -53,7 +53,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
             config,
             LayoutEnum.ROW_MAJOR,  # A [N, red]: K-major
             LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR,
-            self._init_tma_store_epilogue(config.tile_m, config.pingpong, config.tile_n),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
             pingpong=config.pingpong,
         )
 

@@ -51,7 +51,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
             config,
             LayoutEnum.COL_MAJOR,  # A = x^T (Kd, rows): M-major
             LayoutEnum.COL_MAJOR,  # B = dy^T (Nd, rows): N-major
-            self._init_tma_store_epilogue(config.tile_m, config.pingpong, config.tile_n),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
             pingpong=config.pingpong,
         )
 
