@@ -146,11 +146,10 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
                      tile: cutlass.Int32, epi_count: cutlass.Int32):
         """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
-        self.wait_mainloop_turn(tile)
+        # pingpong: the mainloop takes its turn; the other warp group's runs under this epilogue
         read_state, release_state = self.mma_k_tiles(
-            mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
+            mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count, p, tile
         )
-        self.pass_mainloop_turn(p, tile)  # pingpong: the other warp group's mainloop runs under this epilogue
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
         return read_state, release_state, self.store_acc_tile(p, c, warp_idx, c.gC[(None, None, m_idx, n_idx)],

@@ -183,16 +183,14 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         bf16; slot items with rows add fp32 into the reduce buffer; empty slot groups' items are skipped."""
         g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
         is_home = g < p.num_home
-        # the mainloop turn (pingpong) passes between the mainloop and the epilogue; skipped items take and
-        # pass it too
-        self.wait_mainloop_turn(tile)
-        if is_home | (k_count > 0):
+        if is_home | (k_count > 0):  # the mainloop takes its turn (pingpong) in mma_k_tiles
             read_state, release_state = self.mma_k_tiles(
-                mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count
+                mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count, p, tile
             )
-        self.pass_mainloop_turn(p, tile)
-        if is_home | (k_count > 0):
             epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
+        else:  # a skipped item takes and passes the turn too
+            self.wait_mainloop_turn(tile)
+            self.pass_mainloop_turn(p, tile)
         return read_state, release_state, epi_count
 
     @cute.jit
