@@ -12,7 +12,8 @@ bench_peers' (gemm_operands / gemm_call, one group layout). The sections: SpeedO
 ComputeWorkloadAnalysis, Occupancy, LaunchStats, SchedulerStats, WarpStateStats, plus the tensor pipes'
 active cycles and every warp stall reason per issued instruction. Writes ncu_gemm.csv (ncu's details page,
 every metric of every profiled kernel), ncu_gemm.json (the metrics below per "<impl> <family>" and the run's
-GPU, command, commit, date) and prints a table of them.
+GPU, command, commit, date), ncu_gemm.png (elapsed cycles and tensor-pipe active share per call) and
+prints a table of them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import csv
 import importlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +46,7 @@ SUMMARY = (("ms", "Duration"), ("SM MHz", "SM Frequency"), ("SM %", "Compute (SM
            ("smem KB", "Dynamic Shared Memory Per Block"), ("grid", "Grid Size"), ("warp cyc/inst",
                                                                                "Warp Cycles Per Issued Instruction"))
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+TENSOR_ACTIVE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"  # wgmma included
 # metrics whose unit is converted: to ms, MHz, KiB
 UNITS = {"Duration": {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0},
          "SM Frequency": {"hz": 1e-6, "cycle/second": 1e-6, "khz": 1e-3, "mhz": 1.0, "ghz": 1e3,
@@ -105,7 +108,7 @@ def summarize(rows: list[dict], renamed: list[dict]) -> dict:
     """{"<impl> <family>": {kernel, metrics by SUMMARY heading, stalls {reason: warps per issue}}}: `rows` the
     details page with the kernels' names, `renamed` the same page with NVTX range names (same IDs). A call
     that ran several kernels keeps the longest one (the GEMM) and lists the others' names."""
-    range_of = {r["ID"]: r["Kernel Name"] for r in renamed}
+    range_of = {r["ID"]: r["Kernel Name"].split("/")[0] for r in renamed}  # ncu 2025.3 prints "<range>/<kernel>"
     kernels: dict[str, dict] = {}
     for r in rows:
         k = kernels.setdefault(r["ID"], dict(range=range_of.get(r["ID"], "?"), kernel=r["Kernel Name"],
@@ -152,6 +155,31 @@ def table(summary: dict) -> list[str]:
     return lines
 
 
+def plot(path: str) -> None:
+    """ncu_gemm.json -> .png: each profiled call's elapsed cycles and tensor-pipe active share."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = json.load(open(path))
+    names = sorted(d["kernels"], key=lambda n: (n.split("/")[0].split(" ")[-1], n))
+    mets = [d["kernels"][n]["metrics"] for n in names]
+    labels = [n.split("/")[0] for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, ylabel in ((axes[0], "Elapsed Cycles", "elapsed cycles (M)"), (axes[1], TENSOR_ACTIVE,
+                                                                                 "tensor pipe active (%)")):
+        vals = [m.get(key, 0.0) / (1e6 if key == "Elapsed Cycles" else 1.0) for m in mets]
+        ax.bar(range(len(vals)), vals, color=["C0" if lab.startswith("ours") else "C1" for lab in labels])
+        ax.set_xticks(range(len(vals)), labels, rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(min(vals) * 0.95, max(vals) * 1.01)
+    fig.suptitle(f"ncu, 1 call each, clocks free; {d['layout']}, H={d['H']} F={d['F']}\n{d['gpu']} "
+                 f"{d['commit'][:7]} {d['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+    plt.close(fig)
+
+
 def profile(opts: dict, argv: list[str]) -> None:
     """Run this script under ncu (--child), then read its report twice (kernel names, NVTX names)."""
     out = opts["out"]
@@ -174,6 +202,10 @@ def profile(opts: dict, argv: list[str]) -> None:
                    **{k: opts[k] for k in ("H", "F", "E", "P", "rows")}, kernels=summary)
     path = write_json("ncu_gemm.json", payload, out)
     print("wrote", path, flush=True)
+    try:
+        plot(path)
+    except Exception as e:  # noqa: BLE001  (no matplotlib, say: the JSON is written, the table still prints)
+        print(f"no PNG: {e}", flush=True)
     print("\n".join(table(summary)), flush=True)
 
 

@@ -453,9 +453,9 @@ def test_tile_choices_are_the_fastest_of_the_committed_sweep():
     )
 
     sweeps = []  # newest first: each family's rows come from the first sweep that has them
-    for name in ("bench_tiles_eca93ff.json", "bench_tiles_ec8e04b.json", "bench_tiles_b179bdb.json",
-                 "bench_tiles_3abd0d1.json", "bench_tiles_fb51b4d.json", "bench_tiles_456724f.json",
-                 "bench_tiles_953407e.json"):
+    for name in ("bench_tiles_05bde5c.json", "bench_tiles_eca93ff.json", "bench_tiles_ec8e04b.json",
+                 "bench_tiles_b179bdb.json", "bench_tiles_3abd0d1.json", "bench_tiles_fb51b4d.json",
+                 "bench_tiles_456724f.json", "bench_tiles_953407e.json"):
         with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
             sweeps.append(json.load(f))
         assert (sweeps[-1]["H"], sweeps[-1]["F"], sweeps[-1]["P"]) == (7168, 2048, 128), name
@@ -630,7 +630,7 @@ def test_ncu_gemm_summary_of_a_hand_made_details_page():
         return "==PROF== noise before the table\n" + head + "".join(
             f'"{i}","{n}","S","{m}","{u}","{v}"\n' for i, n, m, u, v in rows)
     kernels = page(["zero_fill", "ours_gemm_kernel", "quack_gemm_kernel"])
-    ranges = page(["ours dgrad", "ours dgrad", "quack dgrad"])
+    ranges = page(["ours dgrad/zero_fill", "ours dgrad/ours_gemm_kernel", "quack dgrad"])  # ncu 2025.3: range/kernel
     got = summarize(details_rows(kernels), details_rows(ranges))
     assert sorted(got) == ["ours dgrad", "quack dgrad"]
     ours, quack = got["ours dgrad"], got["quack dgrad"]
@@ -653,3 +653,16 @@ def test_ncu_gemm_smoke_runs_every_call_on_the_cpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.split("\n")[:4] == [f"ncu_gemm smoke: {i} {f} ran" for i in ("ours", "torch")
                                            for f in ("dgrad", "wgrad")]
+
+
+def test_ncu_gemm_plot_of_the_committed_h200_profile(tmp_path):
+    """ncu_gemm.plot draws the committed H200 profile of ours and QuACK (a copy: the PNG is written beside it)."""
+    pytest.importorskip("matplotlib")
+    import shutil
+
+    from benchmarks.ncu_gemm import plot
+
+    path = tmp_path / "ncu_gemm_ab0de90.json"
+    shutil.copy(os.path.join(ROOT, "benchmarks", "results", path.name), path)
+    plot(str(path))
+    assert os.path.getsize(str(path).replace(".json", ".png")) > 10_000
