@@ -15,10 +15,11 @@ the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.ba
 in clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and pingpong
 128 x 192 (QuACK's default tile) M-major or in bands of 64 or 16 M tiles; the same for the row-scaled
 forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at
-128 x 192, each with and without clusters; the fused SwiGLU at 128 x 128 (columns of h) and the SwiGLU backward
-(always pingpong, shared-memory epilogue) at 128 x 160, M-major, in bands of 16 or in bands of 16 for short
-groups alone. ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds
-with nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
+128 x 192, each with and without clusters; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in
+bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands of 16), and the
+SwiGLU backward (always pingpong, shared-memory epilogue) at 128 x 160 in those three rasters.
+``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
+nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
 beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).
 """
 
@@ -57,7 +58,8 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
                   wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False)),
-                  swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True)),
+                  swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
+                          (128, 96, True, 0, False), (128, 96, True, 16, False)),
                   swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True)))
 
 

@@ -124,6 +124,24 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
         assert ptx.count("ld.global.f32") == 4
 
 
+@pytest.mark.parametrize("op", ["swiglu", "swiglu_gather"])
+def test_swiglu_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
+    """The fused SwiGLU's pingpong option at 128 x 96 (each warp group both 128 x 96 accumulators: m64n96
+    wgmma, 192 fp32 registers a thread), the mainloops taking turns on named barriers, each epilogue's
+    64 x 32 TMA-store sub-tiles of h, gate and up (2 x 3 each); the gathered variant's A by cp.async (the
+    layer's at R = 1)."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 96, 132, True, 16))
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma and all("m64n96k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+    assert "bar.arrive" in ptx and "bar.sync" in ptx and "ex2.approx" in ptx
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * (128 // 64) * (96 // 32)
+    if op == "swiglu_gather":  # A by cp.async, no TMA load of A (the count of B load sites is not pinned here)
+        check_cp_async_gather(ptx, copies=2 * (128 // 16), commits=2)
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global" not in ptx
+
+
 @pytest.mark.parametrize("op", ["dgrad2", "wgrad"])
 def test_cluster_option_compiles_sm90a_no_spills(tmp_path, op):
     """``GroupGemmConfig.cluster_n`` = 2: clusters of two CTAs, each loading its half of every A tile by

@@ -444,6 +444,34 @@ def test_swiglu_bwd_gather_cuda_graph_replay():
 
 
 @gpu
+@pytest.mark.parametrize("band_m", [0, 16])
+def test_swiglu_pingpong_tiles_equal_the_cooperative_kernel(band_m):
+    # the fused SwiGLU's pingpong option (GroupGemmConfig.pingpong, 128 x 96: no op chooses it yet,
+    # bench_tiles measures it), plain and gathered, on 4 CTAs (each warp group takes many alternate tiles)
+    # with empty home and slot groups, F = 600 (a partial last n tile of 24 columns), rows past the last
+    # group: bitwise the cooperative 128 x 128 kernel, h, gate and up (the same k loop per element)
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
+    n_total = sum(lengths) + 200
+    x, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, 5, kd=320, nd=600, n_total=n_total, seed=63)
+    tokens = random_tokens(1000, 320, seed=64)
+    row_src = random_row_src(cu, n_total, tokens.shape[0], 65, all_padding=(2,))
+    for op, a in (("swiglu", (x,)), ("swiglu_gather", (tokens, row_src))):
+        outs = {}
+        for config in (GroupGemmConfig(128, 128, 4), GroupGemmConfig(128, 96, 4, True, band_m)):
+            bufs = [torch.full((n_total, 600), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    for _ in range(3)]
+            compile_op(op, 320, 600, 128, 4, config)(*a, wgh, wgs, wuh, wus, cu, *bufs)
+            torch.cuda.synchronize()
+            outs[config.pingpong] = bufs
+        for name, want, got in zip(("h", "gate", "up"), outs[False], outs[True]):
+            assert torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0)), f"{op} {name} differs"
+        assert not outs[True][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"
+
+
+@gpu
 @pytest.mark.parametrize("band_m,tall_m_major", [(2, False), (64, False), (3, True)])
 def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m, tall_m_major):
     # GroupGemmConfig.band_m (each group's tiles walked N-major in bands of band_m M tiles) of the fused

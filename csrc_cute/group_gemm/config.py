@@ -6,9 +6,9 @@ from __future__ import annotations
 class GroupGemmConfig(tuple):
     """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n).
     ``pingpong``: the kernels whose consumers are cooperative by default (the row kernels: forward, dgrad,
-    dgrad2, row scale; the wgrad) run two consumer warp groups that take alternate whole tiles instead, each
-    one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong, the fused SwiGLU
-    ignores it). ``band_m`` (the row-grouped kernels; the wgrad ignores it): 0 walks the tiles M-major (each M tile
+    dgrad2, row scale; the wgrad; the fused SwiGLU) run two consumer warp groups that take alternate whole
+    tiles instead, each one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong).
+    ``band_m`` (the row-grouped kernels; the wgrad ignores it): 0 walks the tiles M-major (each M tile
     over every N tile); b > 0 walks each group's tiles in bands of up to b M tiles, N tile by N tile
     within a band, so the CTAs that run at once share each weight tile (B) among the band's rows and
     read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole

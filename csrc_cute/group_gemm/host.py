@@ -444,7 +444,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
     "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index) for static
     (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
-    wgrad and its gathered variants, row scale, fused SwiGLU, SwiGLU backward): this tile configuration
+    wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward): this tile configuration
     instead of the op's own choice (config.py), e.g. another tile, raster or cluster shape
     (benchmarks/bench_tiles.py, their tests)."""
     if config is not None:
@@ -480,6 +480,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
 
 _CONFIGURABLE = dict(fwd=compile_group_gemm, dgrad=compile_group_gemm_dgrad, dgrad2=compile_group_gemm_dgrad2,
                      wgrad=compile_group_gemm_wgrad, swiglu=compile_group_gemm_swiglu,
+                     swiglu_gather=compile_group_gemm_swiglu_gather,
                      row_scale=lambda kd, nd, config: compile_group_gemm_row_scale(kd, nd, config),
                      wgrad_gather=compile_group_gemm_wgrad_gather, wgrad_gather_b=compile_group_gemm_wgrad_gather_b,
                      swiglu_bwd_smem=lambda kd, nd, config: compile_group_gemm_swiglu_bwd(kd, nd, config, "smem"))

@@ -27,18 +27,23 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
     column)) and the epilogue computes ``h = silu(gate) * up`` in fp32 from registers, converts to
     bf16 and stores it through the stmatrix -> shared -> TMA path of the forward kernel. With
     ``store_preact`` it also stores the bf16 pre-activations gate and up (what backward needs).
-    Same persistent raster and device-side tile -> group lookup as the forward.
+    Same persistent raster and device-side tile -> group lookup as the forward. ``config.pingpong``:
+    each consumer warp group computes whole tiles (both accumulators of all ``tile_m`` rows), every other
+    tile of its CTA, its epilogue under the other's mainloop (128 x 96: 192 accumulator registers per
+    thread, as the 128 x 192 pingpong dgrad; QuACK's ``gemm_gated`` runs the 128 x 192 interleaved
+    gate/up tile so).
     """
 
     def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
         self.store_preact = bool(store_preact)
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
         self._init_common(
-            GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, band_m=config.band_m,
-                            tall_m_major=config.tall_m_major, cluster_n=config.cluster_n),
+            GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, config.pingpong, config.band_m,
+                            config.tall_m_major, config.cluster_n),
             LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
             LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
-            self._init_tma_store_epilogue(config.tile_m),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
+            pingpong=config.pingpong,
         )
         self.tile_n = config.tile_n  # columns of h (and of gate, of up) per tile
         self.b_modes = [2, 1, 0]
@@ -158,8 +163,8 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         """One output tile: the MMA of gate and up, then h = silu(gate) * up (fp32) stored bf16, then
         (``store_preact``) gate and up."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
-        read_state, release_state = self.mma_k_tiles(
-            mainloop, read_state, release_state, p.tiled_mma, [c.acc_g, c.acc_u], tCrA, tCrBs, k_count
+        read_state, release_state = self.mma_k_tiles(  # pingpong: the mainloop takes its turn
+            mainloop, read_state, release_state, p.tiled_mma, [c.acc_g, c.acc_u], tCrA, tCrBs, k_count, p, tile
         )
         tRS_rG, tRS_rU, tRS_rD, tRS_rOut = c.tRS_rG, c.tRS_rU, c.tRS_rD, c.tRS_rOut
         size_rD = cute.size(tRS_rOut)
