@@ -444,9 +444,9 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
     "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index) for static
     (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
-    wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward): this tile configuration
-    instead of the op's own choice (config.py), e.g. another tile, raster or cluster shape
-    (benchmarks/bench_tiles.py, their tests)."""
+    wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward):
+    this tile configuration instead of the op's own choice (config.py), e.g. another tile, raster or
+    cluster shape (benchmarks/bench_tiles.py, their tests)."""
     if config is not None:
         return _compile_with_config(op, kd, nd, config)
     if op == "fwd":
