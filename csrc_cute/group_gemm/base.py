@@ -120,14 +120,10 @@ class GroupGemmSm90Base:
     def _tma_load_a(self, a):
         """TMA atom (and its tensor) loading (tile_m, tile_k) tiles of ``a`` into one A stage; in a cluster
         (``cluster_n`` = 2) each CTA loads its share of the tile's rows into every CTA of the cluster."""
-        if self.cluster_n == 1:
-            return cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(self.a_smem_staged, (None, None, 0)),
-                (self.tile_m, self.tile_k),
-            )
+        op = cpasync.CopyBulkTensorTileG2SOp() if self.cluster_n == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
         return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp(), a, cute.slice_(self.a_smem_staged, (None, None, 0)),
-            (self.tile_m, self.tile_k), num_multicast=self.cluster_n,
+            op, a, cute.slice_(self.a_smem_staged, (None, None, 0)), (self.tile_m, self.tile_k),
+            num_multicast=self.cluster_n,
         )
 
     def _tma_load_b(self, b):
@@ -181,21 +177,15 @@ class GroupGemmSm90Base:
     def _launch_persistent(self, kernel, num_tiles, stream):
         """Launch ``kernel`` (a ``self.kernel(...)`` call) on min(#tiles, #SMs) persistent CTAs, or with
         ``cluster_n`` = 2 on min(#tiles, #SMs / 2) clusters of two CTAs (#tiles counts the clusters' tiles)."""
-        if cutlass.const_expr(self.cluster_n == 1):
-            kernel.launch(
-                grid=[cutlass.min(num_tiles, self.num_sms), 1, 1],
-                block=[self.num_threads, 1, 1],
-                min_blocks_per_mp=1,
-                stream=stream,
-            )
-        else:
-            kernel.launch(
-                grid=[cutlass.min(num_tiles, self.num_sms // self.cluster_n) * self.cluster_n, 1, 1],
-                block=[self.num_threads, 1, 1],
-                cluster=[self.cluster_n, 1, 1],
-                min_blocks_per_mp=1,
-                stream=stream,
-            )
+        units = cutlass.min(num_tiles, self.num_sms // self.cluster_n)  # CTAs, or clusters of cluster_n CTAs
+        clustered = {} if self.cluster_n == 1 else dict(cluster=[self.cluster_n, 1, 1])
+        kernel.launch(
+            grid=[units if self.cluster_n == 1 else units * self.cluster_n, 1, 1],
+            block=[self.num_threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+            **clustered,
+        )
 
     @cute.jit
     def warp_roles(self):
@@ -433,14 +423,13 @@ class GroupGemmSm90Base:
         mbarrier per stage for all of them."""
         if cutlass.const_expr(b_descs is None):
             b_descs = [None] * len(b_loads)
+        # in a cluster each CTA's A loads fill the stage in every CTA of it
+        multicast = {} if self.cluster_n == 1 else dict(mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
         for k in cutlass.range(k_count, unroll=1):
             mainloop.producer_acquire(prod_state)
             bar = mainloop.producer_get_barrier(prod_state)
-            if cutlass.const_expr(self.cluster_n == 1):
-                cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
-            else:
-                cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
-                          mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
+            cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
+                      **multicast)
             for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
                 cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
                           tma_desc_ptr=desc)
