@@ -1,4 +1,4 @@
-"""Nsight Compute profile of one call of each GEMM family by ours and QuACK, at the boost clock (1 GPU).
+"""Nsight Compute profile of one call of each GEMM family by ours and QuACK, clocks free (1 GPU).
 
     source .carry/prelude.sh && source .carry/peers.sh && python3 benchmarks/ncu_gemm.py --out $OUT/ncu
     python benchmarks/ncu_gemm.py --smoke          (CPU: the calls run once, no profiler)
@@ -217,7 +217,7 @@ def main(argv=None) -> None:
         ap.add_argument(f"--{k}", dest=k, type=int, default=v)
     ap.add_argument("--layout", default="16 x 4096", help="bench_peers group layout (48 equal, 16 x <rows/16>, "
                     "48 skewed)")
-    ap.add_argument("--families", default="fwd,dgrad,dgrad2,wgrad,swiglu", help="comma-separated GEMM families")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated GEMM families")
     ap.add_argument("--impls", default="ours,quack", help="comma-separated: ours, quack, torch")
     ap.add_argument("--child", action="store_true", help="(internal) the profiled process")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, ours and torch, each call run once")
