@@ -51,7 +51,8 @@ TENSOR_ACTIVE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained
 UNITS = {"Duration": {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0},
          "SM Frequency": {"hz": 1e-6, "cycle/second": 1e-6, "khz": 1e-3, "mhz": 1.0, "ghz": 1e3,
                           "cycle/usecond": 1.0, "cycle/nsecond": 1e3},
-         "Dynamic Shared Memory Per Block": {"byte": 1 / 1024, "kbyte": 1000 / 1024, "kibyte": 1.0}}
+         "Dynamic Shared Memory Per Block": {"byte": 1 / 1024, "byte/block": 1 / 1024, "kbyte": 1000 / 1024,
+                                             "kibyte": 1.0}}
 SMOKE = dict(H=64, F=32, E=8, S=64, K=2, P=16, rows=512)
 
 
