@@ -254,7 +254,9 @@ def plot(payload: dict, path: str) -> None:
 
     keys = list(payload["rows"])
     names = sorted({n for r in payload["rows"].values() for n, c in r.items() if isinstance(c, dict) and "tflops" in c})
-    panels = [("ms", "burst")] + ([("sustained_ms", "sustained at the power cap")] if payload.get("sustained_s") else [])
+    panels = [("ms", "burst")]
+    if payload.get("sustained_s"):
+        panels.append(("sustained_ms", "sustained at the power cap"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, len(keys) * 1.1), 4.5 * len(panels)), squeeze=False)
     width = 0.8 / max(1, len(names))
     for ax, (field, title) in zip(axes[:, 0], panels):

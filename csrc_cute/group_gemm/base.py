@@ -462,43 +462,30 @@ class GroupGemmSm90Base:
         warpgroup.commit_group()
 
     @cute.jit
-    def mma_k_tiles(
-        self,
-        mainloop,
-        read_state,
-        release_state,
-        tiled_mma: cute.TiledMma,
-        accs,  # one fp32 accumulator per B ring
-        tCrA: cute.Tensor,
-        tCrBs,
-        k_count: cutlass.Int32,
-        p=None,
-        tile=None,
-    ):
-        """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k (one wgmma batch in
-        flight). The caller sets the tiled MMA's ACCUMULATE field once, before its tile loop. With
-        ``tile`` (pingpong; ``p`` the kernel's params) the mainloop takes its turn: it waits for it once
-        the accumulators are zeroed and passes it as soon as its last batch is issued, so that the other
-        warp group's first batch queues behind that one on the tensor cores instead of starting after it
-        has drained (ncu of the 128 x 192 dgrad that passed it after ``wait_group(0)``: tensor pipe
-        active 94.3% of the cycles, QuACK's pingpong 99.5%; results/ncu_gemm_ab0de90.json)."""
+    def mma_k_tiles(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
+                    k_count: cutlass.Int32, tile: cutlass.Int32):
+        """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k for ``tile`` (one wgmma batch in
+        flight; ``p`` the kernel's params, ``p.tiled_mma`` its MMA, whose ACCUMULATE field the consumers set
+        once, before their tile loop). Pingpong: the mainloop takes its turn, waiting for it once the
+        accumulators are zeroed and passing it as soon as its last batch is issued, so that the other warp
+        group's first batch queues behind that one on the tensor cores instead of starting after it has
+        drained (ncu of the 128 x 192 dgrad that passed it after ``wait_group(0)``: tensor pipe active 94.3%
+        of the cycles, QuACK's pingpong 99.5%; results/ncu_gemm_ab0de90.json)."""
         for acc in accs:
             acc.fill(0.0)
-        if cutlass.const_expr(tile is not None):
-            self.wait_mainloop_turn(tile)
+        self.wait_mainloop_turn(tile)
         warpgroup.fence()
         n_pro = 1 if k_count > 0 else 0
         for k in cutlass.range(n_pro, unroll=1):
-            self.mma_stage(mainloop, read_state, tiled_mma, accs, tCrA, tCrBs)
+            self.mma_stage(mainloop, read_state, p.tiled_mma, accs, tCrA, tCrBs)
             read_state.advance()
         for k in cutlass.range(n_pro, k_count, unroll=1):
-            self.mma_stage(mainloop, read_state, tiled_mma, accs, tCrA, tCrBs)
+            self.mma_stage(mainloop, read_state, p.tiled_mma, accs, tCrA, tCrBs)
             warpgroup.wait_group(1)
             mainloop.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
-        if cutlass.const_expr(tile is not None):
-            self.pass_mainloop_turn(p, tile)
+        self.pass_mainloop_turn(p, tile)
         warpgroup.wait_group(0)
         for k in cutlass.range(n_pro, unroll=1):
             mainloop.consumer_release(release_state)
@@ -556,7 +543,7 @@ class GroupGemmSm90Base:
         ring). A warp group passes over the other's ring stages without waiting on or releasing
         them: ``passed`` counts the ring stages before a tile (the k tiles of every earlier tile of
         the CTA, the scheduler's ``tile_stages``) and each tile starts from the pipeline state that
-        many stages in. The family's ``consume_tile`` runs its mainloop as ``mma_k_tiles(..., p, tile)``
+        many stages in. The family's ``consume_tile`` runs its mainloop as ``mma_k_tiles(p, ..., tile)``
         (a tile without one calls ``wait_mainloop_turn`` / ``pass_mainloop_turn`` itself), so the
         mainloops take turns and each epilogue runs under the other warp group's mainloop."""
         epi_count = cutlass.Int32(0)

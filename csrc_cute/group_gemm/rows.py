@@ -148,7 +148,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         m_idx, n_idx, k_count = self.row_work(p, tile)
         # pingpong: the mainloop takes its turn; the other warp group's runs under this epilogue
         read_state, release_state = self.mma_k_tiles(
-            mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count, p, tile
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
         )
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)

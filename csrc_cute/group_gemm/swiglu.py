@@ -164,7 +164,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         (``store_preact``) gate and up."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
         read_state, release_state = self.mma_k_tiles(  # pingpong: the mainloop takes its turn
-            mainloop, read_state, release_state, p.tiled_mma, [c.acc_g, c.acc_u], tCrA, tCrBs, k_count, p, tile
+            p, mainloop, read_state, release_state, [c.acc_g, c.acc_u], tCrA, tCrBs, k_count, tile
         )
         tRS_rG, tRS_rU, tRS_rD, tRS_rOut = c.tRS_rG, c.tRS_rU, c.tRS_rD, c.tRS_rOut
         size_rD = cute.size(tRS_rOut)

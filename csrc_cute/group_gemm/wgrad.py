@@ -185,7 +185,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         is_home = g < p.num_home
         if is_home | (k_count > 0):  # the mainloop takes its turn (pingpong) in mma_k_tiles
             read_state, release_state = self.mma_k_tiles(
-                mainloop, read_state, release_state, p.tiled_mma, [c.acc], tCrA, tCrBs, k_count, p, tile
+                p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
             )
             epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
         else:  # a skipped item takes and passes the turn too
