@@ -287,7 +287,7 @@ class GroupGemmSm90Base:
             thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB)) for sB in sBs]
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled per tile
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # off for a tile's first k block (p.first_mma)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         return mma_tidx, thr_mma, tCrA, tCrBs, read_state, release_state
@@ -451,36 +451,42 @@ class GroupGemmSm90Base:
 
 
     @cute.jit
-    def mma_stage(self, mainloop, read_state, tiled_mma: cute.TiledMma, accs, tCrA: cute.Tensor, tCrBs):
+    def mma_stage(self, p, mainloop, read_state, accs, tCrA: cute.Tensor, tCrBs, first: bool = False):
         """Wait for ring stage ``read_state`` and commit its wgmma batch: every k block, every
-        accumulator."""
+        accumulator; ``first`` (a tile's first stage): its first k block overwrites the accumulators."""
         mainloop.consumer_wait(read_state)
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             coord = (None, None, kb, read_state.index)
+            mma = p.first_mma if cutlass.const_expr(first and kb == 0) else p.tiled_mma
             for acc, tCrB in zip(accs, tCrBs):
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                cute.gemm(mma, acc, tCrA[coord], tCrB[coord], acc)
         warpgroup.commit_group()
 
     @cute.jit
     def mma_k_tiles(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
                     k_count: cutlass.Int32, tile: cutlass.Int32):
         """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k for ``tile`` (one wgmma batch in
-        flight; ``p`` the kernel's params, ``p.tiled_mma`` its MMA, whose ACCUMULATE field the consumers set
-        once, before their tile loop). Pingpong: the mainloop takes its turn, waiting for it once the
-        accumulators are zeroed and passing it as soon as its last batch is issued, so that the other warp
-        group's first batch queues behind that one on the tensor cores instead of starting after it has
-        drained (ncu of the 128 x 192 dgrad that passed it after ``wait_group(0)``: tensor pipe active 94.3%
-        of the cycles, QuACK's pingpong 99.5%; results/ncu_gemm_ab0de90.json)."""
-        for acc in accs:
+        flight; ``p`` the kernel's params: ``p.tiled_mma``, ``p.first_mma``); zeros without k tiles. The
+        first k block overwrites the accumulators (``p.first_mma``: ACCUMULATE off), so no wgmma reads the
+        zeros: accumulated onto them, the second accumulator block's zero moves landed after the tile's
+        first wgmma and ptxas waited for that one to complete before the next (sm_90a SASS of every
+        kernel with two accumulator blocks a warp group, e.g. the 128 x 192 pingpong dgrad and the fused
+        SwiGLU: a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` in each tile's first stage; the one-block kernels'
+        SASS is unchanged by this). Pingpong: the mainloop takes its turn, waiting for it before its first
+        wgmma and passing it as soon as its last batch is issued, so that the other warp group's first batch
+        queues behind that one on the tensor cores instead of starting after it has drained (ncu of the
+        128 x 192 dgrad that passed it after ``wait_group(0)``: tensor pipe active 94.3% of the cycles,
+        QuACK's pingpong 99.5%; results/ncu_gemm_ab0de90.json)."""
+        for acc in accs:  # what a tile without k tiles stores
             acc.fill(0.0)
         self.wait_mainloop_turn(tile)
         warpgroup.fence()
         n_pro = 1 if k_count > 0 else 0
         for k in cutlass.range(n_pro, unroll=1):
-            self.mma_stage(mainloop, read_state, p.tiled_mma, accs, tCrA, tCrBs)
+            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs, first=True)
             read_state.advance()
         for k in cutlass.range(n_pro, k_count, unroll=1):
-            self.mma_stage(mainloop, read_state, p.tiled_mma, accs, tCrA, tCrBs)
+            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs)
             warpgroup.wait_group(1)
             mainloop.consumer_release(release_state)
             release_state.advance()
@@ -491,7 +497,6 @@ class GroupGemmSm90Base:
             mainloop.consumer_release(release_state)
             release_state.advance()
         return read_state, release_state
-
 
     @cute.jit
     def is_full_tile(self, m_idx, n_idx, dims):
@@ -516,6 +521,10 @@ class GroupGemmSm90Base:
             p.tma_a, p.mA, sA, [(tma_b, mB, sBs[ring]) for tma_b, mB, ring in p.b_operands]
         )
         p.k_tiles = k_tiles
+        # the MMA of a tile's first k block (mma_k_tiles), which overwrites the accumulators: ACCUMULATE off,
+        # set here, outside every dynamic branch and loop, so that it dominates each use
+        p.first_mma = p.tiled_mma.with_()
+        p.first_mma.set(warpgroup.Field.ACCUMULATE, False)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
