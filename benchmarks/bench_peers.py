@@ -13,7 +13,8 @@ Sections
          buffers come from the symmetric-memory allocator and are reported apart, `ours_symmetric_gb`);
          `ours_rows`: ours with EPGroup(gather_rows=False) (dispatch writes the rows [NvS, H], re-dispatched
          in backward: the default before the gathered path; the default at R = 1 reads the tokens by index
-         in its GEMMs and writes no rows).
+         in its GEMMs and writes no rows); `step_gpu_idle`: three steps back to back profiled, per step the
+         host's enqueue time and the GPU's span, busy and idle time with the longest gaps (common.gpu_idle).
   gemm   each GEMM family at H=7168, F=2048 in three group layouts (65536 rows in 48 equal groups; 16 x 2048;
          48 skewed groups: a maxvio-4 routing's per-expert rows, each padded to 128):
            fwd         y = x_g @ W_g                 [M, H] x [G, H, F]
@@ -72,7 +73,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (Bench, apply_smoke_defaults, kernel_breakdown, names_option, run_info,  # noqa: E402
+from benchmarks.common import (Bench, apply_smoke_defaults, gpu_idle, kernel_breakdown, names_option, run_info,  # noqa: E402
                                short_error, symmetric_bytes, time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
@@ -318,6 +319,7 @@ def measure_layer(b: Bench, name: str, impl, x: torch.Tensor, g: torch.Tensor, r
     res["peak_gb"], res["step_gb"] = peak, None if peak is None else peak - resident
     if b.cuda:
         res.update(gpu_time_split(kernel_breakdown(train_step, show=name == "ours", top=None)))
+        res["step_gpu_idle"] = gpu_idle(train_step)
     clear()
     b.log(f"layer {name:14s} fwd {res['fwd_ms']:.3f} ms, infer {res['infer_ms']:.3f} ms, fwd+bwd "
           f"{res['fwd_bwd_ms']:.3f} ms; max rel err {max(v for k, v in res.items() if k.endswith('_err')):.2e}")
@@ -649,6 +651,12 @@ def table(payload: dict) -> list[str]:
             if layer[i].get("gpu_ms") is not None:
                 lines.append(f"  {i}: one profiled fwd+bwd step {layer[i]['gpu_ms']:.2f} ms GPU time, GEMM "
                              f"{layer[i]['gemm_gpu_ms']:.2f} ms, non-GEMM {layer[i]['non_gemm_gpu_ms']:.2f} ms")
+            idle = layer[i].get("step_gpu_idle")
+            if idle:
+                lines.append(f"  {i}: 3 steps back to back, per step: enqueued in {idle['enqueue_ms']:.2f} ms (host), "
+                             f"GPU span {idle['span_ms']:.2f} ms, busy {idle['busy_ms']:.2f}, idle {idle['idle_ms']:.2f}; "
+                             "longest gaps " + ", ".join(f"{us:.0f} us before {b[:40]}"
+                                                         for us, _, b in idle["longest_gaps"][:3]))
         if payload.get("ours_symmetric_gb") is not None:
             lines.append(f"  ours' symmetric buffers (not in the allocator's peak): {payload['ours_symmetric_gb']:.2f} GB")
         for i in impls:

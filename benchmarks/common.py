@@ -334,6 +334,47 @@ def host_syncs(step) -> list[str]:
     return profile_step(step)[0]
 
 
+def busy_union(items: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """(span, busy, gaps) of GPU items (start, end, name) sorted by start: span from the first start to the
+    last end, busy the length of the union of their intervals, gaps every idle interval as (length, the
+    item that ended last before it, the item after it), longest first."""
+    busy, gaps, end, before = 0.0, [], float("-inf"), None
+    for start, stop, name in items:
+        if before is not None and start > end:
+            gaps.append((start - end, before, name))
+        if stop > end:  # the union grows by the part of this item past the latest end so far
+            busy += stop - max(start, end)
+            end, before = stop, name
+    span = end - items[0][0] if items else 0.0
+    return span, busy, sorted(gaps, key=lambda g: -g[0])
+
+
+def gpu_idle(step, steps: int = 3, gaps: int = 4) -> dict:
+    """Where the GPU waits in `steps` back-to-back runs of `step` (after a synchronize), per step, ms: the
+    host time to enqueue them (no profiler; near the GPU time, the launches pace the GPU), then under
+    torch.profiler the GPU items' span, busy time and idle time (busy_union), with the `gaps` longest idle
+    gaps in us and the items on either side of each (a sync or a slow host path shows as a gap before the
+    item it delays)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    enqueue_ms = (time.perf_counter() - t) * 1e3 / steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    span, busy, found = busy_union(sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                                          if e.device_type == DeviceType.CUDA))
+    per_step = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
+    return dict(enqueue_ms=round(enqueue_ms, 3), span_ms=per_step(span), busy_ms=per_step(busy),
+                idle_ms=per_step(span - busy), longest_gaps=[(round(us, 1), a[:80], b[:80]) for us, a, b in found[:gaps]])
+
+
 def kernel_breakdown(step, show: bool, top: int | None = 25) -> list[tuple[str, float]]:
     """GPU time per kernel name over one step (torch.profiler), ms, largest first (the first `top`, or
     all with None); printed (the first 25) if `show`."""

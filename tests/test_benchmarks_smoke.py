@@ -250,6 +250,17 @@ def test_peers_gpu_time_split_names_gemm_kernels():
                                                         "void at::native::vectorized_elementwise_kernel<add>"]
 
 
+def test_busy_union_of_overlapping_items_and_gaps():
+    """Items worked by hand (us): a [0, 10], b [4, 6] inside a, c [8, 14] overlapping a's end, then a 6 us gap,
+    d [20, 25], a 5 us gap, e [30, 31]: span 31, busy 14 + 5 + 1 = 20, the gaps longest first named by the
+    item that ended last before each (c, not the earlier-starting b) and the one after it."""
+    from benchmarks.common import busy_union
+
+    items = [(0.0, 10.0, "a"), (4.0, 6.0, "b"), (8.0, 14.0, "c"), (20.0, 25.0, "d"), (30.0, 31.0, "e")]
+    assert busy_union(items) == (31.0, 20.0, [(6.0, "c", "d"), (5.0, "d", "e")])
+    assert busy_union([]) == (0.0, 0.0, [])
+
+
 def test_copies_greedy_oracle_on_a_hand_made_plan():
     """bench_copies' oracles on a plan worked by hand: donor rank 0 (experts 45, 43, 37, 30 rows) gives 53 rows
     to rank 1, then 43 to rank 2. The consecutive cut: rank 1 takes e0 + 8 of e1, rank 2 the rest of e1 + 8
