@@ -16,7 +16,6 @@ from csrc_cute.group_gemm import (
     group_gemm_wgrad_gather,
     group_gemm_wgrad_gather_b,
     select_config,
-    select_dgrad2_config,
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
@@ -30,17 +29,12 @@ def test_select_config_rejects_small_pad():
     assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1)  # cooperative, M-major
     assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1)
     assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1)  # M-major too
-    # the dgrad's and the down projection's at H = 7168 (28 tiles of 256): pingpong 128 x 192 in bands of 16
-    # M tiles (WIDE_ROWS_BAND)
+    # the dgrad's, the dgrad2's and the down projection's at H = 7168 (28 tiles of 256): pingpong 128 x 192 in
+    # bands of 16 M tiles (WIDE_ROWS_BAND)
     assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1)
     assert select_wide_rows_config(128, 2048, 132) == select_config(128, 2048, 132)  # 8 tiles: cooperative
     assert select_wide_rows_config(128, 2049, 132).pingpong and select_wide_rows_config(128, 2049, 132).band_m == 16
     assert select_wide_rows_config(64, 7168, 132) == select_config(64, 7168, 132)  # tile_M 64: cooperative
-    # the dgrad2 in bands of 64 M tiles where the output has more than 8 n tiles (DGRAD2_BAND, BANDED_N_TILES)
-    assert tuple(select_dgrad2_config(128, 7168, 132)) == (128, 256, 132, False, 64, False, 2)  # in clusters
-    assert select_dgrad2_config(128, 2049).band_m == 64 and select_dgrad2_config(128, 2048).band_m == 0
-    assert select_dgrad2_config(128, 2049).cluster_n == 2 and select_dgrad2_config(128, 2048).cluster_n == 1
-    assert select_dgrad2_config(128, 7168, 1).cluster_n == 1 and select_dgrad2_config(128, 7168, 1).band_m == 64
     # the fused SwiGLU: every group in bands of 16 M tiles (SWIGLU_BAND); M-major at 8 n tiles
     assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1)
     assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1)

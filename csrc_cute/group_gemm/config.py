@@ -46,29 +46,22 @@ class GroupGemmConfig(tuple):
 
 
 H100_H200_NUM_SMS = 132
-# The raster (GroupGemmConfig.band_m, tall_m_major) of the dgrad2, the fused SwiGLU and the SwiGLU backward
-# where the output has more than BANDED_N_TILES n tiles; the forward, dgrad and row-scale kernels stay
-# M-major. Tile sweeps at H = 7168, F = 2048, P = 128 (48 equal groups / 16 x 4096 / 48 skewed), each
-# candidate's time over the M-major one's: the dgrad2 in bands of 64 M tiles 0.94/0.96/0.91 and
-# 0.98/0.98/0.96 in two H200 runs at 456724f / 4d6def9 (results/bench_tiles_456724f.json, the second with
-# rotated rounds: results/bench_tiles_rotated_h200.log), where bands of 16 took 1.00/1.00/0.97 and
-# 1.03/1.01/0.99 (0.86/0.92/0.90 at d6c9627, results/bench_tiles_d6c9627.json, where 64 took 0.84/0.93/0.96);
-# the fused SwiGLU with only the groups of at most 16 M tiles banded 0.97/0.98/0.98 and 0.98/1.00/0.99
-# (bands of 16 everywhere: 1.00/1.00/1.00 and 1.00/1.00/0.99), but at the board's power cap (bench_tiles
+# The raster (GroupGemmConfig.band_m, tall_m_major) of the fused SwiGLU and the SwiGLU backward where the
+# output has more than BANDED_N_TILES n tiles; the forward stays M-major (the dgrad, dgrad2 and row-scale
+# kernels: select_wide_rows_config). Tile sweeps at H = 7168, F = 2048, P = 128 (48 equal groups / 16 x 4096 /
+# 48 skewed), each candidate's time over the M-major one's: the fused SwiGLU with only the groups of at most
+# 16 M tiles banded 0.97/0.98/0.98 and 0.98/1.00/0.99 in two H200 runs at 456724f / 4d6def9
+# (results/bench_tiles_456724f.json, the second with rotated rounds: results/bench_tiles_rotated_h200.log;
+# bands of 16 everywhere: 1.00/1.00/1.00 and 1.00/1.00/0.99), but at the board's power cap (bench_tiles
 # --sustained-s at eca93ff, results/bench_tiles_eca93ff.json: each candidate 1.5 s back to back) bands of 16
 # everywhere took 0.97/0.97/0.96 of the M-major time and short groups alone 0.97/1.00/0.98 (burst, same run:
 # 0.97/0.99/0.99 and 0.95/1.00/1.00), so the SwiGLU bands every group; the SwiGLU backward in bands of 16
-# 0.99/1.00/0.99 and 0.99/1.00/0.96 (short groups alone the same within 1%). The forward and the dgrad
-# (one weight, 8 / 28 n tiles) were faster banded only at 48 equal groups in the d6c9627 run (the dgrad
-# 0.91x), elsewhere at most 1% faster and up to 15% slower. At 48 equal groups (11 M tiles)
-# the three rasters walk the same tiles in the same order, and their times still differed by up to 4%:
-# that is the resolution of one sweep.
-DGRAD2_BAND = (64, False)
-# The banded dgrad2 in clusters of two CTAs that share each A tile (GroupGemmConfig.cluster_n): in two H200
-# sweeps of session 18 (results/bench_tiles_fb51b4d.json, bench_tiles_b179bdb.json) 0.99/0.98/1.01 and
-# 1.00/0.98/0.98 of the banded kernel's time without clusters (pingpong 128 x 192: 0.98/1.00/1.07 in the
-# second; cooperative 128 x 256 stays the tile).
-DGRAD2_CLUSTER_N = 2
+# 0.99/1.00/0.99 and 0.99/1.00/0.96 (short groups alone the same within 1%). The forward (one weight, 8 n
+# tiles) was faster banded only at 48 equal groups in the d6c9627 run, elsewhere at most 1% faster and up
+# to 15% slower. At 48 equal groups (11 M tiles) the three rasters walk the same tiles in the same order,
+# and their times still differed by up to 4%: that is the resolution of one sweep. The fused SwiGLU's
+# pingpong option (128 x 96) took 1.04-1.05x the banded cooperative tile's time at the cap in bands of 16,
+# 1.07-1.09x M-major (results/bench_tiles_6127f68.json).
 SWIGLU_BAND = (16, False)
 SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8
@@ -114,30 +107,24 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 # results/bench_tiles_ec8e04b.json, without the banded pingpong candidates: cooperative banded 0.96-0.97x
 # M-major pingpong). In the burst timing (the board below its cap) the M-major pingpong tile was 0.5-3% faster
 # than the banded one and 3-6% faster than the cooperative banded tile (as in session 18's sweeps,
-# results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json, which chose it).
+# results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json, which chose it). The dgrad2 (two operand pairs,
+# Kd = H) takes the same tile since session 21: at f5d15ce (results/bench_tiles_f5d15ce.json, after the
+# pingpong turn change and the first-k-block overwrite) it took 0.97/0.97/0.97 of the previous choice's
+# time at the cap (cooperative 128 x 256 in bands of 64 in clusters of two CTAs, sessions 17-18:
+# results/bench_tiles_456724f.json, bench_tiles_b179bdb.json) and 0.97/0.99/0.97 in bursts; over QuACK's
+# K = 2F GEMM 1.017/1.011/1.031x at the cap, 1.001/0.977/1.017x in bursts.
 WIDE_ROWS_PINGPONG_TILE_N = 192
 WIDE_ROWS_BAND = (16, False)
 
 
 def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of the dgrad (``nd`` = its output's Kd columns) and of the row-scaled forward: ``select_config``'s,
-    or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in WIDE_ROWS_BAND's raster where that has tile_M 128 and more
-    than BANDED_N_TILES n tiles."""
+    """Tile of the dgrad and the dgrad2 (``nd`` = their output's Kd columns) and of the row-scaled forward:
+    ``select_config``'s, or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in WIDE_ROWS_BAND's raster where that has
+    tile_M 128 and more than BANDED_N_TILES n tiles."""
     base = select_config(pad, nd, num_sms)
     if base.tile_m == 128 and _wide(nd, base.tile_n):
         return GroupGemmConfig(128, WIDE_ROWS_PINGPONG_TILE_N, num_sms, True, *WIDE_ROWS_BAND)
     return base
-
-
-def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of the dgrad of two operand pairs: ``select_config``'s over the output's Kd columns; where Kd
-    has more than BANDED_N_TILES n tiles, in DGRAD2_BAND's raster and in clusters of two CTAs sharing the A
-    tiles (DGRAD2_CLUSTER_N)."""
-    base = select_config(pad, kd, num_sms)
-    band = _row_band(kd, base.tile_n, DGRAD2_BAND)
-    clustered = band[0] and num_sms >= DGRAD2_CLUSTER_N  # (a device of one SM: no cluster of two)
-    return GroupGemmConfig(base.tile_m, base.tile_n, num_sms, False, *band,
-                           cluster_n=DGRAD2_CLUSTER_N if clustered else 1)
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:

@@ -22,7 +22,6 @@ from .config import (
     H100_H200_NUM_SMS,
     GroupGemmConfig,
     select_config,
-    select_dgrad2_config,
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
@@ -454,7 +453,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op == "dgrad":
         return compile_group_gemm_dgrad(kd, nd, select_wide_rows_config(pad, kd, num_sms))
     if op == "dgrad2":
-        return compile_group_gemm_dgrad2(kd, nd, select_dgrad2_config(pad, kd, num_sms))
+        return compile_group_gemm_dgrad2(kd, nd, select_wide_rows_config(pad, kd, num_sms))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op == "wgrad_gather":
