@@ -543,10 +543,10 @@ def gemm_flops(fam: str, M: int, H: int, F: int) -> float:
     return 2.0 * M * H * F * (2 if fam in ("swiglu", "dgrad2") else 1)
 
 
-def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
-    """Every family x layout for the implementations `impls` (ours, torch, quack) into st["rows"]: each checked,
-    then all timed in rotated rounds (``time_round_robin``); a later call with more implementations re-times
-    the row's earlier ones beside them."""
+def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool = True) -> None:
+    """Every family x layout for the implementations `impls` (ours, torch, quack) into st["rows"]: each checked
+    and warmed, then (`timed`) all timed in rotated rounds (``time_round_robin``); a later call checks and
+    times the row's earlier ones again beside the new ones."""
     o = b.opts
     H, F, P = o["H"], o["F"], o["P"]
     if "layouts" not in st:
@@ -576,7 +576,7 @@ def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
                     b.log(f"gemm {fam} {lname} {impl}: failed: {short_error(e)}")
                     traceback.print_exc()
             b.sync()
-            if calls:  # in rotated rounds: the implementations share the GPU's clock and power state
+            if calls and timed:  # in rotated rounds: the implementations share the GPU's clock and power state
                 for impl, ms in time_round_robin(calls, lambda c: b.time_ms(c, repeats=1), o["repeats"]).items():
                     row.update({f"{impl}_ms": ms, f"{impl}_tflops": row["flops"] / ms / 1e9})
                     b.log(f"gemm {fam:10s} {lname:12s} {impl:6s} {ms:8.3f} ms {row[f'{impl}_tflops']:7.1f} TF/s "
@@ -735,15 +735,15 @@ def run(opts: dict) -> dict:
     layer, gemm, errors = {}, {}, {}
     sections = dict(layer=(layer_section, layer), gemm=(gemm_section, gemm))
 
-    def section(name: str, impls: list[str], peers: dict) -> None:
-        """One section for `impls` (those --impls keeps); a failure outside the per-implementation guards
-        (inputs, the fp32 reference) is recorded and the run goes on to the next section."""
+    def section(name: str, impls: list[str], peers: dict, **kw) -> None:
+        """One section for `impls` (those --impls keeps; `kw` to its function); a failure outside the
+        per-implementation guards (inputs, the fp32 reference) is recorded and the run goes on."""
         impls = [i for i in impls if i in opts["impls"]]
         if name not in opts["only"] or name in errors or not impls:
             return
         fn, st = sections[name]
         try:
-            fn(b, st, impls, peers)
+            fn(b, st, impls, peers, **kw)
         except Exception as e:  # noqa: BLE001
             errors[name] = short_error(e)
             b.log(f"{name}: failed: {errors[name]}")
@@ -751,13 +751,12 @@ def run(opts: dict) -> dict:
         b.free()
 
     section("layer", ["ours", "ours_rows", "torch", "torch_compiled"], {})
-    section("gemm", ["ours", "torch"], {})
+    section("gemm", ["ours", "torch"], {}, timed=False)  # compiled here: importing quack serialises compiles
     mods, status = load_peers(cuda)
     b.log("peers: " + "; ".join(f"{k} {v}" for k, v in status.items()))
     if "sonicmoe" in mods:
         section("layer", ["sonicmoe"], mods)
-    if "quack" in mods:  # ours and torch again, timed beside QuACK (their first pass compiled ours before the import)
-        section("gemm", ["ours", "torch", "quack"], mods)
+    section("gemm", ["ours", "torch"] + (["quack"] if "quack" in mods else []), mods)
     dist.destroy_process_group()
     info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], section_errors=errors,
                 device=opts["device"],
