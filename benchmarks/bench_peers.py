@@ -677,9 +677,9 @@ def table(payload: dict) -> list[str]:
             idle = layer[i].get("step_gpu_idle")
             if idle:
                 lines.append(f"  {i}: 3 steps back to back, per step: enqueued in {idle['enqueue_ms']:.2f} ms (host), "
-                             f"GPU span {idle['span_ms']:.2f} ms, busy {idle['busy_ms']:.2f}, idle {idle['idle_ms']:.2f}; "
-                             "longest gaps " + ", ".join(f"{us:.0f} us before {b[:40]}"
-                                                         for us, _, b in idle["longest_gaps"][:3]))
+                             f"GPU span {idle['span_ms']:.2f} ms, busy {idle['busy_ms']:.2f}, "
+                             f"idle {idle['idle_ms']:.2f}; longest gaps "
+                             + ", ".join(f"{us:.0f} us before {b[:40]}" for us, _, b in idle["longest_gaps"][:3]))
         if payload.get("ours_symmetric_gb") is not None:
             lines.append(f"  ours' symmetric buffers (not in the allocator's peak): {payload['ours_symmetric_gb']:.2f} GB")
         for i in impls:

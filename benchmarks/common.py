@@ -372,7 +372,8 @@ def gpu_idle(step, steps: int = 3, gaps: int = 4) -> dict:
                                           if e.device_type == DeviceType.CUDA))
     per_step = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
     return dict(enqueue_ms=round(enqueue_ms, 3), span_ms=per_step(span), busy_ms=per_step(busy),
-                idle_ms=per_step(span - busy), longest_gaps=[(round(us, 1), a[:80], b[:80]) for us, a, b in found[:gaps]])
+                idle_ms=per_step(span - busy),
+                longest_gaps=[(round(us, 1), a[:80], b[:80]) for us, a, b in found[:gaps]])
 
 
 def kernel_breakdown(step, show: bool, top: int | None = 25) -> list[tuple[str, float]]:

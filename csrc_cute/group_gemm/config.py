@@ -111,8 +111,8 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 # Kd = H) takes the same tile since session 21: at f5d15ce (results/bench_tiles_f5d15ce.json, after the
 # pingpong turn change and the first-k-block overwrite) it took 0.97/0.97/0.97 of the previous choice's
 # time at the cap (cooperative 128 x 256 in bands of 64 in clusters of two CTAs, sessions 17-18:
-# results/bench_tiles_456724f.json, bench_tiles_b179bdb.json) and 0.97/0.99/0.97 in bursts; over QuACK's
-# K = 2F GEMM 1.017/1.011/1.031x at the cap, 1.001/0.977/1.017x in bursts.
+# results/bench_tiles_456724f.json, bench_tiles_b179bdb.json) and 0.97/0.99/0.97 in bursts; QuACK's
+# K = 2F GEMM took 1.017/1.011/1.031x its time at the cap, 1.001/0.977/1.017x in bursts.
 WIDE_ROWS_PINGPONG_TILE_N = 192
 WIDE_ROWS_BAND = (16, False)
 
