@@ -14,8 +14,7 @@ Sections
          `ours_rows`: ours with EPGroup(gather_rows=False) (dispatch writes the rows [NvS, H], re-dispatched
          in backward: the default before the gathered path; the default at R = 1 reads the tokens by index
          in its GEMMs and writes no rows); `step_gpu_idle`: three steps back to back profiled, per step the
-         host's enqueue time and the GPU's span, busy and idle time with the longest gaps (common.gpu_idle);
-         `graph_fwd_bwd_ms` (ours, ours_rows): the training step captured in one CUDA graph and replayed.
+         host's enqueue time and the GPU's span, busy and idle time with the longest gaps (common.gpu_idle).
   gemm   each GEMM family at H=7168, F=2048 in three group layouts (65536 rows in 48 equal groups; 16 x 2048;
          48 skewed groups: a maxvio-4 routing's per-expert rows, each padded to 128):
            fwd         y = x_g @ W_g                 [M, H] x [G, H, F]
@@ -74,7 +73,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (Bench, apply_smoke_defaults, capture, gpu_idle, kernel_breakdown,  # noqa: E402
+from benchmarks.common import (Bench, apply_smoke_defaults, gpu_idle, kernel_breakdown,  # noqa: E402
                                names_option, run_info, short_error, symmetric_bytes, time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
@@ -321,30 +320,10 @@ def measure_layer(b: Bench, name: str, impl, x: torch.Tensor, g: torch.Tensor, r
     if b.cuda:
         res.update(gpu_time_split(kernel_breakdown(train_step, show=name == "ours", top=None)))
         res["step_gpu_idle"] = gpu_idle(train_step)
-        if name in GRAPHED:
-            res.update(graph_step_ms(b, lambda: impl(xg).backward(g), clear))
     clear()
     b.log(f"layer {name:14s} fwd {res['fwd_ms']:.3f} ms, infer {res['infer_ms']:.3f} ms, fwd+bwd "
           f"{res['fwd_bwd_ms']:.3f} ms; max rel err {max(v for k, v in res.items() if k.endswith('_err')):.2e}")
     return res
-
-
-# the implementations whose training step is captured in a CUDA graph too (ours: no host sync by design)
-GRAPHED = ("ours", "ours_rows")
-
-
-def graph_step_ms(b: Bench, step, clear) -> dict:
-    """`step` (forward + backward) captured once in a CUDA graph (common.capture) and its replay timed as the
-    eager step is: the step's time without the host's launches ({"graph_fwd_bwd_ms"}), or the capture's
-    error ({"graph_error"})."""
-    try:
-        graph, _ = capture(step, max(2, b.opts["warmup"]), clear)
-        ms = b.time_ms(graph.replay)
-        del graph
-        return dict(graph_fwd_bwd_ms=ms)
-    except Exception as e:  # noqa: BLE001  (recorded, the run goes on)
-        torch.cuda.synchronize()
-        return dict(graph_error=short_error(e))
 
 
 # matrix-product kernels (ours, QuACK's/SonicMoE's CuTe GEMMs, cuBLAS) by kernel name; the rest is the
@@ -672,8 +651,6 @@ def table(payload: dict) -> list[str]:
             if layer[i].get("gpu_ms") is not None:
                 lines.append(f"  {i}: one profiled fwd+bwd step {layer[i]['gpu_ms']:.2f} ms GPU time, GEMM "
                              f"{layer[i]['gemm_gpu_ms']:.2f} ms, non-GEMM {layer[i]['non_gemm_gpu_ms']:.2f} ms")
-            if layer[i].get("graph_fwd_bwd_ms") is not None:
-                lines.append(f"  {i}: fwd+bwd replayed as one CUDA graph {layer[i]['graph_fwd_bwd_ms']:.3f} ms")
             idle = layer[i].get("step_gpu_idle")
             if idle:
                 lines.append(f"  {i}: 3 steps back to back, per step: enqueued in {idle['enqueue_ms']:.2f} ms (host), "
