@@ -15,7 +15,8 @@ the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.ba
 in clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and pingpong
 128 x 192 (QuACK's default tile) M-major or in bands of 64 or 16 M tiles; the same for the row-scaled
 forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at
-128 x 192, each with and without clusters; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in
+128 x 192, each with and without clusters, and its two gathered variants (ours only) at those two tiles without
+clusters; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in
 bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands of 16), and the
 SwiGLU backward (always pingpong, shared-memory epilogue) at 128 x 160 in those three rasters.
 ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
@@ -48,9 +49,10 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # bands of 16 and the short-groups-only raster (config.py's comment), their M-major and pingpong tiles in
 # clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
 # backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the
-# layer's down projection, y = (h @ W_down) * row_w, K = F, N = H) and ``wgrad_gather`` (the layer's gate/up
-# wgrad at R = 1: x's rows read by a random permutation row_src) are ours only: QuACK has no GEMM with a row
-# scale nor a varlen-K one with gathered rows.
+# layer's down projection, y = (h @ W_down) * row_w, K = F, N = H), ``wgrad_gather`` (the layer's gate/up
+# wgrad at R = 1: x's rows read by a random permutation row_src) and ``wgrad_gather_b`` (the layer's down
+# projection's: dW = dy^T x[row_src], Kd = F, Nd = H, B's rows gathered) are ours only: QuACK has no GEMM
+# with a row scale nor a varlen-K one with gathered rows.
 QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False))
@@ -58,6 +60,7 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
                   wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False)),
+                  wgrad_gather_b=((128, 256, False, 0, False), (128, 192, True, 0, False)),
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False)),
                   swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True)))
@@ -104,6 +107,11 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
         a = (x, gather_rows(d)) if fam == "wgrad_gather" else (x,)  # the gathered wgrad's A: x read by row_src
         return (lambda: fn(*a, dy, ends, dw, no_slot)), (lambda _: (dw,))
+    if fam == "wgrad_gather_b":  # dW [G, F, H] = dy^T x[row_src]: A = dy's rows by TMA, B = x's read by row_src
+        fn = host.compile_op(fam, F, H, P, cfg.num_sms, cfg)
+        dw = shared_empty(d, fam, 0, w.shape[0], F, H)
+        no_slot = host._no_slots_f32(dw)
+        return (lambda: fn(dy, x, gather_rows(d), ends, dw, no_slot)), (lambda _: (dw,))
     if fam == "swiglu":
         fn = host.compile_op("swiglu", H, F, P, cfg.num_sms, cfg)
         h, gate, up = (shared_empty(d, fam, i, M, F) for i in range(3))
@@ -118,7 +126,7 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
 
 
 def gather_rows(d: dict) -> torch.Tensor:
-    """The wgrad_gather family's row_src: a random permutation of x's rows (int32, made once per layout)."""
+    """The gathered wgrads' row_src: a random permutation of x's rows (int32, made once per layout)."""
     if "row_src" not in d:
         gen = torch.Generator(device=d["x"].device).manual_seed(int(d["x"].shape[0]))
         d["row_src"] = torch.randperm(d["x"].shape[0], generator=gen, device=d["x"].device).int()
@@ -126,11 +134,14 @@ def gather_rows(d: dict) -> torch.Tensor:
 
 
 def family_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
-    """bench_peers' fp32 reference of `fam`, or of the families only bench_tiles has (row_scale, wgrad_gather)."""
+    """bench_peers' fp32 reference of `fam`, or of the families only bench_tiles has (row_scale, the gathered
+    wgrads)."""
     if fam == "row_scale":
         return row_scale_reference(d)
     if fam == "wgrad_gather":
         return gemm_reference("wgrad", dict(d, x=d["x"][gather_rows(d).long()]))
+    if fam == "wgrad_gather_b":  # per group dy_g^T x[row_src]_g
+        return gemm_reference("wgrad", dict(d, x=d["dy"], dy=d["x"][gather_rows(d).long()]))
     return gemm_reference(fam, d)
 
 

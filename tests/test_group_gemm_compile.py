@@ -124,6 +124,22 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
         assert ptx.count("ld.global.f32") == 4
 
 
+def test_wgrad_gather_b_pingpong_option_compiles_sm90a_no_spills(tmp_path):
+    """The gathered-B wgrad (the down projection's) at the wgrad's pingpong 128 x 192: m64n192 wgmma, the
+    mainloops taking turns on named barriers, the epilogue's 64 x 32 TMA-store sub-tiles; its B stage of
+    192 columns copied by 96 of the 128 producer threads (24 chunks a k row, 4 k rows a pass: 16 k rows, 16
+    cp.async a thread a k tile; the fourth warp skips the copies and only arrives, so the full barriers
+    still count 1 + 128)."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    ptx = compile_one_kernel_no_spills(tmp_path, "wgrad_gather_b", 2048, 7168, 128, GroupGemmConfig(128, 192, 132, True))
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma and all("m64n192k16" in ln for ln in mma), mma[:1]
+    assert "bar.arrive" in ptx and "bar.sync" in ptx
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == (128 // 64) * (192 // 32)
+    check_gathered_wgrad_b(ptx, tile_m=128, tile_n=192, k_rows=16)
+
+
 @pytest.mark.parametrize("op", ["swiglu", "swiglu_gather"])
 def test_swiglu_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
     """The fused SwiGLU's pingpong option at 128 x 96 (each warp group both 128 x 96 accumulators: m64n96
@@ -285,13 +301,13 @@ def check_gathered_swiglu_bwd_a(ptx: str, tile_m: int, subtiles: int):
     assert ptx.count("prefetch.tensormap") == 2 + 5
 
 
-def check_gathered_wgrad_b(ptx: str, tile_m: int, tile_n: int):
+def check_gathered_wgrad_b(ptx: str, tile_m: int, tile_n: int, k_rows: int | None = None):
     """The wgrad's gathered B operand (N-major, k rows of g_out by index): one 16-byte cp.async per k row a
-    producer thread owns (tile_n / 16 of a k tile's 64), predicated (zero fill), in the one k-tile loop;
-    noinc arrivals; full barriers of 1 + 128 arrivals; no TMA load (nor descriptor) of B: the k tile's
-    2-D loads are A's (tile_m / 64 boxes of 64 rows of h_w^T), the prefetched descriptors A's and the
-    store's."""
-    check_cp_async_gather(ptx, copies=tile_n // 16, commits=1)
+    producer thread owns (``k_rows``; by default tile_n / 16 of a k tile's 64: 128 threads, tile_n / 8 a k
+    row), predicated (zero fill), in the one k-tile loop; noinc arrivals; full barriers of 1 + 128
+    arrivals; no TMA load (nor descriptor) of B: the k tile's 2-D loads are A's (tile_m / 64 boxes of 64
+    rows of h_w^T), the prefetched descriptors A's and the store's."""
+    check_cp_async_gather(ptx, copies=k_rows or tile_n // 16, commits=1)
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == tile_m // 64
     assert ptx.count("prefetch.tensormap") == 2
 
@@ -349,9 +365,10 @@ def test_wgrad_gather_copy_covers_the_a_stage_once(tile_m):
     assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
 
 
-@pytest.mark.parametrize("tile_m, tile_n", [(128, 256), (64, 128)])
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 256), (64, 128), (128, 192)])
 def test_wgrad_gather_b_copy_covers_the_b_stage_once(tile_m, tile_n):
-    """The gathered-B wgrad's N-major cp.async copy: the 128 producer threads' partitions of a (tile_n, 64) B
+    """The gathered-B wgrad's N-major cp.async copy: the copying producer threads' partitions (all 128; 96 at
+    tile_n = 192: 24 chunks a k row, 4 k rows a pass) of a (tile_n, 64) B
     stage (N = H columns of g_out, 64 k rows) cover every element exactly once, each copy 8 consecutive N
     elements of one k row (16 contiguous bytes of one token row of g_out), and the stage's shared layout
     (the swizzled N-major one TMA fills and wgmma reads) keeps every such chunk 8 consecutive, 16-byte

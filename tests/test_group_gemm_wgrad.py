@@ -401,6 +401,24 @@ def test_wgrad_gather_b_equals_wgrad_on_gathered_rows(pad):
 
 
 @gpu
+def test_wgrad_gather_b_pingpong_tiles_equal_the_wgrad():
+    # the gathered-B wgrad with pingpong 128 x 192 consumers, its B stage of 192 columns copied by 96 of the
+    # 128 producer threads: Nd = 1000 (a partial last n tile), home and slot items, an empty slot group,
+    # padding rows; 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    epn = 5
+    lengths = random_lengths(128, epn, 3, 7, seed=33)
+    x, _, _, _, cu = random_bwd_problem(lengths, epn, kd=384, nd=64, n_total=sum(lengths) + 128, seed=33)
+    g_out = random_tokens(301, 1000, seed=34)
+    row_src = random_row_src(cu, x.shape[0], g_out.shape[0], 35)
+    kernel = compile_op("wgrad_gather_b", 384, 1000, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))
+    check_gathered_wgrad(lambda h, s: kernel(x, g_out, row_src, cu, h, s), x, gathered_rows(g_out, row_src), cu,
+                         epn, 128, 36)
+
+
+@gpu
 def test_wgrad_gather_b_design_shape():
     # the down projection's wgrad: A = h_w^T [F = 2048, N], B = g_y [N, H = 7168] gathered from g_out
     # [S = 8192, H], P = 128; ~22k rows, 8 home + 2 slot groups (an empty one of each, an all-padding home group)

@@ -66,17 +66,32 @@ class TmaCpAsyncPipeline(pipeline.PipelineTmaAsync):
         cute.arch.cp_async_mbarrier_arrive_noinc(self.producer_get_barrier(state, loc=loc, ip=ip), loc=loc, ip=ip)
 
 
+def gather_copy_threads(tile_m: int, tile_k: int, m_major: bool = False) -> int:
+    """How many of the ``GATHER_THREADS`` producer threads copy a (tile_m, tile_k) stage (``make_gather_copy``):
+    all of them, except for an M-major stage whose line of ``tile_m / 8`` chunks does not divide them (tile_m
+    = 192: 24 chunks a k row, 4 k rows a pass: 96 threads; the rest issue no copy and only arrive)."""
+    if not m_major:
+        return GATHER_THREADS
+    per_line = tile_m // CHUNK_ELEMS
+    lines = GATHER_THREADS // per_line
+    while tile_k % lines:  # every pass whole k rows, the passes covering the stage's tile_k rows
+        lines -= 1
+    return per_line * lines
+
+
 def make_gather_copy(tile_m: int, tile_k: int, m_major: bool = False, dtype=cutlass.BFloat16):
     """The tiled copy of a (tile_m, tile_k) operand stage (A's, or B's with tile_m = tile_n) by
-    ``GATHER_THREADS`` threads, 16 bytes each, along the stage's contiguous mode: K-major, ``tile_k / 8``
+    ``gather_copy_threads`` threads, 16 bytes each, along the stage's contiguous mode: K-major, ``tile_k / 8``
     threads per row (one 128-byte line for tile_k = 64), 16 rows per pass; M-major (``m_major``), ``tile_m
-    / 8`` threads per k row (8 consecutive M elements each), ``1024 / tile_m`` k rows per pass."""
+    / 8`` threads per k row (8 consecutive M elements each), as many k rows per pass as the threads allow
+    (``1024 / tile_m`` for a power-of-two tile_m)."""
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=CHUNK_ELEMS * dtype.width)
     if m_major:
         per_line = tile_m // CHUNK_ELEMS
-        assert GATHER_THREADS % per_line == 0 and tile_k % (GATHER_THREADS // per_line) == 0, (tile_m, tile_k)
-        threads = cute.make_layout((per_line, GATHER_THREADS // per_line), stride=(1, per_line))
+        lines = gather_copy_threads(tile_m, tile_k, m_major) // per_line
+        assert tile_m % CHUNK_ELEMS == 0 and lines >= 1, (tile_m, tile_k)
+        threads = cute.make_layout((per_line, lines), stride=(1, per_line))
         return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((CHUNK_ELEMS, 1)))
     per_row = tile_k // CHUNK_ELEMS
     assert GATHER_THREADS % per_row == 0 and tile_m % (GATHER_THREADS // per_row) == 0, (tile_m, tile_k)
@@ -99,10 +114,14 @@ class GatherOperandMixin:
     def _init_gather(self):
         # every producer thread holds the source rows and addresses of up to 8 rows: with two consumer
         # warp groups registers move from them (128 x (56 + 2 x 224) = 64 512 <= 65 536, as 40 / 232
-        # today); one consumer warp group keeps its 240
+        # today); one consumer warp group keeps its 240. The pingpong gathered-B wgrad (128 x 192) keeps
+        # the base's 232 and gives its producer 48: at 56 / 224 ptxas spilled 4 bytes (sm_90a, the compile
+        # test), at 48 / 232 none
         self.load_regs = 56
         if self.num_mma_wg == 2:
             self.mma_regs = 224
+        if self.pingpong and self.gather_b:
+            self.load_regs, self.mma_regs = 48, 232
 
     @cute.jit
     def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
@@ -128,6 +147,11 @@ class GatherOperandMixin:
         """The gathered stage's non-K extent: tile_n for a gathered B, tile_m for A."""
         return self.tile_n if self.gather_b else self.tile_m
 
+    @property
+    def gather_threads(self) -> int:
+        """How many producer threads copy the gathered stage (``gather_copy_threads``)."""
+        return gather_copy_threads(self.gather_tile, self.tile_k, self.gather_m_major)
+
     @cute.jit
     def partition_gather(self, mA, sA: cute.Tensor):
         """``mA`` = (x, row_src): this producer thread's view of the gathered operand (``KernelParams``: x,
@@ -135,7 +159,9 @@ class GatherOperandMixin:
         its chunks of the operand's stages ``sA`` (CPY, RestM, RestK, stage)."""
         x, row_src = mA
         tidx, _, _ = cute.arch.thread_idx()
-        thr_copy = make_gather_copy(self.gather_tile, self.tile_k, self.gather_m_major).get_slice(tidx % GATHER_THREADS)
+        # a thread past the copying ones takes a copying thread's slice but issues no copy (load_gathered_k_rows)
+        thr_copy = make_gather_copy(self.gather_tile, self.tile_k, self.gather_m_major).get_slice(
+            tidx % GATHER_THREADS % self.gather_threads)
         tAsA = thr_copy.partition_D(sA)
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.gather_tile, self.tile_k)))
         return KernelParams(x=x, row_src=row_src, thr_copy=thr_copy, tAcA=tAcA), tAsA
@@ -269,11 +295,9 @@ class GatherKRowsMixin(GatherOperandMixin):
     def load_gathered_k_rows(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, tma_load,
                              k_start: cutlass.Int32, k_count: cutlass.Int32):
         """Producer thread: k tiles [k_start, k_start + k_count) into the ring. Per k tile warp 0 issues the
-        TMA operand's load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every thread its
-        chunks of the gathered operand's tile ``m_idx`` (``gather_tile`` columns of x from ``m_idx *
-        gather_tile``, into ``tAsA``), one 16-byte cp.async per k row from the row's token of x (8
-        consecutive columns), predicated off (zero fill) for rows without a token and, in a partial last
-        tile, columns past x's (the address clamped to token 0)."""
+        TMA operand's load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every copying
+        thread (``gather_threads``) its chunks of the gathered operand's tile ``m_idx``
+        (``copy_gathered_k_rows``); every thread arrives on the stage's full barrier."""
         tma_b, tBgB, tBsB = tma_load
         tile_g = self.gather_tile
         thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
@@ -286,7 +310,6 @@ class GatherKRowsMixin(GatherOperandMixin):
         src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
         next_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
         self.fetch_k_sources(gather, k_start, next_src)
-        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
         for k in cutlass.range(k_count, unroll=1):
             for j in cutlass.range_constexpr(k_rows):
                 src[j] = next_src[j]
@@ -296,18 +319,31 @@ class GatherKRowsMixin(GatherOperandMixin):
             if is_tma_warp:
                 cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, stage)],
                           tma_bar_ptr=mainloop.producer_get_barrier(prod_state))
-            for j in cutlass.range_constexpr(k_rows):
-                # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
-                # partition then picks this thread's chunk of it (same column offsets as the stage)
-                row = cute.local_tile(x, (1, tile_g), (cutlass.max(src[j], 0), m_idx))
-                tAgA = thr_copy.partition_S(
-                    cute.make_tensor(row.iterator, cute.make_layout((tile_g, self.tile_k), stride=(1, 0)))
-                )
-                pred[0] = (src[j] >= 0) & in_m
-                cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
+            if cutlass.const_expr(self.gather_threads < GATHER_THREADS):  # whole warps copy or not
+                if cute.arch.thread_idx()[0] % GATHER_THREADS < self.gather_threads:
+                    self.copy_gathered_k_rows(thr_copy, x, src, in_m, m_idx, tAsA, stage)
+            else:
+                self.copy_gathered_k_rows(thr_copy, x, src, in_m, m_idx, tAsA, stage)
             mainloop.producer_cpasync_commit(prod_state)
             prod_state.advance()
         return prod_state
+
+    @cute.jit
+    def copy_gathered_k_rows(self, thr_copy, x, src: cute.Tensor, in_m, m_idx, tAsA: cute.Tensor, stage):
+        """This thread's cp.async chunks of one stage of the gathered M- (N-) major operand: per k row j the
+        8 columns of tile ``m_idx`` from token ``src[j]``'s row of x, zero filled where ``src[j] < 0`` or
+        outside ``in_m``."""
+        tile_g = self.gather_tile
+        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
+        for j in cutlass.range_constexpr(cute.size(src)):
+            # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
+            # partition then picks this thread's chunk of it (same column offsets as the stage)
+            row = cute.local_tile(x, (1, tile_g), (cutlass.max(src[j], 0), m_idx))
+            tAgA = thr_copy.partition_S(
+                cute.make_tensor(row.iterator, cute.make_layout((tile_g, self.tile_k), stride=(1, 0)))
+            )
+            pred[0] = (src[j] >= 0) & in_m
+            cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
 
 
 class GatherKRowsBMixin(GatherKRowsMixin):
@@ -339,7 +375,7 @@ class GatherKRowsBMixin(GatherKRowsMixin):
 
 def gather_copy_coverage(kernel) -> dict:
     """CPU check of a gathered-operand kernel's copy on one stage of that operand (layout algebra at trace
-    time only). Per thread (``GATHER_THREADS``) the (row, column) of every value of its partition of a
+    time only). Per copying thread (``gather_threads``) the (row, column) of every value of its partition of a
     (``gather_tile``, 64) stage, in copies of ``CHUNK_ELEMS`` values, and where the stage's shared layout
     (the swizzled ``a_smem_staged``, or ``b_smem_staged`` for a gathered B, that TMA fills, as ``kernel``
     builds it) puts each of them. Returns: how many values
@@ -357,7 +393,7 @@ def gather_copy_coverage(kernel) -> dict:
         kernel._setup_mainloop()
         copy = make_gather_copy(kernel.gather_tile, kernel.tile_k, kernel.gather_m_major)
         stage = cute.make_identity_tensor((kernel.gather_tile, kernel.tile_k))
-        for coords in partition_coords(lambda t: copy.get_slice(t).partition_D(stage), GATHER_THREADS):
+        for coords in partition_coords(lambda t: copy.get_slice(t).partition_D(stage), kernel.gather_threads):
             seen.extend(coords)
         staged = kernel.b_smem_staged if kernel.gather_b else kernel.a_smem_staged
         layout = cute.slice_(staged, (None, None, 0))
