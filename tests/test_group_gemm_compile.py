@@ -132,7 +132,8 @@ def test_wgrad_gather_b_pingpong_option_compiles_sm90a_no_spills(tmp_path):
     still count 1 + 128)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
-    ptx = compile_one_kernel_no_spills(tmp_path, "wgrad_gather_b", 2048, 7168, 128, GroupGemmConfig(128, 192, 132, True))
+    config = GroupGemmConfig(128, 192, 132, True)
+    ptx = compile_one_kernel_no_spills(tmp_path, "wgrad_gather_b", 2048, 7168, 128, config)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma and all("m64n192k16" in ln for ln in mma), mma[:1]
     assert "bar.arrive" in ptx and "bar.sync" in ptx
