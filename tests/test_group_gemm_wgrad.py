@@ -298,21 +298,27 @@ def test_wgrad_gather_equals_wgrad_on_gathered_rows(pad):
 
 
 @gpu
-def test_wgrad_gather_pingpong_tiles_equal_the_cooperative_kernel():
-    # the gathered wgrad with pingpong 128 x 192 consumers (each warp group whole items, alternating; the
-    # four producer warps gathering): Nd = 1000 (a partial last n tile), home and slot items, an empty slot
-    # group, padding rows; 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
+@pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_b"])
+def test_gathered_wgrad_pingpong_tiles_equal_the_wgrad(op):
+    # the gathered wgrads with pingpong 128 x 192 consumers (each warp group whole items, alternating; the
+    # four producer warps gathering; the gathered B's stage of 192 columns copied by 96 of their 128
+    # threads): Nd = 1000 (a partial last n tile), home and slot items, an empty slot group, padding rows;
+    # 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
     epn = 5
     lengths = random_lengths(128, epn, 3, 7, seed=12)
-    _, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=384, nd=1000, n_total=sum(lengths) + 128, seed=12)
-    x = random_tokens(301, 384, seed=13)
-    row_src = random_row_src(cu, dy.shape[0], x.shape[0], 4)
-    kernel = compile_op("wgrad_gather", 384, 1000, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))
-    check_gathered_wgrad(lambda h, s: kernel(x, row_src, dy, cu, h, s), gathered_rows(x, row_src), dy, cu, epn,
-                         128, 12)
+    rows, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=384, nd=1000, n_total=sum(lengths) + 128, seed=12)
+    tokens = random_tokens(301, 384 if op == "wgrad_gather" else 1000, seed=13)
+    row_src = random_row_src(cu, dy.shape[0], tokens.shape[0], 4)
+    kernel = compile_op(op, 384, 1000, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))
+    if op == "wgrad_gather":  # A = the tokens' rows gathered, B = dy
+        check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, dy, cu, h, s), gathered_rows(tokens, row_src), dy,
+                             cu, epn, 128, 12)
+    else:  # A = rows by TMA, B = the tokens' rows gathered
+        check_gathered_wgrad(lambda h, s: kernel(rows, tokens, row_src, cu, h, s), rows,
+                             gathered_rows(tokens, row_src), cu, epn, 128, 12)
 
 
 @gpu
@@ -398,24 +404,6 @@ def test_wgrad_gather_b_equals_wgrad_on_gathered_rows(pad):
     none = torch.full((x.shape[0],), -1, dtype=torch.int32, device="cuda")
     _, dwh, _ = check_wgrad_gather_b(x, g_out[:0], none, cu, 3, pad=pad)
     assert not dwh.any()
-
-
-@gpu
-def test_wgrad_gather_b_pingpong_tiles_equal_the_wgrad():
-    # the gathered-B wgrad with pingpong 128 x 192 consumers, its B stage of 192 columns copied by 96 of the
-    # 128 producer threads: Nd = 1000 (a partial last n tile), home and slot items, an empty slot group,
-    # padding rows; 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
-    from csrc_cute.group_gemm.config import GroupGemmConfig
-    from csrc_cute.group_gemm.host import compile_op
-
-    epn = 5
-    lengths = random_lengths(128, epn, 3, 7, seed=33)
-    x, _, _, _, cu = random_bwd_problem(lengths, epn, kd=384, nd=64, n_total=sum(lengths) + 128, seed=33)
-    g_out = random_tokens(301, 1000, seed=34)
-    row_src = random_row_src(cu, x.shape[0], g_out.shape[0], 35)
-    kernel = compile_op("wgrad_gather_b", 384, 1000, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))
-    check_gathered_wgrad(lambda h, s: kernel(x, g_out, row_src, cu, h, s), x, gathered_rows(g_out, row_src), cu,
-                         epn, 128, 36)
 
 
 @gpu
