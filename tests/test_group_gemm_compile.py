@@ -35,11 +35,11 @@ def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int, 
         return f.read().decode(errors="replace")
 
 
-def layout_probe(module: str, probe: str, tile_m: int, tile_n: int) -> dict:
+def layout_probe(module: str, probe: str, tile_m: int, tile_n: int, **kwargs) -> dict:
     """Run layout probe `probe` of csrc_cute/group_gemm/<module>.py (CuTe layout algebra at trace time,
     no GPU) in the sm_90a compile child (csrc_cute/compile_check.py); returns the dict it returns."""
     value, _ = compile_check.run_in_compile_child(f"csrc_cute.group_gemm.{module}:{probe}",
-                                                  dict(tile_m=tile_m, tile_n=tile_n), timeout=600)
+                                                  dict(tile_m=tile_m, tile_n=tile_n, **kwargs), timeout=600)
     return value
 
 
@@ -74,10 +74,22 @@ def test_compile_sm90a_no_spills(tmp_path, pad):
         ("wgrad_gather", 520, 136, 64),
         # B's k rows gathered from g_out by index (cp.async), A = h_w by TMA: the down projection's wgrad
         ("wgrad_gather_b", 2048, 7168, 128),
+        # the down projection's wgrad as the gathered-A wgrad of dW^T (Kd = H, Nd = F), stored transposed
+        ("wgrad_gather_t", 7168, 2048, 128),
+        ("wgrad_gather_t", 520, 136, 64),
     ],
 )
 def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
     ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, pad)
+    if op == "wgrad_gather_t":
+        # dW^T's tiles are M-major in dW: every shared sub-tile written transposed (stmatrix .trans), its
+        # 64 x 32 (pingpong) or tile_m x 32 sub-tiles stored by one TMA store per 64 rows (128 bytes: the
+        # swizzle atom's width)
+        cfg = select_wgrad_config(pad, kd, nd)
+        stm = [ln for ln in ptx.splitlines() if "stmatrix" in ln]
+        assert stm and all(".trans" in ln for ln in stm), stm[:1]
+        assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == (cfg.tile_m // 64) * (cfg.tile_n // 32)
+        op = "wgrad_gather"
     if op == "wgrad_gather":
         check_gathered_wgrad_a(ptx, tile_m=128, tile_n=select_wgrad_config(pad, kd, nd).tile_n)
         op = "wgrad"
@@ -377,6 +389,18 @@ def test_wgrad_gather_b_copy_covers_the_b_stage_once(tile_m, tile_n):
     res = layout_probe("wgrad", "wgrad_gather_b_copy_coverage", tile_m, tile_n)
     n = tile_n * 64
     assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
+
+
+@pytest.mark.parametrize("tile_m, tile_n, pingpong, dw_m_major", [(128, 192, True, True), (128, 256, False, True),
+                                                                  (64, 128, False, True), (128, 192, True, False)])
+def test_wgrad_store_reads_each_subtile_of_the_accumulator(tile_m, tile_n, pingpong, dw_m_major):
+    """The wgrad's home-tile store takes sub-tile e of its output from the retiled accumulator's sub-tile e,
+    for the N-major gradient and for the M-major one (stmatrix transposing; the down projection's dW^T):
+    checked for every thread and value against the real layouts (CPU)."""
+    res = layout_probe("wgrad", "wgrad_store_pairing", tile_m, tile_n, pingpong=pingpong, dw_m_major=dw_m_major)
+    threads = 128 if pingpong or tile_m == 64 else 256
+    subtiles = (tile_m // 64 if pingpong else 1) * (tile_n // 32)
+    assert res == dict(threads=threads, subtiles=subtiles, per_subtile=16, covered=True, mismatches=0), res
 
 
 @pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 160)])

@@ -298,12 +298,13 @@ def test_wgrad_gather_equals_wgrad_on_gathered_rows(pad):
 
 
 @gpu
-@pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_b"])
+@pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_b", "wgrad_gather_t"])
 def test_gathered_wgrad_pingpong_tiles_equal_the_wgrad(op):
     # the gathered wgrads with pingpong 128 x 192 consumers (each warp group whole items, alternating; the
     # four producer warps gathering; the gathered B's stage of 192 columns copied by 96 of their 128
-    # threads): Nd = 1000 (a partial last n tile), home and slot items, an empty slot group, padding rows;
-    # 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
+    # threads; wgrad_gather_t: the gathered-A wgrad of dW^T into the transposed gradients, the down
+    # projection's): Nd = 1000 (a partial last n tile; wgrad_gather_t: a partial last m tile), home and slot
+    # items, an empty slot group, padding rows; 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
@@ -312,13 +313,17 @@ def test_gathered_wgrad_pingpong_tiles_equal_the_wgrad(op):
     rows, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=384, nd=1000, n_total=sum(lengths) + 128, seed=12)
     tokens = random_tokens(301, 384 if op == "wgrad_gather" else 1000, seed=13)
     row_src = random_row_src(cu, dy.shape[0], tokens.shape[0], 4)
-    kernel = compile_op(op, 384, 1000, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))
+    kd, nd = (1000, 384) if op == "wgrad_gather_t" else (384, 1000)
+    kernel = compile_op(op, kd, nd, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))
     if op == "wgrad_gather":  # A = the tokens' rows gathered, B = dy
         check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, dy, cu, h, s), gathered_rows(tokens, row_src), dy,
                              cu, epn, 128, 12)
-    else:  # A = rows by TMA, B = the tokens' rows gathered
+    elif op == "wgrad_gather_b":  # A = rows by TMA, B = the tokens' rows gathered
         check_gathered_wgrad(lambda h, s: kernel(rows, tokens, row_src, cu, h, s), rows,
                              gathered_rows(tokens, row_src), cu, epn, 128, 12)
+    else:  # dW^T: A = the tokens' rows gathered, B = rows by TMA, stored into the transposes of dW
+        check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, rows, cu, h.transpose(1, 2), s.transpose(1, 2)),
+                             rows, gathered_rows(tokens, row_src), cu, epn, 128, 12)
 
 
 @gpu

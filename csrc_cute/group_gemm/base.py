@@ -298,13 +298,7 @@ class GroupGemmSm90Base:
         register -> shared copy (``retile`` maps accumulators onto it), this thread's slots of the
         shared sub-tile ring, its fp32 and bf16 sub-tile registers, the storing group's named
         barrier, the TMA store pipeline and the group's first slot (``epi_slot``)."""
-        copy_atom_r2s = sm90_utils.get_smem_store_op(
-            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-        )
-        copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-        )
-        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+        tiled_copy_r2s = self.make_r2s_copy(tiled_mma)
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
         tRS_sD = thr_copy_r2s.partition_D(sC)
         rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
@@ -322,6 +316,16 @@ class GroupGemmSm90Base:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_mma_threads),
         )
         return tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe, slot0
+
+    def make_r2s_copy(self, tiled_mma: cute.TiledMma):
+        """The epilogue's register -> shared copy (stmatrix) of ``tiled_mma``'s accumulators, bf16."""
+        copy_atom_r2s = sm90_utils.get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        return cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
 
     def epi_slot(self, slot0, count):
         """The shared slot of a storing group's sub-tile ``count`` (counted over its tiles)."""
@@ -660,3 +664,42 @@ def partition_coords(part_of, n: int) -> list[list[tuple[int, ...]]]:
         base = tuple(int(v) for v in part[0])
         coords.append([tuple(b + o for b, o in zip(base, off)) for off in offsets])
     return coords
+
+
+def epilogue_pairing(kernel, sources) -> dict:
+    """CPU check of a kernel's TMA-store epilogue registers (layout algebra at trace time only): for every
+    consumer thread, sub-tile e of a (tile_m, tile_n) output tile and value v of the register -> shared
+    copy (the (row, column) of the sub-tile that v holds, at the sub-tile's origin), each (sub-tile, column
+    offset) in ``sources(e)`` names the retiled accumulator's sub-tile whose value v the epilogue reads
+    (``acc_subtile_to_bf16``) and where that value must lie: at the (row, column + offset) of the
+    accumulator's tile. Returns the mismatches and the counts checked."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    acc_el: list = []
+    sub_el: list = []
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        r2s = kernel.make_r2s_copy(kernel.tiled_mma)
+        acc = cute.make_identity_tensor((kernel.tile_m, kernel.tile_n))
+        sub = cute.make_identity_tensor(kernel.epi_tile)
+        n = kernel.tile_mma_threads
+        acc_el.extend(partition_coords(lambda t: r2s.retile(kernel.tiled_mma.get_slice(t).partition_C(acc)), n))
+        sub_el.extend(partition_coords(lambda t: r2s.get_slice(t).partition_S(sub), n))
+
+    with expect_no_driver():
+        cute.compile(probe)
+    sub_m, sub_n = kernel.epi_tile
+    per_row = kernel.tile_n // sub_n
+    n_sub = (kernel.tile_m // sub_m) * per_row
+    size = len(sub_el[0])
+    bad = reads = 0
+    for acc, sub in zip(acc_el, sub_el):
+        for e in range(n_sub):
+            r0, c0 = (e // per_row) * sub_m, (e % per_row) * sub_n
+            for chunk, offset in sources(e):
+                reads += 1
+                bad += sum(acc[chunk * size + v] != (sub[v][0] + r0, sub[v][1] + c0 + offset) for v in range(size))
+    return dict(threads=len(acc_el), subtiles=n_sub, per_subtile=size,
+                covered=reads // len(acc_el) * size == len(acc_el[0]), mismatches=int(bad))

@@ -60,6 +60,13 @@ def _fake(dtype, shape, align: int = 16):
     )
 
 
+def _fake_m_major(dtype, shape, align: int = 16):
+    """Fake ``(E, M, N)`` tensor with M contiguous, then N, then E: the transpose of a contiguous [E, N, M]."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=(2, 0, 1), assumed_align=align)
+
+
 def _compile_for_torch(kernel, *fakes):
     """Compile ``kernel`` for the fake arguments; the result takes torch tensors and runs on torch's
     current stream (tvm-ffi environment stream)."""
@@ -146,10 +153,11 @@ def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
 
 
 @compiler
-def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig):
+def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig, dw_m_major: bool = False):
     """The varlen-K wgrad kernel with a gathered A operand: takes (x [S, Kd], row_src [N] int32, dy [N, Nd],
     cu_seqlens, dw_home bf16, dw_slot fp32) and computes what ``compile_group_gemm_wgrad``'s kernel does
-    for ``rows = where(row_src >= 0, x[row_src], 0)``; S and N are independent sizes."""
+    for ``rows = where(row_src >= 0, x[row_src], 0)``; S and N are independent sizes. ``dw_m_major``: dw_home
+    and dw_slot are [*, Kd, Nd] views with Kd contiguous (the transposes of [*, Nd, Kd] tensors)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -159,13 +167,15 @@ def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig):
         from .wgrad import GroupGemmWgradGatherSm90
 
         bf, f32 = cutlass.BFloat16, cutlass.Float32
+        dw = _fake_m_major if dw_m_major else _fake
         return _compile_for_torch(
-            GroupGemmWgradGatherSm90(config),
+            GroupGemmWgradGatherSm90(config, dw_m_major),
             _fake(bf, (s, kd)), _fake(cutlass.Int32, (n,), 4), _fake(bf, (n, nd)), _fake(cutlass.Int32, (ng,), 4),
-            _fake(bf, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
+            dw(bf, (epn, kd, nd)), dw(f32, (nb, kd, nd)),
         )
 
-    return _compile_cached(("group_gemm_wgrad_gather", int(kd), int(nd), tuple(config)), build)
+    key = ("group_gemm_wgrad_gather", int(kd), int(nd), tuple(config)) + (("dw_m_major",) if dw_m_major else ())
+    return _compile_cached(key, build)
 
 
 @compiler
@@ -441,7 +451,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
     "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
-    "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index) for static
+    "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index;
+    "wgrad_gather_t": "wgrad_gather" into Kd-contiguous gradients, the transposes of [*, Nd, Kd]) for static
     (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
     wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward):
     this tile configuration instead of the op's own choice (config.py), e.g. another tile, raster or
@@ -460,6 +471,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
         return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op == "wgrad_gather_b":
         return compile_group_gemm_wgrad_gather_b(kd, nd, select_wgrad_gather_b_config(pad, kd, nd, num_sms))
+    if op == "wgrad_gather_t":
+        return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms), dw_m_major=True)
     if op in ("row_scale", "row_scale_remote"):
         remote = op == "row_scale_remote"  # the remote variant keeps the cooperative tile (pingpong untested)
         config = select_config(pad, nd, num_sms) if remote else select_wide_rows_config(pad, nd, num_sms)
@@ -482,6 +495,7 @@ _CONFIGURABLE = dict(fwd=compile_group_gemm, dgrad=compile_group_gemm_dgrad, dgr
                      swiglu_gather=compile_group_gemm_swiglu_gather,
                      row_scale=lambda kd, nd, config: compile_group_gemm_row_scale(kd, nd, config),
                      wgrad_gather=compile_group_gemm_wgrad_gather, wgrad_gather_b=compile_group_gemm_wgrad_gather_b,
+                     wgrad_gather_t=lambda kd, nd, config: compile_group_gemm_wgrad_gather(kd, nd, config, True),
                      swiglu_bwd_smem=lambda kd, nd, config: compile_group_gemm_swiglu_bwd(kd, nd, config, "smem"))
 
 
@@ -764,14 +778,18 @@ def group_gemm_wgrad(
 
 
 def _launch_wgrad(op: str, sizes: dict[str, int], pad: int, operands, n: int, cu_seqlens, dw_home, dw_slot) -> None:
-    """Launch the (checked) wgrad kernel of ``op`` ("wgrad", "wgrad_gather", "wgrad_gather_b") on its
+    """Launch the (checked) wgrad kernel of ``op`` ("wgrad", "wgrad_gather", "wgrad_gather_b";
+    "wgrad_gather_t": into the transposes of ``dw_home`` and ``dw_slot``, ``sizes`` its (Kd, Nd)) on its
     ``operands`` (its arguments before cu_seqlens) and the rest; with no rows (N = ``n`` = 0) every group is
     empty: the home gradients are zeroed, nothing is launched."""
     fn = _launcher(op, sizes["Kd"], sizes["Nd"], pad, dw_home.device)
     if n == 0:
         dw_home.zero_()
         return
-    fn(*operands, cu_seqlens, dw_home, dw_slot if dw_slot.shape[0] else _no_slots_f32(dw_home))
+    dw_slot = dw_slot if dw_slot.shape[0] else _no_slots_f32(dw_home)
+    if op == "wgrad_gather_t":
+        dw_home, dw_slot = dw_home.transpose(1, 2), dw_slot.transpose(1, 2)
+    fn(*operands, cu_seqlens, dw_home, dw_slot)
 
 
 def _no_slots_f32(dw_home: torch.Tensor) -> torch.Tensor:

@@ -181,5 +181,7 @@ def group_gemm_wgrad_gather_b(
 
     sizes = _check_kernel_args(op, contract, pad, (("x", x), ("dy_src", dy_src), ("dw_home", dw_home)),
                                "dw_home", aligned=(("dw_slot", dw_slot),))
-    _launch_wgrad("wgrad_gather_b", sizes, pad, (x, _token_rows(dy_src, sizes["Nd"]), row_src), x.shape[0],
-                  cu_seqlens, dw_home, dw_slot)
+    # computed as dW_g^T = rows_g^T @ x_g: the gathered-A wgrad (M = Nd over the gathered token rows' columns,
+    # N = Kd), its tiles stored transposed into dW (see docs/design-notes.md, session 22)
+    _launch_wgrad("wgrad_gather_t", {"Kd": sizes["Nd"], "Nd": sizes["Kd"]}, pad,
+                  (_token_rows(dy_src, sizes["Nd"]), row_src, x), x.shape[0], cu_seqlens, dw_home, dw_slot)

@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
 from . import gather
-from .base import GroupGemmSm90Base, KernelParams, partition_coords
+from .base import GroupGemmSm90Base, KernelParams, epilogue_pairing, partition_coords
 from .config import GroupGemmConfig
 from .scheduler import GroupTileScheduler
 
@@ -46,7 +46,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
 
     multicast_a = True  # GroupGemmConfig.cluster_n = 2: two n tiles of one (group, m tile) share its A tiles
 
-    def __init__(self, config: GroupGemmConfig):
+    def __init__(self, config: GroupGemmConfig, dw_m_major: bool = False):
         self._init_common(
             config,
             LayoutEnum.COL_MAJOR,  # A = x^T (Kd, rows): M-major
@@ -54,6 +54,11 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
             self._init_tma_store_epilogue(config.tile_m, config.pingpong),
             pingpong=config.pingpong,
         )
+        # dw_m_major: the gradients are stored Kd contiguous (dw_home and dw_slot the transposes of
+        # [*, Nd, Kd] tensors), the home tiles through an M-major shared sub-tile (stmatrix transposing)
+        self.dw_m_major = bool(dw_m_major)
+        if self.dw_m_major:
+            self.c_layout = LayoutEnum.COL_MAJOR
 
     @cute.jit
     def __call__(
@@ -216,10 +221,12 @@ class GroupGemmWgradGatherSm90(gather.GatherKRowsMixin, GroupGemmWgradSm90):
     A's k rows by cp.async from the producer warp group, each thread 8 consecutive H elements of one
     token row; B = dy^T by TMA as in the plain kernel). Bitwise the plain kernel's outputs for ``rows =
     where(row_src >= 0, x[row_src], 0)``: the A stages hold the same bytes in the same layout, and the
-    mainloop, schedule and epilogues are the plain kernel's."""
+    mainloop, schedule and epilogues are the plain kernel's. With ``dw_m_major`` it also computes the down
+    projection's wgrad, ``dW_down_g^T = g_y_g^T @ h_w_g`` with the gathered g_y as A (x = g_out) into the
+    transposed dW_down (``group_gemm_wgrad_gather_b``)."""
 
-    def __init__(self, config: GroupGemmConfig):
-        super().__init__(config)
+    def __init__(self, config: GroupGemmConfig, dw_m_major: bool = False):
+        super().__init__(config, dw_m_major)
         self._init_gather()
 
     @cute.jit
@@ -302,3 +309,11 @@ def wgrad_gather_b_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
     """CPU check of the gathered-B wgrad's N-major B copy on one (tile_n, 64) B stage:
     ``gather.gather_copy_coverage`` of ``GroupGemmWgradGatherBSm90``. Run with ``CUTE_DSL_ARCH=sm_90a``."""
     return gather.gather_copy_coverage(GroupGemmWgradGatherBSm90(GroupGemmConfig(tile_m, tile_n, 1)))
+
+
+def wgrad_store_pairing(tile_m: int = 128, tile_n: int = 192, pingpong: bool = True, dw_m_major: bool = True) -> dict:
+    """CPU check of the wgrad's home-tile store (``base.epilogue_pairing``): the value v of output sub-tile e
+    that a thread stores is value v of its accumulator's sub-tile e, with the gradient N-major or, with
+    ``dw_m_major``, M-major (the shared sub-tile transposed by stmatrix)."""
+    kernel = GroupGemmWgradSm90(GroupGemmConfig(tile_m, tile_n, 1, pingpong), dw_m_major)
+    return epilogue_pairing(kernel, lambda e: [(e, 0)])
