@@ -50,10 +50,11 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
 # backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the
 # layer's down projection, y = (h @ W_down) * row_w, K = F, N = H), ``wgrad_gather`` (the layer's gate/up
-# wgrad at R = 1: x's rows read by a random permutation row_src) and ``wgrad_gather_b`` (the layer's down
-# projection's: dW = dy^T x[row_src], Kd = F, Nd = H, B's rows gathered; ``wgrad_gather_t`` the same dW as
-# the gathered-A wgrad of its transpose, dW^T = x[row_src]^T dy, stored transposed) are ours only: QuACK has
-# no GEMM with a row scale nor a varlen-K one with gathered rows.
+# wgrad at R = 1: x's rows read by a random permutation row_src) and ``wgrad_gather_t`` (the layer's down
+# projection's: dW = dy^T x[row_src], Kd = F, Nd = H, computed as the gathered-A wgrad of its transpose,
+# dW^T = x[row_src]^T dy, stored transposed; until session 22 a wgrad with B's rows gathered, family
+# ``wgrad_gather_b`` in the older sweeps) are ours only: QuACK has no GEMM with a row scale nor a varlen-K
+# one with gathered rows.
 QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False))
@@ -61,7 +62,6 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
                   wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False)),
-                  wgrad_gather_b=((128, 256, False, 0, False), (128, 192, True, 0, False)),
                   wgrad_gather_t=((128, 192, True, 0, False), (128, 256, False, 0, False)),
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False)),
@@ -109,14 +109,9 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
         a = (x, gather_rows(d)) if fam == "wgrad_gather" else (x,)  # the gathered wgrad's A: x read by row_src
         return (lambda: fn(*a, dy, ends, dw, no_slot)), (lambda _: (dw,))
-    if fam == "wgrad_gather_b":  # dW [G, F, H] = dy^T x[row_src]: A = dy's rows by TMA, B = x's read by row_src
-        fn = host.compile_op(fam, F, H, P, cfg.num_sms, cfg)
-        dw = shared_empty(d, "wgrad_gather_b", 0, w.shape[0], F, H)
-        no_slot = host._no_slots_f32(dw)
-        return (lambda: fn(dy, x, gather_rows(d), ends, dw, no_slot)), (lambda _: (dw,))
-    if fam == "wgrad_gather_t":  # the same dW, as dW^T = x[row_src]^T dy (A gathered, M = H) stored transposed
+    if fam == "wgrad_gather_t":  # dW [G, F, H] = dy^T x[row_src], as dW^T = x[row_src]^T dy (A gathered, M = H)
         fn = host.compile_op(fam, H, F, P, cfg.num_sms, cfg)
-        dw = shared_empty(d, "wgrad_gather_b", 0, w.shape[0], F, H)
+        dw = shared_empty(d, fam, 0, w.shape[0], F, H)
         dw_t, no_slot_t = dw.transpose(1, 2), host._no_slots_f32(dw).transpose(1, 2)
         return (lambda: fn(x, gather_rows(d), dy, ends, dw_t, no_slot_t)), (lambda _: (dw,))
     if fam == "swiglu":
@@ -147,7 +142,7 @@ def family_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
         return row_scale_reference(d)
     if fam == "wgrad_gather":
         return gemm_reference("wgrad", dict(d, x=d["x"][gather_rows(d).long()]))
-    if fam in ("wgrad_gather_b", "wgrad_gather_t"):  # per group dy_g^T x[row_src]_g
+    if fam == "wgrad_gather_t":  # per group dy_g^T x[row_src]_g
         return gemm_reference("wgrad", dict(d, x=d["dy"], dy=d["x"][gather_rows(d).long()]))
     return gemm_reference(fam, d)
 

@@ -82,8 +82,8 @@ _GEMM_VARIANTS = [
     ("wgrad_gather", 520, 136, 64),
     ("swiglu_bwd_gather", 7168, 2048, 128),
     ("swiglu_bwd_gather", 520, 200, 64),
-    ("wgrad_gather_b", 2048, 7168, 128),
-    ("wgrad_gather_b", 136, 520, 64),
+    ("wgrad_gather_t", 7168, 2048, 128),
+    ("wgrad_gather_t", 520, 136, 64),
 ]
 
 # torch dtypes of the kernels' static arguments, written by name so that listing and diffing import

@@ -72,9 +72,8 @@ def test_compile_sm90a_no_spills(tmp_path, pad):
         # A's k rows gathered from x by index (cp.async), B by TMA: the gate/up projection's wgrad
         ("wgrad_gather", 7168, 2048, 128),
         ("wgrad_gather", 520, 136, 64),
-        # B's k rows gathered from g_out by index (cp.async), A = h_w by TMA: the down projection's wgrad
-        ("wgrad_gather_b", 2048, 7168, 128),
-        # the down projection's wgrad as the gathered-A wgrad of dW^T (Kd = H, Nd = F), stored transposed
+        # the down projection's wgrad: the gathered-A wgrad of dW^T (A = g_out's rows by index, Kd = H,
+        # Nd = F), stored transposed
         ("wgrad_gather_t", 7168, 2048, 128),
         ("wgrad_gather_t", 520, 136, 64),
     ],
@@ -92,9 +91,6 @@ def test_backward_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         op = "wgrad_gather"
     if op == "wgrad_gather":
         check_gathered_wgrad_a(ptx, tile_m=128, tile_n=select_wgrad_config(pad, kd, nd).tile_n)
-        op = "wgrad"
-    if op == "wgrad_gather_b":
-        check_gathered_wgrad_b(ptx, tile_m=128 if kd > 64 else 64, tile_n=256 if nd >= 256 else 128)
         op = "wgrad"
     # the tensor cores do the work: wgmma with the operand majorness of the op
     # (imm-trans-a, imm-trans-b: dgrad A and B K-major; wgrad A M-major and B N-major)
@@ -134,23 +130,6 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
                      else "cp.async.bulk.tensor.2d.global.shared") == (128 // 64) * (192 // 32)
     if op == "row_scale":
         assert ptx.count("ld.global.f32") == 4
-
-
-def test_wgrad_gather_b_pingpong_option_compiles_sm90a_no_spills(tmp_path):
-    """The gathered-B wgrad (the down projection's) at the wgrad's pingpong 128 x 192: m64n192 wgmma, the
-    mainloops taking turns on named barriers, the epilogue's 64 x 32 TMA-store sub-tiles; its B stage of
-    192 columns copied by 96 of the 128 producer threads (24 chunks a k row, 4 k rows a pass: 16 k rows, 16
-    cp.async a thread a k tile; the fourth warp skips the copies and only arrives, so the full barriers
-    still count 1 + 128)."""
-    from csrc_cute.group_gemm.config import GroupGemmConfig
-
-    config = GroupGemmConfig(128, 192, 132, True)
-    ptx = compile_one_kernel_no_spills(tmp_path, "wgrad_gather_b", 2048, 7168, 128, config)
-    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    assert mma and all("m64n192k16" in ln for ln in mma), mma[:1]
-    assert "bar.arrive" in ptx and "bar.sync" in ptx
-    assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == (128 // 64) * (192 // 32)
-    check_gathered_wgrad_b(ptx, tile_m=128, tile_n=192, k_rows=16)
 
 
 @pytest.mark.parametrize("op", ["swiglu", "swiglu_gather"])
@@ -314,17 +293,6 @@ def check_gathered_swiglu_bwd_a(ptx: str, tile_m: int, subtiles: int):
     assert ptx.count("prefetch.tensormap") == 2 + 5
 
 
-def check_gathered_wgrad_b(ptx: str, tile_m: int, tile_n: int, k_rows: int | None = None):
-    """The wgrad's gathered B operand (N-major, k rows of g_out by index): one 16-byte cp.async per k row a
-    producer thread owns (``k_rows``; by default tile_n / 16 of a k tile's 64: 128 threads, tile_n / 8 a k
-    row), predicated (zero fill), in the one k-tile loop; noinc arrivals; full barriers of 1 + 128
-    arrivals; no TMA load (nor descriptor) of B: the k tile's 2-D loads are A's (tile_m / 64 boxes of 64
-    rows of h_w^T), the prefetched descriptors A's and the store's."""
-    check_cp_async_gather(ptx, copies=k_rows or tile_n // 16, commits=1)
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == tile_m // 64
-    assert ptx.count("prefetch.tensormap") == 2
-
-
 def check_remote_descriptors(ptx: str, rings: int):
     """The remote variants (``rings`` B rings) build one descriptor per ring, once (its global address
     replaced, one release fence, one acquire per descriptor), and exactly one of the four B-load sets
@@ -375,19 +343,6 @@ def test_wgrad_gather_copy_covers_the_a_stage_once(tile_m):
     elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
     res = layout_probe("wgrad", "wgrad_gather_copy_coverage", tile_m, 128)
     n = tile_m * 64
-    assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
-
-
-@pytest.mark.parametrize("tile_m, tile_n", [(128, 256), (64, 128), (128, 192)])
-def test_wgrad_gather_b_copy_covers_the_b_stage_once(tile_m, tile_n):
-    """The gathered-B wgrad's N-major cp.async copy: the copying producer threads' partitions (all 128; 96 at
-    tile_n = 192: 24 chunks a k row, 4 k rows a pass) of a (tile_n, 64) B
-    stage (N = H columns of g_out, 64 k rows) cover every element exactly once, each copy 8 consecutive N
-    elements of one k row (16 contiguous bytes of one token row of g_out), and the stage's shared layout
-    (the swizzled N-major one TMA fills and wgmma reads) keeps every such chunk 8 consecutive, 16-byte
-    aligned elements: a 16-byte cp.async writes exactly where TMA would (CPU)."""
-    res = layout_probe("wgrad", "wgrad_gather_b_copy_coverage", tile_m, tile_n)
-    n = tile_n * 64
     assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
 
 

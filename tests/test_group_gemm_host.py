@@ -19,7 +19,6 @@ from csrc_cute.group_gemm import (
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
-    select_wgrad_gather_b_config,
     select_wide_rows_config,
 )
 from group_gemm_cases import zero_inputs, zero_swiglu_inputs
@@ -91,8 +90,6 @@ def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
 
 def test_select_wgrad_config():
     assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1)  # pingpong
-    assert tuple(select_wgrad_gather_b_config(128, 2048, 7168, 132)) == (128, 256, 132, False, 0, False, 1)
-    assert select_wgrad_gather_b_config(64, 520, 136, 132) == select_wgrad_config(64, 520, 136, 132)
     assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     with pytest.raises(ValueError, match=r"P \(pad\)"):

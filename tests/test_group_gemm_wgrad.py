@@ -298,13 +298,13 @@ def test_wgrad_gather_equals_wgrad_on_gathered_rows(pad):
 
 
 @gpu
-@pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_b", "wgrad_gather_t"])
+@pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_t"])
 def test_gathered_wgrad_pingpong_tiles_equal_the_wgrad(op):
     # the gathered wgrads with pingpong 128 x 192 consumers (each warp group whole items, alternating; the
-    # four producer warps gathering; the gathered B's stage of 192 columns copied by 96 of their 128
-    # threads; wgrad_gather_t: the gathered-A wgrad of dW^T into the transposed gradients, the down
-    # projection's): Nd = 1000 (a partial last n tile; wgrad_gather_t: a partial last m tile), home and slot
-    # items, an empty slot group, padding rows; 4 CTAs, many items each. Bitwise the wgrad on the gathered rows
+    # four producer warps gathering; wgrad_gather_t: the gathered-A wgrad of dW^T into the transposed
+    # gradients, the down projection's): Nd = 1000 (a partial last n tile; wgrad_gather_t: a partial last m
+    # tile), home and slot items, an empty slot group, padding rows; 4 CTAs, many items each. Bitwise the
+    # wgrad on the gathered rows
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
@@ -318,9 +318,6 @@ def test_gathered_wgrad_pingpong_tiles_equal_the_wgrad(op):
     if op == "wgrad_gather":  # A = the tokens' rows gathered, B = dy
         check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, dy, cu, h, s), gathered_rows(tokens, row_src), dy,
                              cu, epn, 128, 12)
-    elif op == "wgrad_gather_b":  # A = rows by TMA, B = the tokens' rows gathered
-        check_gathered_wgrad(lambda h, s: kernel(rows, tokens, row_src, cu, h, s), rows,
-                             gathered_rows(tokens, row_src), cu, epn, 128, 12)
     else:  # dW^T: A = the tokens' rows gathered, B = rows by TMA, stored into the transposes of dW
         check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, rows, cu, h.transpose(1, 2), s.transpose(1, 2)),
                              rows, gathered_rows(tokens, row_src), cu, epn, 128, 12)

@@ -21,7 +21,6 @@ from .config import (
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
-    select_wgrad_gather_b_config,
     select_wide_rows_config,
 )
 from .host import (
@@ -36,7 +35,6 @@ from .host import (
     compile_group_gemm_swiglu_gather,
     compile_group_gemm_wgrad,
     compile_group_gemm_wgrad_gather,
-    compile_group_gemm_wgrad_gather_b,
     compile_op,
     group_gemm_dgrad,
     group_gemm_dgrad2,
@@ -60,7 +58,6 @@ __all__ = [
     "select_swiglu_bwd_config",
     "select_swiglu_config",
     "select_wgrad_config",
-    "select_wgrad_gather_b_config",
     "select_wide_rows_config",
     "compile_group_gemm",
     "compile_group_gemm_dgrad",
@@ -73,7 +70,6 @@ __all__ = [
     "compile_group_gemm_swiglu_gather",
     "compile_group_gemm_wgrad",
     "compile_group_gemm_wgrad_gather",
-    "compile_group_gemm_wgrad_gather_b",
     "compile_op",
     "group_gemm_dgrad",
     "group_gemm_dgrad2",

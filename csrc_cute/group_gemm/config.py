@@ -173,14 +173,3 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
     if tile_m == 128 and tile_n == 256:
         return GroupGemmConfig(128, WGRAD_PINGPONG_TILE_N, num_sms, pingpong=True)
     return GroupGemmConfig(tile_m, tile_n, num_sms)
-
-
-def select_wgrad_gather_b_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of the wgrad whose B rows are gathered (cp.async): ``select_wgrad_config``'s, cooperative 128 x 256
-    in place of its pingpong 128 x 192 until that has been timed on a GPU (bench_tiles' wgrad_gather_b family;
-    the gather copy takes 192 columns since session 21, in 96 of its 128 threads; before, it needed a
-    power-of-two tile_N)."""
-    config = select_wgrad_config(pad, kd, nd, num_sms)
-    if config.pingpong:
-        return GroupGemmConfig(128, 256, num_sms)
-    return config

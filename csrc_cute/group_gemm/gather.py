@@ -3,20 +3,19 @@
 Row-grouped kernels (``GatherRowsMixin``): row r of the virtual A [N, K] is ``x[row_src[r]]`` of ``x [S,
 K]``, or a zero row when ``row_src[r] < 0`` (padding rows, rows past the last group) or ``r >= N``. The
 wgrad (``GatherKRowsMixin``): A = ``rows^T`` (M-major, M = H, K = the N grouped rows) and k row r of it
-is ``x[row_src[r]]`` the same way; or (``GatherKRowsBMixin``) B = ``dy^T`` (N-major, N = H) with k row r
-``dy[row_src[r]]`` of ``dy [S, H]``, A on TMA. Hopper's TMA cannot gather rows, so the other operand
-stays on TMA and the gathered one is loaded with 16-byte ``cp.async`` by the 128 threads of the producer
-warp group, into the same swizzled stage (``a_smem_staged`` / ``b_smem_staged``) that TMA would fill.
-K-major stage (tile_m, 64): thread t owns 16-byte chunk ``t % 8`` of rows ``t // 8 + 16 j``. M- (or N-)
-major stage of ``rows`` = tile_m (tile_n) by 64: thread t owns the 8 columns ``8 (t % (rows / 8))`` ..
-of k rows ``t // (rows / 8) + (1024 / rows) j`` (8 consecutive H elements of one token row).
+is ``x[row_src[r]]`` the same way (the down projection's wgrad too, as the transpose of its gradient: A =
+g_out's rows). Hopper's TMA cannot gather rows, so B stays on TMA and the gathered A is loaded with
+16-byte ``cp.async`` by the 128 threads of the producer warp group, into the same swizzled stage
+(``a_smem_staged``) that TMA would fill. K-major stage (tile_m, 64): thread t owns 16-byte chunk ``t % 8``
+of rows ``t // 8 + 16 j``. M-major stage (tile_m, 64): thread t owns the 8 columns ``8 (t % (tile_m /
+8))`` .. of k rows ``t // (tile_m / 8) + (1024 / tile_m) j`` (8 consecutive H elements of one token row).
 A chunk whose row has no source (or that lies past K, past M or N) is a predicated copy with source size
 0, which writes 16 zero bytes (PTX ``cp.async`` zero fill), so a stage holds exactly the bytes TMA would
 have loaded from ``where(row_src >= 0, x[row_src], 0)`` (or its transpose). Source offsets are 32-bit
 (the host requires the gathered tensor to have fewer than 2**31 elements).
 
 A stage's full mbarrier counts 1 + 128 arrivals: warp 0's elected lane arrives with the expected
-transaction bytes of the TMA operand's tiles (the gathered one is no TMA transaction), and every producer
+transaction bytes of B's tiles (the gathered A is no TMA transaction), and every producer
 thread arrives through ``cp.async.mbarrier.arrive.noinc`` once its copies of the stage have landed
 (``TmaCpAsyncPipeline``).
 """
@@ -66,32 +65,17 @@ class TmaCpAsyncPipeline(pipeline.PipelineTmaAsync):
         cute.arch.cp_async_mbarrier_arrive_noinc(self.producer_get_barrier(state, loc=loc, ip=ip), loc=loc, ip=ip)
 
 
-def gather_copy_threads(tile_m: int, tile_k: int, m_major: bool = False) -> int:
-    """How many of the ``GATHER_THREADS`` producer threads copy a (tile_m, tile_k) stage (``make_gather_copy``):
-    all of them, except for an M-major stage whose line of ``tile_m / 8`` chunks does not divide them (tile_m
-    = 192: 24 chunks a k row, 4 k rows a pass: 96 threads; the rest issue no copy and only arrive)."""
-    if not m_major:
-        return GATHER_THREADS
-    per_line = tile_m // CHUNK_ELEMS
-    lines = GATHER_THREADS // per_line
-    while tile_k % lines:  # every pass whole k rows, the passes covering the stage's tile_k rows
-        lines -= 1
-    return per_line * lines
-
-
 def make_gather_copy(tile_m: int, tile_k: int, m_major: bool = False, dtype=cutlass.BFloat16):
-    """The tiled copy of a (tile_m, tile_k) operand stage (A's, or B's with tile_m = tile_n) by
-    ``gather_copy_threads`` threads, 16 bytes each, along the stage's contiguous mode: K-major, ``tile_k / 8``
-    threads per row (one 128-byte line for tile_k = 64), 16 rows per pass; M-major (``m_major``), ``tile_m
-    / 8`` threads per k row (8 consecutive M elements each), as many k rows per pass as the threads allow
-    (``1024 / tile_m`` for a power-of-two tile_m)."""
+    """The tiled copy of a (tile_m, tile_k) A stage by the ``GATHER_THREADS`` producer threads, 16 bytes
+    each, along the stage's contiguous mode: K-major, ``tile_k / 8`` threads per row (one 128-byte line for
+    tile_k = 64), 16 rows per pass; M-major (``m_major``), ``tile_m / 8`` threads per k row (8 consecutive M
+    elements each), ``1024 / tile_m`` k rows per pass."""
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=CHUNK_ELEMS * dtype.width)
     if m_major:
         per_line = tile_m // CHUNK_ELEMS
-        lines = gather_copy_threads(tile_m, tile_k, m_major) // per_line
-        assert tile_m % CHUNK_ELEMS == 0 and lines >= 1, (tile_m, tile_k)
-        threads = cute.make_layout((per_line, lines), stride=(1, per_line))
+        assert GATHER_THREADS % per_line == 0 and tile_k % (GATHER_THREADS // per_line) == 0, (tile_m, tile_k)
+        threads = cute.make_layout((per_line, GATHER_THREADS // per_line), stride=(1, per_line))
         return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((CHUNK_ELEMS, 1)))
     per_row = tile_k // CHUNK_ELEMS
     assert GATHER_THREADS % per_row == 0 and tile_m % (GATHER_THREADS // per_row) == 0, (tile_m, tile_k)
@@ -104,32 +88,23 @@ class GatherOperandMixin:
     the ring's pipeline (``TmaCpAsyncPipeline``), the producer warp group (all four warps load) and the
     partition of the gather copy. Put a subclass before the kernel class and call ``_init_gather`` after
     the kernel's ``__init__``; the kernel passes no TMA atom for the gathered operand and (x, row_src [N]
-    int32) as its tensor. ``gather_m_major``: the gathered stage is M- (N-) major (the wgrad's ``rows^T``);
-    ``gather_b``: B is the gathered operand (its stage tile_n x tile_k), A stays on TMA."""
+    int32) as its tensor. ``gather_m_major``: the gathered stage is M-major (the wgrad's ``rows^T``)."""
 
     gather_m_major = False
-    gather_b = False
     multicast_a = False  # the gathered operand is not loaded by TMA, nor is its pipeline a cluster's
 
     def _init_gather(self):
         # every producer thread holds the source rows and addresses of up to 8 rows: with two consumer
         # warp groups registers move from them (128 x (56 + 2 x 224) = 64 512 <= 65 536, as 40 / 232
-        # today); one consumer warp group keeps its 240. The pingpong gathered-B wgrad (128 x 192) keeps
-        # the base's 232 and gives its producer 48: at 56 / 224 ptxas spilled 4 bytes (sm_90a, the compile
-        # test), at 48 / 232 none
+        # today); one consumer warp group keeps its 240
         self.load_regs = 56
         if self.num_mma_wg == 2:
             self.mma_regs = 224
-        if self.pingpong and self.gather_b:
-            self.load_regs, self.mma_regs = 48, 232
 
     @cute.jit
     def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
-        # the transaction bytes: the TMA operand's tiles of a stage
-        if cutlass.const_expr(self.gather_b):
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-        else:
-            tx_bytes = num_b_rings * cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        # the transaction bytes: B's tiles of a stage
+        tx_bytes = num_b_rings * cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
         return TmaCpAsyncPipeline.create(
             barrier_storage=mbar_ptr,
             num_stages=self.ab_stage,
@@ -142,16 +117,6 @@ class GatherOperandMixin:
             defer_sync=True,
         )
 
-    @property
-    def gather_tile(self) -> int:
-        """The gathered stage's non-K extent: tile_n for a gathered B, tile_m for A."""
-        return self.tile_n if self.gather_b else self.tile_m
-
-    @property
-    def gather_threads(self) -> int:
-        """How many producer threads copy the gathered stage (``gather_copy_threads``)."""
-        return gather_copy_threads(self.gather_tile, self.tile_k, self.gather_m_major)
-
     @cute.jit
     def partition_gather(self, mA, sA: cute.Tensor):
         """``mA`` = (x, row_src): this producer thread's view of the gathered operand (``KernelParams``: x,
@@ -159,11 +124,9 @@ class GatherOperandMixin:
         its chunks of the operand's stages ``sA`` (CPY, RestM, RestK, stage)."""
         x, row_src = mA
         tidx, _, _ = cute.arch.thread_idx()
-        # a thread past the copying ones takes a copying thread's slice but issues no copy (load_gathered_k_rows)
-        thr_copy = make_gather_copy(self.gather_tile, self.tile_k, self.gather_m_major).get_slice(
-            tidx % GATHER_THREADS % self.gather_threads)
+        thr_copy = make_gather_copy(self.tile_m, self.tile_k, self.gather_m_major).get_slice(tidx % GATHER_THREADS)
         tAsA = thr_copy.partition_D(sA)
-        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.gather_tile, self.tile_k)))
+        tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))
         return KernelParams(x=x, row_src=row_src, thr_copy=thr_copy, tAcA=tAcA), tAsA
 
     @cute.jit
@@ -294,22 +257,23 @@ class GatherKRowsMixin(GatherOperandMixin):
     @cute.jit
     def load_gathered_k_rows(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, tma_load,
                              k_start: cutlass.Int32, k_count: cutlass.Int32):
-        """Producer thread: k tiles [k_start, k_start + k_count) into the ring. Per k tile warp 0 issues the
-        TMA operand's load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every copying
-        thread (``gather_threads``) its chunks of the gathered operand's tile ``m_idx``
-        (``copy_gathered_k_rows``); every thread arrives on the stage's full barrier."""
+        """Producer thread: k tiles [k_start, k_start + k_count) into the ring. Per k tile warp 0 issues B's
+        load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every thread its chunks of the
+        gathered A's tile ``m_idx`` (tile_m columns of x from ``m_idx * tile_m``, into ``tAsA``), one 16-byte
+        cp.async per k row from the row's token of x (8 consecutive columns), predicated off (zero fill) for
+        rows without a token and, in a partial last tile, columns past x's (the address clamped to token 0)."""
         tma_b, tBgB, tBsB = tma_load
-        tile_g = self.gather_tile
         thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
         k_rows = cute.size(tAcA, mode=[2])
         m_extent = cute.size(x, mode=[1])
         is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         in_m = cutlass.Boolean(True)
-        if cutlass.const_expr(m_extent % tile_g != 0):  # a partial last tile: chunks past x's columns
-            in_m = m_idx * tile_g + tAcA[(0, 0, 0)][0] < m_extent
+        if cutlass.const_expr(m_extent % self.tile_m != 0):  # a partial last tile: chunks past x's columns
+            in_m = m_idx * self.tile_m + tAcA[(0, 0, 0)][0] < m_extent
         src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
         next_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
         self.fetch_k_sources(gather, k_start, next_src)
+        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
         for k in cutlass.range(k_count, unroll=1):
             for j in cutlass.range_constexpr(k_rows):
                 src[j] = next_src[j]
@@ -319,66 +283,25 @@ class GatherKRowsMixin(GatherOperandMixin):
             if is_tma_warp:
                 cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, stage)],
                           tma_bar_ptr=mainloop.producer_get_barrier(prod_state))
-            if cutlass.const_expr(self.gather_threads < GATHER_THREADS):  # whole warps copy or not
-                if cute.arch.thread_idx()[0] % GATHER_THREADS < self.gather_threads:
-                    self.copy_gathered_k_rows(thr_copy, x, src, in_m, m_idx, tAsA, stage)
-            else:
-                self.copy_gathered_k_rows(thr_copy, x, src, in_m, m_idx, tAsA, stage)
+            for j in cutlass.range_constexpr(k_rows):
+                # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
+                # partition then picks this thread's chunk of it (same column offsets as the stage)
+                row = cute.local_tile(x, (1, self.tile_m), (cutlass.max(src[j], 0), m_idx))
+                tAgA = thr_copy.partition_S(
+                    cute.make_tensor(row.iterator, cute.make_layout((self.tile_m, self.tile_k), stride=(1, 0)))
+                )
+                pred[0] = (src[j] >= 0) & in_m
+                cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
             mainloop.producer_cpasync_commit(prod_state)
             prod_state.advance()
         return prod_state
 
-    @cute.jit
-    def copy_gathered_k_rows(self, thr_copy, x, src: cute.Tensor, in_m, m_idx, tAsA: cute.Tensor, stage):
-        """This thread's cp.async chunks of one stage of the gathered M- (N-) major operand: per k row j the
-        8 columns of tile ``m_idx`` from token ``src[j]``'s row of x, zero filled where ``src[j] < 0`` or
-        outside ``in_m``."""
-        tile_g = self.gather_tile
-        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
-        for j in cutlass.range_constexpr(cute.size(src)):
-            # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
-            # partition then picks this thread's chunk of it (same column offsets as the stage)
-            row = cute.local_tile(x, (1, tile_g), (cutlass.max(src[j], 0), m_idx))
-            tAgA = thr_copy.partition_S(
-                cute.make_tensor(row.iterator, cute.make_layout((tile_g, self.tile_k), stride=(1, 0)))
-            )
-            pred[0] = (src[j] >= 0) & in_m
-            cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
-
-
-class GatherKRowsBMixin(GatherKRowsMixin):
-    """The wgrad's producer with a gathered B = ``dy^T`` (N-major, varlen-K): k row r of B is
-    ``dy[row_src[r]]`` of ``dy [S, Nd]`` (N = Nd, its columns); A stays on TMA. The same k-row gather as
-    ``GatherKRowsMixin`` (indices one k tile ahead), over B's (tile_n, 64) stages."""
-
-    gather_b = True
-
-    @cute.jit
-    def partition_loads(self, tma_a, mA, sA: cute.Tensor, b_operands):
-        """A's TMA loads as the base class has them (and its number of k tiles, of all N rows), the
-        gathered B (``partition_gather``) as the one B load: (gather, its chunks of the B stages)."""
-        tAgA, tAsA, k_tiles = self.partition_a_loads(tma_a, mA, sA)
-        ((_, mB, sB),) = b_operands
-        gather, tBsB = self.partition_gather(mB, sB)
-        return tAgA, tAsA, [(gather, tBsB)], k_tiles
-
-    @cute.jit
-    def load_work_item(self, mainloop, prod_state, tma_a, tAgA: cute.Tensor, tAsA: cute.Tensor, b_load, m_idx,
-                       n_idx, k_start: cutlass.Int32, k_count: cutlass.Int32):
-        """Producer thread: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
-        ``n_idx``): A (TMA, RestM, RestK) by TMA, B gathered (``b_load`` = (gather, chunks of the B stages):
-        n tile ``n_idx`` of dy's columns; ``load_gathered_k_rows``)."""
-        gather, tBsB = b_load
-        return self.load_gathered_k_rows(mainloop, prod_state, gather, tBsB, n_idx,
-                                         (tma_a, tAgA[(None, m_idx, None)], tAsA), k_start, k_count)
-
 
 def gather_copy_coverage(kernel) -> dict:
     """CPU check of a gathered-operand kernel's copy on one stage of that operand (layout algebra at trace
-    time only). Per copying thread (``gather_threads``) the (row, column) of every value of its partition of a
-    (``gather_tile``, 64) stage, in copies of ``CHUNK_ELEMS`` values, and where the stage's shared layout
-    (the swizzled ``a_smem_staged``, or ``b_smem_staged`` for a gathered B, that TMA fills, as ``kernel``
-    builds it) puts each of them. Returns: how many values
+    time only). Per producer thread the (row, column) of every value of its partition of a (tile_m, 64) A
+    stage, in copies of ``CHUNK_ELEMS`` values, and where the stage's shared layout (the swizzled
+    ``a_smem_staged`` that TMA fills, as ``kernel`` builds it) puts each of them. Returns: how many values
     and distinct (row, column) the threads cover, the stage's size, how many copies are not one 16-byte
     chunk along the stage's contiguous mode (8 consecutive columns of one row from a multiple of 8, or
     for an M-major stage 8 consecutive rows of one column), and how many are not 8 consecutive elements
@@ -391,12 +314,11 @@ def gather_copy_coverage(kernel) -> dict:
     @cute.jit
     def probe():
         kernel._setup_mainloop()
-        copy = make_gather_copy(kernel.gather_tile, kernel.tile_k, kernel.gather_m_major)
-        stage = cute.make_identity_tensor((kernel.gather_tile, kernel.tile_k))
-        for coords in partition_coords(lambda t: copy.get_slice(t).partition_D(stage), kernel.gather_threads):
+        copy = make_gather_copy(kernel.tile_m, kernel.tile_k, kernel.gather_m_major)
+        stage = cute.make_identity_tensor((kernel.tile_m, kernel.tile_k))
+        for coords in partition_coords(lambda t: copy.get_slice(t).partition_D(stage), GATHER_THREADS):
             seen.extend(coords)
-        staged = kernel.b_smem_staged if kernel.gather_b else kernel.a_smem_staged
-        layout = cute.slice_(staged, (None, None, 0))
+        layout = cute.slice_(kernel.a_smem_staged, (None, None, 0))
         offsets.extend(int(layout(crd)) for crd in seen)
 
     with expect_no_driver():
@@ -407,5 +329,5 @@ def gather_copy_coverage(kernel) -> dict:
                      or cp != [(cp[0][0] + v * step[0], cp[0][1] + v * step[1]) for v in range(CHUNK_ELEMS)])
     spans = [offsets[i:i + CHUNK_ELEMS] for i in range(0, len(offsets), CHUNK_ELEMS)]
     bad_smem = sum(1 for sp in spans if sp[0] % CHUNK_ELEMS or sp != list(range(sp[0], sp[0] + CHUNK_ELEMS)))
-    return dict(values=len(seen), distinct=len(set(seen)), elements=kernel.gather_tile * kernel.tile_k,
+    return dict(values=len(seen), distinct=len(set(seen)), elements=kernel.tile_m * kernel.tile_k,
                 bad_chunks=bad_chunks, bad_smem=bad_smem, smem_distinct=len(set(offsets)))

@@ -25,7 +25,6 @@ from .config import (
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
-    select_wgrad_gather_b_config,
     select_wide_rows_config,
 )
 # ---------------------------------------------------------------------------------------------------
@@ -176,29 +175,6 @@ def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig, d
 
     key = ("group_gemm_wgrad_gather", int(kd), int(nd), tuple(config)) + (("dw_m_major",) if dw_m_major else ())
     return _compile_cached(key, build)
-
-
-@compiler
-def compile_group_gemm_wgrad_gather_b(kd: int, nd: int, config: GroupGemmConfig):
-    """The varlen-K wgrad kernel with a gathered B operand: takes (x [N, Kd], dy [S, Nd], row_src [N] int32,
-    cu_seqlens, dw_home bf16, dw_slot fp32) and computes what ``compile_group_gemm_wgrad``'s kernel does
-    for ``dy = where(row_src >= 0, dy[row_src], 0)``; S and N are independent sizes."""
-    import cutlass
-    import cutlass.cute as cute
-
-    def build():
-        n, epn, nb, ng = _fake_sizes()
-        s = cute.sym_int()
-        from .wgrad import GroupGemmWgradGatherBSm90
-
-        bf, f32 = cutlass.BFloat16, cutlass.Float32
-        return _compile_for_torch(
-            GroupGemmWgradGatherBSm90(config),
-            _fake(bf, (n, kd)), _fake(bf, (s, nd)), _fake(cutlass.Int32, (n,), 4), _fake(cutlass.Int32, (ng,), 4),
-            _fake(bf, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
-        )
-
-    return _compile_cached(("group_gemm_wgrad_gather_b", int(kd), int(nd), tuple(config)), build)
 
 
 def _fake_remote(num_peer_arrays: int):
@@ -451,8 +427,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
     "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
-    "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_b": B's rows gathered by index;
-    "wgrad_gather_t": "wgrad_gather" into Kd-contiguous gradients, the transposes of [*, Nd, Kd]) for static
+    "swiglu_bwd_gather": A rows gathered by index; "wgrad_gather_t": "wgrad_gather" into Kd-contiguous
+    gradients, the transposes of [*, Nd, Kd], the down projection's wgrad) for static
     (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
     wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward):
     this tile configuration instead of the op's own choice (config.py), e.g. another tile, raster or
@@ -469,8 +445,6 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
     if op == "wgrad_gather":
         return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
-    if op == "wgrad_gather_b":
-        return compile_group_gemm_wgrad_gather_b(kd, nd, select_wgrad_gather_b_config(pad, kd, nd, num_sms))
     if op == "wgrad_gather_t":
         return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms), dw_m_major=True)
     if op in ("row_scale", "row_scale_remote"):
@@ -494,7 +468,7 @@ _CONFIGURABLE = dict(fwd=compile_group_gemm, dgrad=compile_group_gemm_dgrad, dgr
                      wgrad=compile_group_gemm_wgrad, swiglu=compile_group_gemm_swiglu,
                      swiglu_gather=compile_group_gemm_swiglu_gather,
                      row_scale=lambda kd, nd, config: compile_group_gemm_row_scale(kd, nd, config),
-                     wgrad_gather=compile_group_gemm_wgrad_gather, wgrad_gather_b=compile_group_gemm_wgrad_gather_b,
+                     wgrad_gather=compile_group_gemm_wgrad_gather,
                      wgrad_gather_t=lambda kd, nd, config: compile_group_gemm_wgrad_gather(kd, nd, config, True),
                      swiglu_bwd_smem=lambda kd, nd, config: compile_group_gemm_swiglu_bwd(kd, nd, config, "smem"))
 
@@ -778,7 +752,7 @@ def group_gemm_wgrad(
 
 
 def _launch_wgrad(op: str, sizes: dict[str, int], pad: int, operands, n: int, cu_seqlens, dw_home, dw_slot) -> None:
-    """Launch the (checked) wgrad kernel of ``op`` ("wgrad", "wgrad_gather", "wgrad_gather_b";
+    """Launch the (checked) wgrad kernel of ``op`` ("wgrad", "wgrad_gather";
     "wgrad_gather_t": into the transposes of ``dw_home`` and ``dw_slot``, ``sizes`` its (Kd, Nd)) on its
     ``operands`` (its arguments before cu_seqlens) and the rest; with no rows (N = ``n`` = 0) every group is
     empty: the home gradients are zeroed, nothing is launched."""
@@ -819,7 +793,7 @@ def compile_group_gemm_for_sm90(
 ):
     """Compile one kernel (``op`` = "fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem", "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
-    "swiglu_bwd_gather", "wgrad_gather_b", or with remote groups "row_scale_remote", "swiglu_remote",
+    "swiglu_bwd_gather", "wgrad_gather_t", or with remote groups "row_scale_remote", "swiglu_remote",
     "swiglu_h_only_remote"; for
     the SwiGLU ops ``kd`` is H and ``nd`` is F) for sm_90a (works on a CPU-only machine) and return a
     ``CompileCheckResult`` with the PTX/cubin paths and ptxas statistics (registers, shared memory,

@@ -74,26 +74,21 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def _launch(self, x, dy, cu_seqlens, dw_home, dw_slot, stream, row_src=None):
-        """Shared by the plain kernel (x = the grouped rows [N, Kd]) and those with a gathered operand
-        (``row_src`` not None): A (x is [S, Kd], k row r of A is x[row_src[r]], no TMA for A) or, with
-        ``gather_b``, B (dy is [S, Nd], k row r of B is dy[row_src[r]], no TMA for B)."""
+        """Shared by the plain kernel (x = the grouped rows [N, Kd]) and the one with a gathered A
+        (``row_src`` not None: x is [S, Kd], k row r of A is x[row_src[r]], no TMA for A)."""
         self._setup_mainloop()
         self._setup_tma_store_epilogue()
-        gather_a = row_src is not None and not self.gather_b
         # (Kd, Nd, E) views of the gradients
         d_home = cute.make_tensor(dw_home.iterator, cute.select(dw_home.layout, mode=[1, 2, 0]))
         d_slot = cute.make_tensor(dw_slot.iterator, cute.select(dw_slot.layout, mode=[1, 2, 0]))
 
-        if cutlass.const_expr(not gather_a):
+        if cutlass.const_expr(row_src is None):
             a_view = cute.make_tensor(x.iterator, cute.select(x.layout, mode=[1, 0]))  # (Kd, N)
             tma_a, mA = self._tma_load_a(a_view)
         else:
             tma_a, mA = None, x
-        if cutlass.const_expr(row_src is None or gather_a):
-            b_view = cute.make_tensor(dy.iterator, cute.select(dy.layout, mode=[1, 0]))  # (Nd, N)
-            tma_b, mB = self._tma_load_b(b_view)
-        else:
-            tma_b, mB = None, dy
+        b_view = cute.make_tensor(dy.iterator, cute.select(dy.layout, mode=[1, 0]))  # (Nd, N)
+        tma_b, mB = self._tma_load_b(b_view)
         tma_c, mC = self._tma_store_c(d_home)
 
         num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m)
@@ -146,16 +141,13 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         num_n_tiles: cutlass.Int32,
         tiles_per_group: cutlass.Int32,
         num_tiles: cutlass.Int32,
-        row_src,  # None, or (N,) int32: the gathered operand's token of each k row (mA = x or, with
-        # gather_b, mB = dy; its atom is None)
+        row_src,  # None, or (N,) int32: the gathered A's token of each k row (mA = x; tma_a is None)
     ):
-        a_atoms, b_atoms = (tma_a,), (tma_b,)
-        if cutlass.const_expr(row_src is not None and self.gather_b):
-            b_atoms, mB = (), (mB, row_src)  # GatherKRowsBMixin.partition_loads takes the pair
-        elif cutlass.const_expr(row_src is not None):
+        a_atoms = (tma_a,)
+        if cutlass.const_expr(row_src is not None):
             a_atoms, mA = (), (mA, row_src)  # GatherKRowsMixin.partition_loads takes the pair
         self.warp_specialized(KernelParams(
-            atoms=a_atoms + b_atoms + (tma_c,), tma_a=tma_a, mA=mA, b_operands=[(tma_b, mB, 0)], b_buffers=("sB",),
+            atoms=a_atoms + (tma_b, tma_c), tma_a=tma_a, mA=mA, b_operands=[(tma_b, mB, 0)], b_buffers=("sB",),
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens, num_n_tiles=num_n_tiles, tiles_per_group=tiles_per_group,
             num_tiles=num_tiles, tma_c=tma_c, mC=mC, mDs=mDs,
@@ -243,33 +235,6 @@ class GroupGemmWgradGatherSm90(gather.GatherKRowsMixin, GroupGemmWgradSm90):
         self._launch(x, dy, cu_seqlens, dw_home, dw_slot, stream, row_src=row_src)
 
 
-class GroupGemmWgradGatherBSm90(gather.GatherKRowsBMixin, GroupGemmWgradSm90):
-    """The varlen-K grouped weight gradient with a gathered B operand: per group g, ``dW_g = x_g^T @
-    rows_g`` where row r of ``rows`` is ``dy[row_src[r]]``, a zero row where ``row_src[r] < 0``
-    (``gather``: B's k rows by cp.async from the producer warp group, each thread 8 consecutive Nd
-    elements of one token row; A = x^T by TMA as in the plain kernel). The down projection's wgrad reads
-    its output gradient g_y = g_out[row_src] this way. Bitwise the plain kernel's outputs for ``dy =
-    where(row_src >= 0, dy_src[row_src], 0)``: the B stages hold the same bytes in the same layout, and
-    the mainloop, schedule and epilogues are the plain kernel's."""
-
-    def __init__(self, config: GroupGemmConfig):
-        super().__init__(config)
-        self._init_gather()
-
-    @cute.jit
-    def __call__(
-        self,
-        x: cute.Tensor,  # (N, Kd), Kd contiguous: the grouped rows
-        dy: cute.Tensor,  # (S, Nd), Nd contiguous: the tokens
-        row_src: cute.Tensor,  # (N,) int32: grouped row r of dy is dy[row_src[r]], zero when row_src[r] < 0
-        cu_seqlens: cute.Tensor,  # (G,) int32
-        dw_home: cute.Tensor,  # (epn, Kd, Nd) bf16, Nd contiguous: written
-        dw_slot: cute.Tensor,  # (B, Kd, Nd) fp32, Nd contiguous: accumulated
-        stream: cuda.CUstream,
-    ):
-        self._launch(x, dy, cu_seqlens, dw_home, dw_slot, stream, row_src=row_src)
-
-
 def wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
     """CPU check of the wgrad slot-group epilogue's thread -> element map (the fp32 read-add-write into
     the reduce buffers; layout algebra at trace time only).
@@ -303,12 +268,6 @@ def wgrad_gather_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
     ``CUTE_DSL_ARCH=sm_90a`` (see the tests)."""
     del tile_n
     return gather.gather_copy_coverage(GroupGemmWgradGatherSm90(GroupGemmConfig(tile_m, 128, 1)))
-
-
-def wgrad_gather_b_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
-    """CPU check of the gathered-B wgrad's N-major B copy on one (tile_n, 64) B stage:
-    ``gather.gather_copy_coverage`` of ``GroupGemmWgradGatherBSm90``. Run with ``CUTE_DSL_ARCH=sm_90a``."""
-    return gather.gather_copy_coverage(GroupGemmWgradGatherBSm90(GroupGemmConfig(tile_m, tile_n, 1)))
 
 
 def wgrad_store_pairing(tile_m: int = 128, tile_n: int = 192, pingpong: bool = True, dw_m_major: bool = True) -> dict:
