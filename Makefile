@@ -34,7 +34,12 @@ test: $(VENV)/.installed
 # are single-threaded CPU work: GPU_TEST_WORKERS pytest-xdist workers (work-stealing, so one slow file
 # does not hold a worker) run them side by side on one GPU; 8 fit the H200 machine's 16 cores. -v names
 # each test as it ends, so a run cut short by a time limit still says which test failed.
+# GPU_TESTS / GPU_TEST_ARGS pick part of the suite for a device call that cannot fit all of it, e.g.
+#   make gpu-test GPU_TESTS=tests/test_group_gemm_wgrad.py GPU_TEST_ARGS="-k gather"
 GPU_TEST_WORKERS ?= 8
+GPU_TESTS ?= tests/
+GPU_TEST_ARGS ?=
 gpu-test:
 	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-test: no CUDA device (make test runs the CPU suite)')"
-	$(PYTHON) -m pytest -v -p no:cacheprovider -n $(GPU_TEST_WORKERS) --dist worksteal --timeout=300 --durations=25 tests/
+	$(PYTHON) -m pytest -v -p no:cacheprovider -n $(GPU_TEST_WORKERS) --dist worksteal --timeout=300 --durations=25 \
+		$(GPU_TEST_ARGS) $(GPU_TESTS)
