@@ -50,20 +50,14 @@ def _fake_sizes():
     return cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
 
 
-def _fake(dtype, shape, align: int = 16):
-    """Fake contiguous (row-major) tensor of ``shape`` for ``cute.compile``."""
+def _fake(dtype, shape, align: int = 16, stride_order=None):
+    """Fake compact tensor of ``shape`` for ``cute.compile``: contiguous (row-major), or with the dimensions'
+    ``stride_order`` (0 the fastest; e.g. (2, 0, 1): the transpose of a contiguous [E, N, M] as (E, M, N))."""
     import cutlass.cute as cute
 
-    return cute.runtime.make_fake_compact_tensor(
-        dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align
-    )
-
-
-def _fake_m_major(dtype, shape, align: int = 16):
-    """Fake ``(E, M, N)`` tensor with M contiguous, then N, then E: the transpose of a contiguous [E, N, M]."""
-    import cutlass.cute as cute
-
-    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=(2, 0, 1), assumed_align=align)
+    if stride_order is None:
+        stride_order = tuple(reversed(range(len(shape))))
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=stride_order, assumed_align=align)
 
 
 def _compile_for_torch(kernel, *fakes):
@@ -166,11 +160,11 @@ def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig, d
         from .wgrad import GroupGemmWgradGatherSm90
 
         bf, f32 = cutlass.BFloat16, cutlass.Float32
-        dw = _fake_m_major if dw_m_major else _fake
+        dw_order = (2, 0, 1) if dw_m_major else None  # Kd contiguous, then Nd, then the groups
         return _compile_for_torch(
             GroupGemmWgradGatherSm90(config, dw_m_major),
             _fake(bf, (s, kd)), _fake(cutlass.Int32, (n,), 4), _fake(bf, (n, nd)), _fake(cutlass.Int32, (ng,), 4),
-            dw(bf, (epn, kd, nd)), dw(f32, (nb, kd, nd)),
+            _fake(bf, (epn, kd, nd), stride_order=dw_order), _fake(f32, (nb, kd, nd), stride_order=dw_order),
         )
 
     key = ("group_gemm_wgrad_gather", int(kd), int(nd), tuple(config)) + (("dw_m_major",) if dw_m_major else ())

@@ -56,8 +56,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         )
         # dw_m_major: the gradients are stored Kd contiguous (dw_home and dw_slot the transposes of
         # [*, Nd, Kd] tensors), the home tiles through an M-major shared sub-tile (stmatrix transposing)
-        self.dw_m_major = bool(dw_m_major)
-        if self.dw_m_major:
+        if dw_m_major:
             self.c_layout = LayoutEnum.COL_MAJOR
 
     @cute.jit
