@@ -134,17 +134,17 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
 
 @pytest.mark.parametrize("op", ["swiglu", "swiglu_gather"])
 def test_swiglu_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
-    """The fused SwiGLU's pingpong option at 128 x 96 (each warp group both 128 x 96 accumulators: m64n96
-    wgmma, 192 fp32 registers a thread), the mainloops taking turns on named barriers, each epilogue's
-    64 x 32 TMA-store sub-tiles of h, gate and up (2 x 3 each); the gathered variant's A by cp.async (the
-    layer's at R = 1)."""
+    """The fused SwiGLU's pingpong option at 128 x 64 (each warp group gate and up of a whole tile in one
+    128 x 128 accumulator: m64n128 wgmma, 128 fp32 registers a thread), the mainloops taking turns on named
+    barriers, each epilogue's 64 x 32 TMA-store sub-tiles of h, gate and up (2 x 2 each); the gathered
+    variant's A by cp.async (the layer's at R = 1)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
-    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 96, 132, True, 16))
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 64, 132, True, 16))
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    assert mma and all("m64n96k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+    assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
     assert "bar.arrive" in ptx and "bar.sync" in ptx and "ex2.approx" in ptx
-    assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * (128 // 64) * (96 // 32)
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * (128 // 64) * (64 // 32)
     if op == "swiglu_gather":  # A by cp.async, no TMA load of A (the count of B load sites is not pinned here)
         check_cp_async_gather(ptx, copies=2 * (128 // 16), commits=2)
         assert "cp.async.bulk.tensor.2d.shared::cluster.global" not in ptx
@@ -233,8 +233,9 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         else:
             assert fragment_io and "cp.async.bulk.tensor.2d.global.shared" not in ptx
     elif op.startswith("swiglu"):
-        # two accumulators (gate, up) of 128 columns each; the activation is computed in the kernel
-        assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+        # one accumulator of 256 columns, gate's 128 then up's, one wgmma a k block; the activation is
+        # computed in the kernel
+        assert mma and all("m64n256k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
         assert "ex2.approx" in ptx and "rcp.approx" in ptx
         # TMA stores of 4 sub-tiles (128 x 32) per tile: h, and with the pre-activations also gate and up
         stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
@@ -353,6 +354,30 @@ def test_wgrad_store_reads_each_subtile_of_the_accumulator(tile_m, tile_n, pingp
     for the N-major gradient and for the M-major one (stmatrix transposing; the down projection's dW^T):
     checked for every thread and value against the real layouts (CPU)."""
     res = layout_probe("wgrad", "wgrad_store_pairing", tile_m, tile_n, pingpong=pingpong, dw_m_major=dw_m_major)
+    threads = 128 if pingpong or tile_m == 64 else 256
+    subtiles = (tile_m // 64 if pingpong else 1) * (tile_n // 32)
+    assert res == dict(threads=threads, subtiles=subtiles, per_subtile=16, covered=True, mismatches=0), res
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 64)])
+def test_swiglu_b_stage_halves_are_the_gate_and_up_loads(tile_m, tile_n):
+    """The fused SwiGLU's one B ring of 2 tile_n columns a stage: each half (gate's, up's) as the kernel
+    cuts it is the ring's columns [half tile_n, (half + 1) tile_n), laid out there as one tile_n-column TMA
+    load writes (the same swizzle, a whole number of swizzle periods in), for every element of every
+    stage (CPU). Checked to fail when both halves are cut at the first."""
+    res = layout_probe("swiglu", "swiglu_b_stage_halves", tile_m, tile_n)
+    assert res == dict(mismatches=0, checked=2 * res["stages"] * tile_n * 64, stages=res["stages"],
+                       same_swizzle=True), res
+
+
+@pytest.mark.parametrize("tile_m, tile_n, pingpong", [(128, 128, False), (64, 128, False), (128, 64, True),
+                                                      (128, 128, True)])
+def test_swiglu_epilogue_pairs_gate_and_up(tile_m, tile_n, pingpong):
+    """The fused SwiGLU's epilogue reads gate of output sub-tile e at accumulator sub-tile gate_subtile(e)
+    and up at up_subtile(e): for every thread and value of the register -> shared copy both are
+    the (row, column) it stores, up's tile_n columns on, checked against the real layouts (CPU). The plain
+    index e fails this at the pingpong tiles (two 64-row blocks a warp group)."""
+    res = layout_probe("swiglu", "swiglu_gate_up_pairing", tile_m, tile_n, pingpong=pingpong)
     threads = 128 if pingpong or tile_m == 64 else 256
     subtiles = (tile_m // 64 if pingpong else 1) * (tile_n // 32)
     assert res == dict(threads=threads, subtiles=subtiles, per_subtile=16, covered=True, mismatches=0), res

@@ -73,6 +73,12 @@ class GroupGemmSm90Base:
         b_bytes = self.tile_n * self.tile_k * 2
         self.ab_stage = min(8, (smem_capacity - 2048 - reserved_smem) // (a_bytes + b_bytes))
 
+    @property
+    def mma_tile_n(self) -> int:
+        """The B columns of one ring stage, which one wgmma batch multiplies: the tile's (a family whose
+        tile computes two products of one A tile may widen it: the fused SwiGLU's gate and up)."""
+        return self.tile_n
+
     def _setup_mainloop(self):
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -81,15 +87,22 @@ class GroupGemmSm90Base:
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_n),
+            tiler_mn=(64, self.mma_tile_n),
         )
         self.tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
         self.a_smem_staged = sm90_utils.make_smem_layout_a(
             self.a_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
         )
-        self.b_smem_staged = sm90_utils.make_smem_layout_b(
+        # b_smem_staged: a ring stage as the MMA reads it; b_load_staged: what one B load writes into it
+        # (the same unless mma_tile_n widens the stage, which then holds several tile_n-column loads)
+        self.b_load_staged = sm90_utils.make_smem_layout_b(
             self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stage
         )
+        self.b_smem_staged = self.b_load_staged
+        if self.mma_tile_n != self.tile_n:
+            self.b_smem_staged = sm90_utils.make_smem_layout_b(
+                self.b_layout, (self.tile_m, self.mma_tile_n, self.tile_k), self.ab_dtype, self.ab_stage
+            )
 
     def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False) -> int:
         """bf16 C [N, out] (N-major) stored registers -> shared (stmatrix) -> global (TMA) in
@@ -129,7 +142,7 @@ class GroupGemmSm90Base:
     def _tma_load_b(self, b):
         """TMA atom (and its tensor) loading (tile_n, tile_k) tiles of ``b`` into one B stage."""
         return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(self.b_smem_staged, (None, None, 0)),
+            cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(self.b_load_staged, (None, None, 0)),
             (self.tile_n, self.tile_k),
         )
 
@@ -240,6 +253,12 @@ class GroupGemmSm90Base:
         if cutlass.const_expr(epi_smem_staged is not None):
             sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
         return mainloop, sA, sBs, sC, storage
+
+    @cute.jit
+    def b_load_views(self, sBs):
+        """The shared B stages the B loads fill (``b_operands`` index them): the B rings themselves, unless a
+        family's wider stage (``mma_tile_n``) takes several loads."""
+        return sBs
 
     @cute.jit
     def partition_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor, b_operands):
@@ -521,8 +540,9 @@ class GroupGemmSm90Base:
         mainloop, sA, sBs, sC, storage = self.shared_tensors(p.a_smem_staged, p.b_smem_staged, p.b_buffers,
                                                              p.epi_smem_staged)
         p.storage = storage  # for a family's hooks that use more of it than sC (epilogue mbarriers)
+        sB_loads = self.b_load_views(sBs)
         tAgA, tAsA, b_loads, k_tiles = self.partition_loads(
-            p.tma_a, p.mA, sA, [(tma_b, mB, sBs[ring]) for tma_b, mB, ring in p.b_operands]
+            p.tma_a, p.mA, sA, [(tma_b, mB, sB_loads[ring]) for tma_b, mB, ring in p.b_operands]
         )
         p.k_tiles = k_tiles
         # the MMA of a tile's first k block (mma_k_tiles), which overwrites the accumulators: ACCUMULATE off,
@@ -672,7 +692,7 @@ def epilogue_pairing(kernel, sources) -> dict:
     copy (the (row, column) of the sub-tile that v holds, at the sub-tile's origin), each (sub-tile, column
     offset) in ``sources(e)`` names the retiled accumulator's sub-tile whose value v the epilogue reads
     (``acc_subtile_to_bf16``) and where that value must lie: at the (row, column + offset) of the
-    accumulator's tile. Returns the mismatches and the counts checked."""
+    accumulator's (tile_m, mma_tile_n) tile. Returns the mismatches and the counts checked."""
     from csrc_cute.compile_check import expect_no_driver
 
     acc_el: list = []
@@ -682,7 +702,7 @@ def epilogue_pairing(kernel, sources) -> dict:
     def probe():
         kernel._setup_mainloop()
         r2s = kernel.make_r2s_copy(kernel.tiled_mma)
-        acc = cute.make_identity_tensor((kernel.tile_m, kernel.tile_n))
+        acc = cute.make_identity_tensor((kernel.tile_m, kernel.mma_tile_n))
         sub = cute.make_identity_tensor(kernel.epi_tile)
         n = kernel.tile_mma_threads
         acc_el.extend(partition_coords(lambda t: r2s.retile(kernel.tiled_mma.get_slice(t).partition_C(acc)), n))

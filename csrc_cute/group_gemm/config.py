@@ -60,8 +60,9 @@ H100_H200_NUM_SMS = 132
 # tiles) was faster banded only at 48 equal groups in the d6c9627 run, elsewhere at most 1% faster and up
 # to 15% slower. At 48 equal groups (11 M tiles) the three rasters walk the same tiles in the same order,
 # and their times still differed by up to 4%: that is the resolution of one sweep. The fused SwiGLU's
-# pingpong option (128 x 96) took 1.04-1.05x the banded cooperative tile's time at the cap in bands of 16,
-# 1.07-1.09x M-major (results/bench_tiles_6127f68.json).
+# pingpong option (then 128 x 96) took 1.04-1.05x the banded cooperative tile's time at the cap in bands of 16,
+# 1.07-1.09x M-major (results/bench_tiles_6127f68.json); since one wgmma computes gate and up of a tile, each
+# of them fills whole 128-byte swizzle atoms of the shared B stage, so the option is 128 x 64.
 SWIGLU_BAND = (16, False)
 SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8
@@ -129,8 +130,8 @@ def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS)
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile
-    computes 128 columns of gate *and* of up (two 64 x 128 fp32 accumulators per consumer warp group,
-    the register footprint of the forward's 128 x 256 tile); in SWIGLU_BAND's raster where F has more
+    computes 128 columns of gate *and* of up (one 64 x 256 fp32 accumulator per consumer warp group,
+    one wgmma a k block: the forward's 128 x 256 tile); in SWIGLU_BAND's raster where F has more
     than BANDED_N_TILES such tiles."""
     base = select_config(pad, f, num_sms)
     return GroupGemmConfig(base.tile_m, 128, num_sms, False, *_row_band(f, 128, SWIGLU_BAND))

@@ -11,31 +11,42 @@ import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
 from . import gather
-from .base import GroupGemmSm90Base, KernelParams
+from .base import GroupGemmSm90Base, KernelParams, epilogue_pairing
 from .config import GroupGemmConfig
 from .remote import RemoteWeightsMixin
 from .scheduler import RowTileScheduler
+
+
+def stage_half(staged, tile_n: int, tile_k: int, half: int):
+    """Columns [half tile_n, (half + 1) tile_n) of every stage of ``staged`` (a B ring, tensor or layout,
+    (2 tile_n, tile_k, stages)): (tile_n, tile_k, stages)."""
+    return cute.slice_(cute.flat_divide(staged, (tile_n, tile_k)), (None, None, half, 0, None))
 
 
 class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
     """Fused gate/up projection with a SwiGLU epilogue (see ``group_gemm_swiglu``).
 
     Per output tile (``tile_m`` rows x ``tile_n`` columns of h) the producer loads, per k tile, the
-    A tile and the matching ``tile_n``-column tiles of *both* ``W_gate`` and ``W_up`` (two B rings
-    sharing one mbarrier per stage); the consumers keep two fp32 accumulators of identical layout
-    (gate and up of the same columns, so element i of one and of the other are the same (row,
-    column)) and the epilogue computes ``h = silu(gate) * up`` in fp32 from registers, converts to
-    bf16 and stores it through the stmatrix -> shared -> TMA path of the forward kernel. With
-    ``store_preact`` it also stores the bf16 pre-activations gate and up (what backward needs).
-    Same persistent raster and device-side tile -> group lookup as the forward. ``config.pingpong``:
-    each consumer warp group computes whole tiles (both accumulators of all ``tile_m`` rows), every other
-    tile of its CTA, its epilogue under the other's mainloop (128 x 96: 192 accumulator registers per
-    thread, as the 128 x 192 pingpong dgrad; QuACK's ``gemm_gated`` runs the 128 x 192 interleaved
-    gate/up tile so).
+    A tile and the matching ``tile_n``-column tiles of *both* ``W_gate`` and ``W_up`` into the two
+    halves of one B stage of ``2 tile_n`` columns (``b_load_views``); the consumers multiply it with one
+    wgmma batch into one fp32 accumulator of ``2 tile_n`` columns, gate's columns then up's, so a
+    thread holds gate and up of the same (row, column) one half of its sub-tiles apart
+    (``gate_subtile``). One wgmma of twice the width reads the A fragment once where a gate and an up
+    wgmma read it twice (the sm_90a SASS issued two ``HGMMA.64x128x16`` a k step). The epilogue computes
+    ``h = silu(gate) * up`` in fp32 from registers, converts to bf16 and stores it through the stmatrix ->
+    shared -> TMA path of the forward kernel. With ``store_preact`` it also stores the bf16
+    pre-activations gate and up (what backward needs). Same persistent raster and device-side tile ->
+    group lookup as the forward. ``config.pingpong``: each consumer warp group computes whole tiles
+    (all ``tile_m`` rows), every other tile of its CTA, its epilogue under the other's mainloop (128 x 64:
+    each half of a stage whole 128-byte swizzle atoms, so ``tile_n`` is a multiple of 64; QuACK's
+    ``gemm_gated`` runs a 128 x 192 tile of gate and up interleaved in global memory instead).
     """
 
     def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
         self.store_preact = bool(store_preact)
+        if config.tile_n % 64:
+            raise ValueError(f"{type(self).__name__}: tile_n must be a multiple of 64 (got {config.tile_n}): gate "
+                             "and up each fill whole 128-byte swizzle atoms of the shared B stage")
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
         self._init_common(
             GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, config.pingpong, config.band_m,
@@ -47,6 +58,29 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         )
         self.tile_n = config.tile_n  # columns of h (and of gate, of up) per tile
         self.b_modes = [2, 1, 0]
+
+    @property
+    def mma_tile_n(self) -> int:
+        """A B stage holds the gate tile and then the up tile."""
+        return 2 * self.tile_n
+
+    @cute.jit
+    def b_load_views(self, sBs):
+        """The two halves of the one B ring's stages, gate's and up's: an N-major stage is laid out
+        K atoms first (``make_smem_layout_b``), so its first ``tile_n`` columns are contiguous and laid
+        out as a ``tile_n``-column stage, which each half's TMA load writes (probe ``swiglu_b_stage_halves``)."""
+        return [stage_half(sBs[0], self.tile_n, self.tile_k, 0), stage_half(sBs[0], self.tile_n, self.tile_k, 1)]
+
+    def gate_subtile(self, e: int) -> int:
+        """The accumulator sub-tile (``acc_subtile_to_bf16``'s index) holding gate of output sub-tile ``e``.
+        The accumulator's sub-tiles run over its ``2 tile_n`` columns first, then over 64-row blocks
+        (pingpong), while the output's run over ``tile_n`` columns."""
+        per_row = self.tile_n // self.epi_tile[1]
+        return e + (e // per_row) * per_row
+
+    def up_subtile(self, e: int) -> int:
+        """The accumulator sub-tile holding up of output sub-tile ``e``: gate's, ``tile_n`` columns on."""
+        return self.gate_subtile(e) + self.tile_n // self.epi_tile[1]
 
     @cute.jit
     def __call__(
@@ -82,7 +116,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         tma_g, mG = self._tma_store_c(gate)
         tma_u, mU = self._tma_store_c(up)
         num_n_tiles, num_tiles = self._row_tiles(x if cutlass.const_expr(row_src is None) else h, h)
-        self._make_shared_storage(b_buffers=("sBg", "sBu"), with_c=True)
+        self._make_shared_storage(b_buffers=("sB",), with_c=True)
         if cutlass.const_expr(remote_experts is None):
             bg_view, bu_view = None, None
         self._launch_persistent(
@@ -131,7 +165,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         self.warp_specialized(KernelParams(
             atoms=a_atoms + (tma_gh, tma_gs, tma_uh, tma_us) + stores, tma_a=tma_a, mA=mA,
             b_operands=[(tma_gh, mGh, 0), (tma_gs, mGs, 0), (tma_uh, mUh, 1), (tma_us, mUs, 1)],
-            b_buffers=("sBg", "sBu"), home_rings=(0, 2), slot_rings=(1, 3),
+            b_buffers=("sB",), home_rings=(0, 2), slot_rings=(1, 3),
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
             num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_h=tma_h, mH=mH, tma_g=tma_g, mG=mG, tma_u=tma_u,
@@ -140,22 +174,20 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def consumer_setup(self, p, mma_tidx, thr_mma, sC: cute.Tensor):
-        """The gate and up accumulators (one layout: element i of each is the same (row, column)) and
-        the TMA-store epilogue."""
+        """The accumulator of gate and up (``2 tile_n`` columns: gate's, then up's) and the TMA-store
+        epilogue."""
         tile_c = (self.tile_m, self.tile_n)
         gH = cute.local_tile(p.mH, tile_c, (None, None))
         gG = cute.local_tile(p.mG, tile_c, (None, None))
         gU = cute.local_tile(p.mU, tile_c, (None, None))
-        acc_shape = thr_mma.partition_C(gH).shape[:3]
-        acc_g = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-        acc_u = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        acc_tile = cute.make_identity_tensor((self.tile_m, self.mma_tile_n))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(acc_tile).shape[:3], self.acc_dtype)
         tiled_copy_r2s, tRS_sD, tRS_rD, tRS_rOut, epi_bar, store_pipe, epi_slot0 = self.make_tma_store_epilogue(
             p.tiled_mma, mma_tidx, sC
         )
-        return KernelParams(sC=sC, gH=gH, gG=gG, gU=gU, acc_g=acc_g, acc_u=acc_u, tiled_copy_r2s=tiled_copy_r2s,
+        return KernelParams(sC=sC, gH=gH, gG=gG, gU=gU, acc=acc, tiled_copy_r2s=tiled_copy_r2s,
                             tRS_sD=tRS_sD, tRS_rD=tRS_rD, tRS_rOut=tRS_rOut, epi_bar=epi_bar, store_pipe=store_pipe,
-                            epi_slot0=epi_slot0,
-                            tRS_rG=tiled_copy_r2s.retile(acc_g), tRS_rU=tiled_copy_r2s.retile(acc_u))
+                            epi_slot0=epi_slot0, tRS_rAcc=tiled_copy_r2s.retile(acc))
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
@@ -164,19 +196,20 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         (``store_preact``) gate and up."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
         read_state, release_state = self.mma_k_tiles(  # pingpong: the mainloop takes its turn
-            p, mainloop, read_state, release_state, [c.acc_g, c.acc_u], tCrA, tCrBs, k_count, tile
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
         )
-        tRS_rG, tRS_rU, tRS_rD, tRS_rOut = c.tRS_rG, c.tRS_rU, c.tRS_rD, c.tRS_rOut
+        tRS_rAcc, tRS_rD, tRS_rOut = c.tRS_rAcc, c.tRS_rD, c.tRS_rOut
         size_rD = cute.size(tRS_rOut)
         neg_log2e = cutlass.Float32(-1.4426950408889634)
         bSG_sD, bSG_gH, epi_tiles, epi_layout = self.partition_epilogue(
             p.tma_h, c.sC, c.gH[(None, None, m_idx, n_idx)]
         )
         for e in cutlass.range_constexpr(epi_tiles):
+            g0, u0 = self.gate_subtile(e) * size_rD, self.up_subtile(e) * size_rD
             for v in cutlass.range_constexpr(size_rD):
-                a = tRS_rG[e * size_rD + v]
+                a = tRS_rAcc[g0 + v]
                 sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(a * neg_log2e, fastmath=True))
-                tRS_rD[v] = a * sig * tRS_rU[e * size_rD + v]
+                tRS_rD[v] = a * sig * tRS_rAcc[u0 + v]
             tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
             self.store_subtile(
                 c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
@@ -187,12 +220,12 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
             _, bSG_gG, _, _ = self.partition_epilogue(p.tma_g, c.sC, c.gG[(None, None, m_idx, n_idx)])
             _, bSG_gU, _, _ = self.partition_epilogue(p.tma_u, c.sC, c.gU[(None, None, m_idx, n_idx)])
             for e in cutlass.range_constexpr(epi_tiles):
-                self.acc_subtile_to_bf16(tRS_rG, e, tRS_rD, tRS_rOut)
+                self.acc_subtile_to_bf16(tRS_rAcc, self.gate_subtile(e), tRS_rD, tRS_rOut)
                 self.store_subtile(
                     c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + 2 * e), c.epi_bar,
                     warp_idx, c.store_pipe, p.tma_g, bSG_sD, bSG_gG[(None, epi_layout.get_hier_coord(e))],
                 )
-                self.acc_subtile_to_bf16(tRS_rU, e, tRS_rD, tRS_rOut)
+                self.acc_subtile_to_bf16(tRS_rAcc, self.up_subtile(e), tRS_rD, tRS_rOut)
                 self.store_subtile(
                     c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + 2 * e + 1), c.epi_bar,
                     warp_idx, c.store_pipe, p.tma_u, bSG_sD, bSG_gU[(None, epi_layout.get_hier_coord(e))],
@@ -262,3 +295,86 @@ def swiglu_gather_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:
     ``CUTE_DSL_ARCH=sm_90a`` (see the tests)."""
     del tile_n
     return gather.gather_copy_coverage(GroupGemmSwigluGatherSm90(GroupGemmConfig(tile_m, 128, 1)))
+
+
+def _flat(x) -> list:
+    return [v for y in x for v in _flat(y)] if isinstance(x, tuple) else [x]
+
+
+def _mode_index(coord, shape) -> int:
+    """A (possibly nested) coordinate of one layout mode as its 1-D index (first sub-mode fastest)."""
+    index, scale = 0, 1
+    for c, size in zip(_flat(coord), _flat(shape)):
+        index += int(c) * scale
+        scale *= size
+    return index
+
+
+def _layout_offset(shape_stride, coord) -> int:
+    """The offset of a static layout, given as its (shape, stride), at ``coord``: one integer per top-level
+    mode, each unfolded over its sub-modes (first sub-mode fastest)."""
+    offset = 0
+    for c, shape, stride in zip(coord, *shape_stride):
+        for size, step in zip(_flat(shape), _flat(stride)):
+            offset += (c % size) * step
+            c //= size
+    return offset
+
+
+def swiglu_b_stage_halves(tile_m: int = 128, tile_n: int = 128) -> dict:
+    """CPU check of the one B ring of the fused SwiGLU (layout algebra at trace time only). Per half of a
+    stage (``stage_half``, gate's and up's): its (column, k, stage) must be the ring's (column + half
+    tile_n, k, stage) (read off an identity tensor cut as the kernel cuts the ring), and there the ring's
+    layout as the MMA reads it (``b_smem_staged``) must be the half's first element plus the layout one
+    TMA load writes (``b_load_staged``'s stage), under the same swizzle, the half's first element a whole
+    number of 1024-byte swizzle periods in. Returns the mismatches and the elements checked."""
+    from csrc_cute.compile_check import expect_no_driver
+
+    kernel = GroupGemmSwigluSm90(GroupGemmConfig(tile_m, tile_n, 1))
+    got: dict = {}
+
+    def shape_stride(layout):
+        return tuple(layout.shape), tuple(layout.stride)
+
+    def read_axes(view, sizes):
+        # the coordinates of every element along each axis from the origin, and of the far corner (a slice
+        # of an identity tensor is affine, so these pin it down)
+        points = [tuple(i if a == axis else 0 for a in range(3)) for axis in range(3) for i in range(sizes[axis])]
+        points.append(tuple(n - 1 for n in sizes))
+        return {pt: tuple(_mode_index(c, shape) for c, shape in zip(view[pt], got["full"][0])) for pt in points}
+
+    @cute.jit
+    def probe():
+        kernel._setup_mainloop()
+        full, load = kernel.b_smem_staged, kernel.b_load_staged
+        sizes = (tile_n, kernel.tile_k, cute.size(full.outer, mode=[2]))
+        ring = cute.make_identity_tensor(cute.shape(full.outer))
+        got.update(swizzles=(str(full.inner), str(load.inner)), full=shape_stride(full.outer),
+                   load=shape_stride(load.outer), sizes=sizes)
+        got.update(halves=[read_axes(stage_half(ring, tile_n, kernel.tile_k, 0), sizes),
+                           read_axes(stage_half(ring, tile_n, kernel.tile_k, 1), sizes)])
+
+    with expect_no_driver():
+        cute.compile(probe)
+    mismatches = 0
+    for half, coords in enumerate(got["halves"]):
+        mismatches += sum(crd != (n + half * tile_n, k, s) for (n, k, s), crd in coords.items())
+    stages = got["sizes"][2]
+    for half in range(2):
+        for s in range(stages):
+            base = _layout_offset(got["full"], (half * tile_n, 0, s))
+            mismatches += base % 512 != 0  # bf16 elements of a 1024-byte period
+            for n in range(tile_n):
+                for k in range(kernel.tile_k):
+                    mismatches += (_layout_offset(got["full"], (n + half * tile_n, k, s))
+                                   != base + _layout_offset(got["load"], (n, k, 0)))
+    return dict(mismatches=int(mismatches), checked=2 * stages * tile_n * kernel.tile_k, stages=stages,
+                same_swizzle=got["swizzles"][0] == got["swizzles"][1])
+
+
+def swiglu_gate_up_pairing(tile_m: int = 128, tile_n: int = 128, pingpong: bool = False) -> dict:
+    """CPU check of the fused SwiGLU epilogue's pairing (``base.epilogue_pairing``): the value v of output
+    sub-tile e that a thread stores is, in its accumulator, value v of sub-tile ``gate_subtile(e)`` (gate)
+    and of ``up_subtile(e)`` (up, ``tile_n`` columns on)."""
+    kernel = GroupGemmSwigluSm90(GroupGemmConfig(tile_m, tile_n, 1, pingpong))
+    return epilogue_pairing(kernel, lambda e: [(kernel.gate_subtile(e), 0), (kernel.up_subtile(e), tile_n)])
