@@ -27,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
-from .base import GroupGemmSm90Base, KernelParams
+from .base import GroupGemmSm90Base, KernelParams, epilogue_pairing
 from .config import GroupGemmConfig
 from .pairs import OperandPairsMixin
 from .remote import RemoteWeightsMixin
@@ -53,7 +53,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
             config,
             LayoutEnum.ROW_MAJOR,  # A [N, red]: K-major
             LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR,
-            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong, config.tile_n),
             pingpong=config.pingpong,
         )
 
@@ -280,3 +280,10 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
             num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_c=tma_c, mC=mC, row_w=None,
         ))
+
+
+def rows_store_pairing(tile_m: int = 128, tile_n: int = 256, pingpong: bool = False) -> dict:
+    """CPU check of the row kernels' store (``base.epilogue_pairing``): the value v of output sub-tile e that a
+    thread stores is value v of its accumulator's sub-tile e (cooperative: 64-column sub-tiles of the whole
+    tile's rows; pingpong: 32-column ones of a warp group's 64-row blocks)."""
+    return epilogue_pairing(GroupGemmSm90(GroupGemmConfig(tile_m, tile_n, 1, pingpong)), lambda e: [(e, 0)])
