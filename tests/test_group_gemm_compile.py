@@ -237,9 +237,9 @@ def test_fused_compile_sm90a_no_spills(tmp_path, op, kd, nd, pad):
         # computed in the kernel
         assert mma and all("m64n256k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
         assert "ex2.approx" in ptx and "rcp.approx" in ptx
-        # TMA stores of 2 sub-tiles (tile_m x 64) per tile: h, and with the pre-activations also gate and up
+        # TMA stores of 4 sub-tiles (128 x 32) per tile: h, and with the pre-activations also gate and up
         stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")
-        assert stores == (6 if op == "swiglu" else 2), stores
+        assert stores == (12 if op == "swiglu" else 4), stores
     else:
         # the route weight: two distinct rows per thread and tile (four with pingpong consumers:
         # test_pingpong_option_compiles_sm90a_no_spills), loaded once each (loads CSE'd)
@@ -347,6 +347,14 @@ def test_wgrad_gather_copy_covers_the_a_stage_once(tile_m):
     assert res == dict(values=n, distinct=n, elements=n, bad_chunks=0, bad_smem=0, smem_distinct=n), res
 
 
+def _store_subtiles(tile_m: int, tile_n: int, pingpong: bool) -> dict:
+    """Threads, sub-tiles and values per thread and sub-tile of the TMA-store epilogue of the row kernels, the
+    wgrad and the fused SwiGLU (``base._init_tma_store_epilogue``): 32 columns of one warp group's 64 rows
+    (pingpong) or of the whole tile's rows (cooperative)."""
+    return dict(threads=128 if pingpong else 2 * tile_m, subtiles=(tile_m // 64 if pingpong else 1) * (tile_n // 32),
+                per_subtile=16)
+
+
 @pytest.mark.parametrize("tile_m, tile_n, pingpong, dw_m_major", [(128, 192, True, True), (128, 256, False, True),
                                                                   (64, 128, False, True), (128, 192, True, False)])
 def test_wgrad_store_reads_each_subtile_of_the_accumulator(tile_m, tile_n, pingpong, dw_m_major):
@@ -354,9 +362,7 @@ def test_wgrad_store_reads_each_subtile_of_the_accumulator(tile_m, tile_n, pingp
     for the N-major gradient and for the M-major one (stmatrix transposing; the down projection's dW^T):
     checked for every thread and value against the real layouts (CPU)."""
     res = layout_probe("wgrad", "wgrad_store_pairing", tile_m, tile_n, pingpong=pingpong, dw_m_major=dw_m_major)
-    threads = 128 if pingpong or tile_m == 64 else 256
-    subtiles = (tile_m // 64 if pingpong else 1) * (tile_n // 32)
-    assert res == dict(threads=threads, subtiles=subtiles, per_subtile=16, covered=True, mismatches=0), res
+    assert res == dict(covered=True, mismatches=0, **_store_subtiles(tile_m, tile_n, pingpong)), res
 
 
 @pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 64)])
@@ -381,20 +387,10 @@ def test_swiglu_epilogue_pairs_gate_and_up(tile_m, tile_n, pingpong):
     assert res == dict(covered=True, mismatches=0, **_store_subtiles(tile_m, tile_n, pingpong)), res
 
 
-def _store_subtiles(tile_m: int, tile_n: int, pingpong: bool) -> dict:
-    """Threads, sub-tiles and values per thread and sub-tile of the TMA-store epilogue of a row kernel or the
-    fused SwiGLU (``base._init_tma_store_epilogue``): pingpong 64 x 32 sub-tiles of one warp group's rows,
-    cooperative tile_m x 64 of both warp groups' rows."""
-    if pingpong:
-        return dict(threads=128, subtiles=tile_m // 64 * (tile_n // 32), per_subtile=16)
-    return dict(threads=2 * tile_m, subtiles=tile_n // 64, per_subtile=32)
-
-
 @pytest.mark.parametrize("tile_m, tile_n, pingpong", [(128, 256, False), (64, 128, False), (128, 192, True)])
 def test_rows_store_reads_each_subtile_of_the_accumulator(tile_m, tile_n, pingpong):
-    """The forward/dgrad store takes output sub-tile e from the retiled accumulator's sub-tile e, at the
-    cooperative kernels' 64-column sub-tiles and the pingpong ones' 32-column ones: checked for every thread
-    and value against the real layouts (CPU)."""
+    """The forward/dgrad store takes output sub-tile e from the retiled accumulator's sub-tile e, cooperative
+    and pingpong: checked for every thread and value against the real layouts (CPU)."""
     res = layout_probe("rows", "rows_store_pairing", tile_m, tile_n, pingpong=pingpong)
     assert res == dict(covered=True, mismatches=0, **_store_subtiles(tile_m, tile_n, pingpong)), res
 

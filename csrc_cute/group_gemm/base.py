@@ -104,27 +104,21 @@ class GroupGemmSm90Base:
                 self.b_layout, (self.tile_m, self.mma_tile_n, self.tile_k), self.ab_dtype, self.ab_stage
             )
 
-    def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False, tile_n: int | None = None) -> int:
+    def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False) -> int:
         """bf16 C [N, out] (N-major) stored registers -> shared (stmatrix) -> global (TMA) in
         sub-tiles of all consumer warp groups' rows (or, ``pingpong``, 64 of one warp group's rows) x 32
         columns: a ring of ``epi_stage`` sub-tile slots per storing group
         (the cooperative consumers together; each pingpong warp group on its own, with its own
-        slots, named barrier and storing warp, since the two epilogues may overlap). Cooperative
-        kernels that pass their ``tile_n``, a multiple of 64: sub-tiles 64 columns wide in 2 slots (the
-        same shared memory). Returns the shared memory of the slots (reserved before the mainloop stages
-        are sized)."""
+        slots, named barrier and storing warp, since the two epilogues may overlap). Returns the
+        shared memory of the slots (reserved before the mainloop stages are sized)."""
         self.c_dtype = cutlass.BFloat16
         self.c_layout = LayoutEnum.ROW_MAJOR
         # a pingpong warp group's accumulators run along N first, then over its two 64-row blocks, so
         # its sub-tiles are 64 rows high (sub-tile e = 64-row block e // (tile_n / 32), columns
-        # 32 (e % (tile_n / 32)) on: contiguous accumulator registers, as ``acc_subtile_to_bf16`` reads).
-        # A cooperative tile's epilogue is not overlapped by a mainloop: each sub-tile costs its consumers
-        # two named-barrier round trips, so wider sub-tiles halve the stall (ncu, results/ncu_gemm_4240cdb.json:
-        # the fused SwiGLU's tensor pipe idle 5.5% of its cycles, barrier the top stall)
-        wide = not pingpong and tile_n is not None and tile_n % 64 == 0
-        self.epi_tile = (64 if pingpong else tile_m, 64 if wide else 32)
+        # 32 (e % (tile_n / 32)) on: contiguous accumulator registers, as ``acc_subtile_to_bf16`` reads)
+        self.epi_tile = (64 if pingpong else tile_m, 32)
         self.epi_groups = 2 if pingpong else 1
-        self.epi_stage = 2 if wide else 4
+        self.epi_stage = 4
         return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage * self.epi_groups
 
     def _setup_tma_store_epilogue(self):

@@ -53,7 +53,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
             config,
             LayoutEnum.ROW_MAJOR,  # A [N, red]: K-major
             LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR,
-            self._init_tma_store_epilogue(config.tile_m, config.pingpong, config.tile_n),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
             pingpong=config.pingpong,
         )
 
@@ -284,6 +284,6 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
 
 def rows_store_pairing(tile_m: int = 128, tile_n: int = 256, pingpong: bool = False) -> dict:
     """CPU check of the row kernels' store (``base.epilogue_pairing``): the value v of output sub-tile e that a
-    thread stores is value v of its accumulator's sub-tile e (cooperative: 64-column sub-tiles of the whole
-    tile's rows; pingpong: 32-column ones of a warp group's 64-row blocks)."""
+    thread stores is value v of its accumulator's sub-tile e (32-column sub-tiles of the whole tile's rows,
+    cooperative, or of a warp group's 64-row blocks, pingpong)."""
     return epilogue_pairing(GroupGemmSm90(GroupGemmConfig(tile_m, tile_n, 1, pingpong)), lambda e: [(e, 0)])

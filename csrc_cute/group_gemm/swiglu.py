@@ -53,7 +53,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
                             config.tall_m_major, config.cluster_n),
             LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
             LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
-            self._init_tma_store_epilogue(config.tile_m, config.pingpong, config.tile_n),
+            self._init_tma_store_epilogue(config.tile_m, config.pingpong),
             pingpong=config.pingpong,
         )
         self.tile_n = config.tile_n  # columns of h (and of gate, of up) per tile
