@@ -17,7 +17,7 @@ in clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.
 forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at
 128 x 192, each with and without clusters, and its two gathered variants (ours only) at those two tiles without
 clusters; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in
-bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 64 (M-major or in bands of 16), and the
+bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands of 16), and the
 SwiGLU backward (always pingpong, shared-memory epilogue) at 128 x 160 in those three rasters.
 ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
 nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
@@ -64,7 +64,7 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                   wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False)),
                   wgrad_gather_t=((128, 192, True, 0, False), (128, 256, False, 0, False)),
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
-                          (128, 64, True, 0, False), (128, 64, True, 16, False)),
+                          (128, 96, True, 0, False), (128, 96, True, 16, False)),
                   swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True)))
 
 

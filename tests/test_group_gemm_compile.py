@@ -134,17 +134,17 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
 
 @pytest.mark.parametrize("op", ["swiglu", "swiglu_gather"])
 def test_swiglu_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
-    """The fused SwiGLU's pingpong option at 128 x 64 (each warp group gate and up of a whole tile in one
-    128 x 128 accumulator: m64n128 wgmma, 128 fp32 registers a thread), the mainloops taking turns on named
-    barriers, each epilogue's 64 x 32 TMA-store sub-tiles of h, gate and up (2 x 2 each); the gathered
-    variant's A by cp.async (the layer's at R = 1)."""
+    """The fused SwiGLU's pingpong option at 128 x 96 (each warp group gate and up of a whole tile in one
+    128 x 192 accumulator: m64n192 wgmma on a stage of 64-byte swizzle atoms, 192 fp32 registers a thread),
+    the mainloops taking turns on named barriers, each epilogue's 64 x 32 TMA-store sub-tiles of h, gate and
+    up (2 x 3 each); the gathered variant's A by cp.async (the layer's at R = 1)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
-    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 64, 132, True, 16))
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 96, 132, True, 16))
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    assert mma and all("m64n128k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+    assert mma and all("m64n192k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
     assert "bar.arrive" in ptx and "bar.sync" in ptx and "ex2.approx" in ptx
-    assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * (128 // 64) * (64 // 32)
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * (128 // 64) * (96 // 32)
     if op == "swiglu_gather":  # A by cp.async, no TMA load of A (the count of B load sites is not pinned here)
         check_cp_async_gather(ptx, copies=2 * (128 // 16), commits=2)
         assert "cp.async.bulk.tensor.2d.shared::cluster.global" not in ptx
@@ -365,7 +365,7 @@ def test_wgrad_store_reads_each_subtile_of_the_accumulator(tile_m, tile_n, pingp
     assert res == dict(covered=True, mismatches=0, **_store_subtiles(tile_m, tile_n, pingpong)), res
 
 
-@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 64)])
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 64), (128, 96)])
 def test_swiglu_b_stage_halves_are_the_gate_and_up_loads(tile_m, tile_n):
     """The fused SwiGLU's one B ring of 2 tile_n columns a stage: each half (gate's, up's) as the kernel
     cuts it is the ring's columns [half tile_n, (half + 1) tile_n), laid out there as one tile_n-column TMA
@@ -376,8 +376,8 @@ def test_swiglu_b_stage_halves_are_the_gate_and_up_loads(tile_m, tile_n):
                        same_swizzle=True), res
 
 
-@pytest.mark.parametrize("tile_m, tile_n, pingpong", [(128, 128, False), (64, 128, False), (128, 64, True),
-                                                      (128, 128, True)])
+@pytest.mark.parametrize("tile_m, tile_n, pingpong", [(128, 128, False), (64, 128, False), (128, 96, True),
+                                                      (128, 64, True)])
 def test_swiglu_epilogue_pairs_gate_and_up(tile_m, tile_n, pingpong):
     """The fused SwiGLU's epilogue reads gate of output sub-tile e at accumulator sub-tile gate_subtile(e)
     and up at up_subtile(e): for every thread and value of the register -> shared copy both are

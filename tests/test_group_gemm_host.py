@@ -88,18 +88,6 @@ def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
             cls(GroupGemmConfig(128, 128, 132, cluster_n=2))
 
 
-def test_swiglu_tile_n_is_a_multiple_of_64():
-    # gate and up share one B stage, each half whole 128-byte swizzle atoms (swiglu.stage_half)
-    from csrc_cute.group_gemm import GroupGemmConfig
-    from csrc_cute.group_gemm.swiglu import GroupGemmSwigluGatherSm90, GroupGemmSwigluSm90
-
-    for cls in (GroupGemmSwigluSm90, GroupGemmSwigluGatherSm90):
-        assert cls(GroupGemmConfig(128, 64, 132, True)).mma_tile_n == 128
-        for bad in (96, 32, 160):
-            with pytest.raises(ValueError, match=f"{cls.__name__}: tile_n must be a multiple of 64 \\(got {bad}\\)"):
-                cls(GroupGemmConfig(128, bad, 132))
-
-
 def test_select_wgrad_config():
     assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1)  # pingpong
     assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1)

@@ -446,7 +446,7 @@ def test_swiglu_bwd_gather_cuda_graph_replay():
 @gpu
 @pytest.mark.parametrize("band_m", [0, 16])
 def test_swiglu_pingpong_tiles_equal_the_cooperative_kernel(band_m):
-    # the fused SwiGLU's pingpong option (GroupGemmConfig.pingpong, 128 x 64: no op chooses it yet,
+    # the fused SwiGLU's pingpong option (GroupGemmConfig.pingpong, 128 x 96: no op chooses it yet,
     # bench_tiles measures it), plain and gathered, on 4 CTAs (each warp group takes many alternate tiles)
     # with empty home and slot groups, F = 600 (a partial last n tile of 24 columns), rows past the last
     # group: bitwise the cooperative 128 x 128 kernel, h, gate and up (the same k loop per element)
@@ -460,7 +460,7 @@ def test_swiglu_pingpong_tiles_equal_the_cooperative_kernel(band_m):
     row_src = random_row_src(cu, n_total, tokens.shape[0], 65, all_padding=(2,))
     for op, a in (("swiglu", (x,)), ("swiglu_gather", (tokens, row_src))):
         outs = {}
-        for config in (GroupGemmConfig(128, 128, 4), GroupGemmConfig(128, 64, 4, True, band_m)):
+        for config in (GroupGemmConfig(128, 128, 4), GroupGemmConfig(128, 96, 4, True, band_m)):
             bufs = [torch.full((n_total, 600), float("nan"), dtype=torch.bfloat16, device="cuda")
                     for _ in range(3)]
             compile_op(op, 320, 600, 128, 4, config)(*a, wgh, wgs, wuh, wus, cu, *bufs)

@@ -100,8 +100,8 @@ class GroupGemmSm90Base:
         )
         self.b_smem_staged = self.b_load_staged
         if self.mma_tile_n != self.tile_n:
-            self.b_smem_staged = sm90_utils.make_smem_layout_b(
-                self.b_layout, (self.tile_m, self.mma_tile_n, self.tile_k), self.ab_dtype, self.ab_stage
+            self.b_smem_staged = widened_b_stages(
+                self.b_layout, self.tile_n, self.mma_tile_n, self.tile_k, self.ab_dtype, self.ab_stage
             )
 
     def _init_tma_store_epilogue(self, tile_m: int, pingpong: bool = False) -> int:
@@ -637,6 +637,18 @@ class GroupGemmSm90Base:
         store_pipe = c.store_pipe  # a local: the DSL carries what a dynamic branch calls methods of
         if self.is_epi_store_warp(warp_idx):
             store_pipe.producer_tail()
+
+
+def widened_b_stages(b_layout: LayoutEnum, load_n: int, tile_n: int, tile_k: int, dtype, stages: int):
+    """B ring stages of ``tile_n`` columns tiled from the swizzle atom of a ``load_n``-column stage (the atom
+    ``make_smem_layout_b`` picks by the size of the major mode), so that each ``load_n``-column slice of a
+    stage is whole atoms, laid out as a ``load_n``-column load writes them. Why not ``make_smem_layout_b`` at
+    ``tile_n``: it would pick the atom by ``tile_n``, and at ``load_n`` = 96 (N-major bf16) a 192-column
+    stage's 128-byte atoms would cut the second load's columns in half."""
+    k_major = b_layout.is_k_major_b()
+    kind = sm90_utils.get_smem_layout_atom(b_layout, dtype, tile_k if k_major else load_n)
+    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, dtype), (tile_n, tile_k, stages),
+                              order=(0, 1, 2) if k_major else (1, 0, 2))
 
 
 class WarpGroupBarrier:

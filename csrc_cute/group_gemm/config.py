@@ -61,8 +61,10 @@ H100_H200_NUM_SMS = 132
 # to 15% slower. At 48 equal groups (11 M tiles) the three rasters walk the same tiles in the same order,
 # and their times still differed by up to 4%: that is the resolution of one sweep. The fused SwiGLU's
 # pingpong option (then 128 x 96) took 1.04-1.05x the banded cooperative tile's time at the cap in bands of 16,
-# 1.07-1.09x M-major (results/bench_tiles_6127f68.json); since one wgmma computes gate and up of a tile, each
-# of them fills whole 128-byte swizzle atoms of the shared B stage, so the option is 128 x 64.
+# 1.07-1.09x M-major (results/bench_tiles_6127f68.json); with one wgmma for gate and up (4240cdb) it ran at
+# 128 x 64 (each half whole 128-byte swizzle atoms) and took 1.00-1.03x the banded cooperative tile's time at
+# the cap (results/bench_tiles_4240cdb_swiglu.json); since the stage is tiled from the load's swizzle atom
+# (base.widened_b_stages) it is 128 x 96 again, QuACK gemm_gated's tile (96 columns of gate and of up).
 SWIGLU_BAND = (16, False)
 SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8

@@ -37,16 +37,14 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
     shared -> TMA path of the forward kernel. With ``store_preact`` it also stores the bf16
     pre-activations gate and up (what backward needs). Same persistent raster and device-side tile ->
     group lookup as the forward. ``config.pingpong``: each consumer warp group computes whole tiles
-    (all ``tile_m`` rows), every other tile of its CTA, its epilogue under the other's mainloop (128 x 64:
-    each half of a stage whole 128-byte swizzle atoms, so ``tile_n`` is a multiple of 64; QuACK's
-    ``gemm_gated`` runs a 128 x 192 tile of gate and up interleaved in global memory instead).
+    (all ``tile_m`` rows), every other tile of its CTA, its epilogue under the other's mainloop (128 x 96:
+    one 64 x 192 wgmma a 64-row block, the stage tiled from the 64-byte swizzle atom of a 96-column load,
+    ``base.widened_b_stages``; QuACK's ``gemm_gated`` runs a 128 x 192 tile of gate and up interleaved in
+    global memory).
     """
 
     def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
         self.store_preact = bool(store_preact)
-        if config.tile_n % 64:
-            raise ValueError(f"{type(self).__name__}: tile_n must be a multiple of 64 (got {config.tile_n}): gate "
-                             "and up each fill whole 128-byte swizzle atoms of the shared B stage")
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
         self._init_common(
             GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, config.pingpong, config.band_m,
