@@ -64,7 +64,9 @@ H100_H200_NUM_SMS = 132
 # 1.07-1.09x M-major (results/bench_tiles_6127f68.json); with one wgmma for gate and up (4240cdb) it ran at
 # 128 x 64 (each half whole 128-byte swizzle atoms) and took 1.00-1.03x the banded cooperative tile's time at
 # the cap (results/bench_tiles_4240cdb_swiglu.json); since the stage is tiled from the load's swizzle atom
-# (base.widened_b_stages) it is 128 x 96 again, QuACK gemm_gated's tile (96 columns of gate and of up).
+# (base.widened_b_stages) it is 128 x 96 again, QuACK gemm_gated's tile (96 columns of gate and of up), and
+# took 1.03-1.04x the banded cooperative tile's time in bands of 16, 1.06-1.07x M-major, in sustained runs
+# (results/bench_tiles_b3ef4c5_swiglu.json), where the banded cooperative tile took 1.003/0.986/0.982x QuACK's.
 SWIGLU_BAND = (16, False)
 SWIGLU_BWD_BAND = (16, False)
 BANDED_N_TILES = 8
