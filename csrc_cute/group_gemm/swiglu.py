@@ -11,7 +11,7 @@ import cutlass.cute as cute
 from cutlass.utils import LayoutEnum
 
 from . import gather
-from .base import GroupGemmSm90Base, KernelParams, epilogue_pairing
+from .base import GroupGemmSm90Base, KernelParams, epilogue_pairing, sigmoid_approx
 from .config import GroupGemmConfig
 from .remote import RemoteWeightsMixin
 from .scheduler import RowTileScheduler
@@ -198,7 +198,6 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         )
         tRS_rAcc, tRS_rD, tRS_rOut = c.tRS_rAcc, c.tRS_rD, c.tRS_rOut
         size_rD = cute.size(tRS_rOut)
-        neg_log2e = cutlass.Float32(-1.4426950408889634)
         bSG_sD, bSG_gH, epi_tiles, epi_layout = self.partition_epilogue(
             p.tma_h, c.sC, c.gH[(None, None, m_idx, n_idx)]
         )
@@ -206,8 +205,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
             g0, u0 = self.gate_subtile(e) * size_rD, self.up_subtile(e) * size_rD
             for v in cutlass.range_constexpr(size_rD):
                 a = tRS_rAcc[g0 + v]
-                sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(a * neg_log2e, fastmath=True))
-                tRS_rD[v] = a * sig * tRS_rAcc[u0 + v]
+                tRS_rD[v] = a * sigmoid_approx(a) * tRS_rAcc[u0 + v]
             tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
             self.store_subtile(
                 c.tiled_copy_r2s, tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,

@@ -10,7 +10,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils import LayoutEnum
 
 from . import gather
-from .base import GroupGemmSm90Base, KernelParams, partition_coords
+from .base import GroupGemmSm90Base, KernelParams, partition_coords, sigmoid_approx
 from .config import GroupGemmConfig
 from .scheduler import RowTileScheduler
 from .swiglu_bwd_smem import SwigluBwdSmemEpilogue
@@ -132,7 +132,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         one = cutlass.Float32(1.0)
         gt = gate.to(cutlass.Float32)
         ut = up.to(cutlass.Float32)
-        s = cute.arch.rcp_approx(one + cute.math.exp2(gt * cutlass.Float32(-1.4426950408889634), fastmath=True))
+        s = sigmoid_approx(gt)
         silu = gt * s
         h = silu * ut
         gh = d * rw
