@@ -26,6 +26,11 @@ Sections
            swiglu      h = silu(x W_gate) * (x W_up) (pre-activations stored for backward)
            swiglu_bwd  d = g_y_g @ W_down_g^T with the SwiGLU backward and the route weight in the epilogue:
                        g_gate, g_up, h_w = row_w * h, g_row_w = sum_f d * h
+           swiglu_gather, wgrad_gather, swiglu_bwd_gather  the same with the rows read by index from S tokens
+                       (x_tok [S, H], g_tok [S, H]; row_src [M]: every token read by M / S rows, ascending within
+                       each group, as the layer's gathered path at R = 1 reads them): ours the gathered kernels
+                       the layer runs (group_gemm_*_gather), QuACK its gather_A (A_idx) of the same calls,
+                       torch index_select and then its plain call
          ours: torch.ops.moonep.group_gemm* (all groups home groups); QuACK: quack.gemm_interface.gemm /
          gemm_gated / gemm_dgated (gate/up columns interleaved, cu_seqlens_m/k = [0, ends...]); torch:
          torch._grouped_mm (+ eager SwiGLU math). TFLOP/s count the GEMM FLOPs of every row.
@@ -80,7 +85,9 @@ from moonep_ops.routing import route  # noqa: E402
 
 SECTIONS = ("layer", "gemm")
 PEERS = ("quack", "sonicmoe")
-FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
+FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "swiglu_gather", "wgrad_gather",
+            "swiglu_bwd_gather")
+GATHERED = {"swiglu_gather": "x", "wgrad_gather": "x", "swiglu_bwd_gather": "g_y"}  # family -> operand read by index
 IMPLS = ("ours", "ours_rows", "torch", "torch_compiled", "sonicmoe", "quack")
 PICKED_TOP, PICKED_STEP, OTHER_LOGIT = 0.5, 0.0625, -8.0  # designed router logits (see the module docstring)
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, gemm_rows=512, iters=2, repeats=1, warmup=1,
@@ -403,9 +410,10 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------ gemm
-def gemm_operands(ends: torch.Tensor, H: int, F: int, device, seed: int) -> dict:
+def gemm_operands(ends: torch.Tensor, H: int, F: int, device, seed: int, tokens: int) -> dict:
     """One layout's operands (bf16 unless noted): x [M, H], dy and dy_up [M, F], g_y [M, H], w [G, H, F], w_up
-    [G, H, F], w_down [G, F, H], gate/up [M, F], row_w [M] fp32; ends [G] int32 and cu0 [G+1] (0 first)."""
+    [G, H, F], w_down [G, F, H], gate/up [M, F], row_w [M] fp32; ends [G] int32 and cu0 [G+1] (0 first); for
+    the gathered families x_tok and g_tok [tokens, H] and row_src [M] int32 (token_rows)."""
     G, M = ends.numel(), int(ends[-1])
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -414,11 +422,26 @@ def gemm_operands(ends: torch.Tensor, H: int, F: int, device, seed: int) -> dict
     return dict(ends=ends.to(device), cu0=torch.cat([ends.new_zeros(1), ends]).to(device), bounds=starts_ends(ends),
                 x=rnd(M, H), dy=rnd(M, F), dy_up=rnd(M, F), g_y=rnd(M, H), w=rnd(G, H, F, scale=H ** -0.5),
                 w_up=rnd(G, H, F, scale=H ** -0.5), w_down=rnd(G, F, H, scale=F ** -0.5), gate=rnd(M, F),
-                up=rnd(M, F), row_w=torch.rand(M, generator=gen, device=device))
+                up=rnd(M, F), row_w=torch.rand(M, generator=gen, device=device), x_tok=rnd(tokens, H),
+                g_tok=rnd(tokens, H), row_src=token_rows(ends, tokens, gen))
+
+
+def token_rows(ends: torch.Tensor, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """row_src [M] int32 of the gathered families: row i reads token row_src[i]; every token is read by M / tokens
+    rows (rounded), spread over the groups at random, ascending within each group (as the layer's dispatch
+    index lays out a group's rows)."""
+    M = int(ends[-1])
+    src = (torch.arange(M, device=gen.device) % tokens)[torch.randperm(M, generator=gen, device=gen.device)]
+    for s, e in starts_ends(ends):
+        src[s:e] = src[s:e].sort().values
+    return src.int()
 
 
 def gemm_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
-    """fp32 per-group matmuls of family `fam` (the outputs every implementation is checked against)."""
+    """fp32 per-group matmuls of family `fam` (the outputs every implementation is checked against); a gathered
+    family's are its plain family's on the gathered rows."""
+    if fam in GATHERED:
+        return gemm_reference(fam.removesuffix("_gather"), dict(d, **gathered_operand(fam, d)))
     outs = []
     for gi, (s, e) in enumerate(d["bounds"]):
         if fam == "fwd":
@@ -444,9 +467,27 @@ def gemm_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
     return (rw * out * uf * sg * (1 + gf * (1 - sg)), rw * out * gf * sg, rw * h, (out * h).sum(1))
 
 
+def gathered_operand(fam: str, d: dict) -> dict:
+    """{operand name: its rows read by index from the tokens} of gathered family `fam` (the input of its plain
+    family)."""
+    src = GATHERED[fam]
+    return {src: d[f"{src[0]}_tok"].index_select(0, d["row_src"])}
+
+
 def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
     """A zero-argument call of family `fam` by `impl` (ours, torch, quack) and a function of its result that
-    gives the reference's outputs (same order as gemm_reference)."""
+    gives the reference's outputs (same order as gemm_reference). torch's gathered families: index_select into
+    a buffer, then its plain call on the buffer."""
+    if impl == "torch" and fam in GATHERED:
+        src = GATHERED[fam]
+        buf = torch.empty_like(d[src])
+        plain, outputs = gemm_call(impl, fam.removesuffix("_gather"), dict(d, **{src: buf}), P, qgi)
+
+        def gather_then_plain():
+            torch.index_select(d[f"{src[0]}_tok"], 0, d["row_src"], out=buf)
+            return plain()
+        return gather_then_plain, outputs
+    x_tok, g_tok, row_src = d["x_tok"], d["g_tok"], d["row_src"]
     x, dy, g_y, w, w_up, w_down, ends, cu0 = (d[k] for k in ("x", "dy", "g_y", "w", "w_up", "w_down", "ends", "cu0"))
     gate, up, row_w, dy_up = d["gate"], d["up"], d["row_w"], d["dy_up"]
     G, M, H, F = w.shape[0], x.shape[0], w.shape[1], w.shape[2]
@@ -464,7 +505,14 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
             swiglu=(lambda: ops.group_gemm_swiglu(x, w, none_of["w"], w_up, none_of["w"], ends, P, True),
                     lambda r: (r[0],)),
             swiglu_bwd=(lambda: ops.group_gemm_swiglu_bwd(g_y, w_down, none_of["w_down"], ends, row_w, gate, up, P),
-                        lambda r: tuple(r)))
+                        lambda r: tuple(r)),
+            swiglu_gather=(lambda: ops.group_gemm_swiglu_gather(x_tok, row_src, w, none_of["w"], w_up, none_of["w"],
+                                                                ends, P, True), lambda r: (r[0],)),
+            wgrad_gather=(lambda: ops.group_gemm_wgrad_gather(x_tok, row_src, dy, ends, dw, no_slot, P),
+                          lambda r: (dw,)),
+            swiglu_bwd_gather=(lambda: ops.group_gemm_swiglu_bwd_gather(g_tok, row_src, w_down, none_of["w_down"],
+                                                                        ends, row_w, gate, up, P),
+                               lambda r: tuple(r)))
     elif impl == "torch":
         w_t, w_cat, wd_t = w.transpose(-1, -2), torch.cat([w, w_up], dim=2), w_down.transpose(-1, -2)
 
@@ -500,9 +548,9 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
         def dgrad2():
             return qgi.gemm(dy_int, w_int.transpose(-1, -2), out_h, cu_seqlens_m=cu0, tuned=False)
 
-        def dgated():
-            dx, h_w, g_rw = qgi.gemm_dgated(g_y, wd_t, preact, activation="swiglu", colvec_scale=row_w,
-                                            colvec_reduce=True, cu_seqlens_m=cu0, tuned=False)
+        def dgated(a=g_y, a_idx=None):
+            dx, h_w, g_rw = qgi.gemm_dgated(a, wd_t, preact, activation="swiglu", colvec_scale=row_w,
+                                            colvec_reduce=True, cu_seqlens_m=cu0, A_idx=a_idx, tuned=False)
             return dx[:, 0::2], dx[:, 1::2], h_w, g_rw
         calls = dict(
             fwd=(lambda: qgi.gemm(x, w, out_f, cu_seqlens_m=cu0, tuned=False), lambda r: (out_f,)),
@@ -512,14 +560,19 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
             wgrad=(lambda: qgi.gemm(x.t(), dy, dw, cu_seqlens_k=cu0, tuned=False), lambda r: (dw,)),
             swiglu=(lambda: qgi.gemm_gated(x, w_int, activation="swiglu", cu_seqlens_m=cu0, store_preact=True,
                                            tuned=False), lambda r: (r[1],)),
-            swiglu_bwd=(dgated, lambda r: tuple(r)))
+            swiglu_bwd=(dgated, lambda r: tuple(r)),
+            swiglu_gather=(lambda: qgi.gemm_gated(x_tok, w_int, activation="swiglu", cu_seqlens_m=cu0, A_idx=row_src,
+                                                  store_preact=True, tuned=False), lambda r: (r[1],)),
+            wgrad_gather=(lambda: qgi.gemm(x_tok.t(), dy, dw, cu_seqlens_k=cu0, A_idx=row_src, tuned=False),
+                          lambda r: (dw,)),
+            swiglu_bwd_gather=(lambda: dgated(g_tok, row_src), lambda r: tuple(r)))
     else:
         raise ValueError(f"gemm_call: unknown implementation {impl!r}")
     return calls[fam]
 
 
 def gemm_flops(fam: str, M: int, H: int, F: int) -> float:
-    return 2.0 * M * H * F * (2 if fam in ("swiglu", "dgrad2") else 1)
+    return 2.0 * M * H * F * (2 if fam.removesuffix("_gather") in ("swiglu", "dgrad2") else 1)
 
 
 def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool = True) -> None:
@@ -533,7 +586,7 @@ def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool 
         st["rows"] = {}
     qgi = importlib.import_module("quack.gemm_interface") if "quack" in impls else None
     for li, (lname, ends) in enumerate(st["layouts"].items()):
-        d = gemm_operands(ends, H, F, b.device, o["seed"] + 10 + li)
+        d = gemm_operands(ends, H, F, b.device, o["seed"] + 10 + li, o["S"])
         M = int(ends[-1])
         for fam in [f for f in FAMILIES if f in o["families"]]:
             ref = gemm_reference(fam, d)
@@ -667,10 +720,10 @@ def table(payload: dict) -> list[str]:
         impls = [i for i in ("ours", "quack", "torch") if any(f"{i}_ms" in r or f"{i}_error" in r
                                                                for r in gemm.values())]
         lines.append(f"GEMM TFLOP/s (H={payload['H']}, F={payload['F']}; ours/x = x's time / ours)")
-        lines.append(f"{'family | layout':>26} | " + " ".join(f"{i:>9}" for i in impls) + " | "
+        lines.append(f"{'family | layout':>31} | " + " ".join(f"{i:>9}" for i in impls) + " | "
                      + " ".join(f"{'ours/' + i:>11}" for i in impls if i != "ours"))
         for name, r in gemm.items():
-            lines.append(f"{name:>26} | " + " ".join(cell(r, i, "tflops", 9, 1) for i in impls) + " | "
+            lines.append(f"{name:>31} | " + " ".join(cell(r, i, "tflops", 9, 1) for i in impls) + " | "
                          + " ".join(fmt(r.get(f"ours_over_{i}"), 11, 3) for i in impls if i != "ours"))
         errs = [f"  {n} {i}: {r[f'{i}_error']}" for n, r in gemm.items() for i in impls if f"{i}_error" in r]
         lines += errs

@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_peers import gemm_call, gemm_flops, gemm_operands, gemm_reference, group_layouts, rel_err  # noqa: E402
+from benchmarks.bench_peers import (gathered_operand, gemm_call, gemm_flops, gemm_operands, gemm_reference,  # noqa: E402
+                                    group_layouts, rel_err)
 from benchmarks.common import (  # noqa: E402
     ClockSampler, cuda_time_ms, rotated, run_info, short_error, time_round_robin, window_means, write_json)
 from csrc_cute.group_gemm import host  # noqa: E402
@@ -49,13 +50,13 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # bands of 16 and the short-groups-only raster (config.py's comment), their M-major and pingpong tiles in
 # clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
 # backward's 128 x 128 tile; the wgrad's pingpong 128 x 128 (to keep the sweep short). ``row_scale`` (the
-# layer's down projection, y = (h @ W_down) * row_w, K = F, N = H), ``wgrad_gather`` (the layer's gate/up
-# wgrad at R = 1: x's rows read by a random permutation row_src) and ``wgrad_gather_t`` (the layer's down
-# projection's: dW = dy^T x[row_src], Kd = F, Nd = H, computed as the gathered-A wgrad of its transpose,
-# dW^T = x[row_src]^T dy, stored transposed; until session 22 a wgrad with B's rows gathered, family
-# ``wgrad_gather_b`` in the older sweeps) are ours only: QuACK has no GEMM with a row scale nor a varlen-K
-# one with gathered rows.
-QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
+# layer's down projection, y = (h @ W_down) * row_w, K = F, N = H) and ``wgrad_gather_t`` (the layer's down
+# projection's: dW = dy^T x_tok[row_src], Kd = F, Nd = H, computed as the gathered-A wgrad of its transpose,
+# dW^T = x_tok[row_src]^T dy, stored transposed; until session 22 a wgrad with B's rows gathered, family
+# ``wgrad_gather_b`` in the older sweeps) are ours only (QuACK has no GEMM with a row scale; the transposed
+# store is ours). ``wgrad_gather`` (the layer's gate/up wgrad at R = 1: the tokens' rows read by row_src,
+# bench_peers.token_rows; until session 24 a random permutation of x's M rows) against QuACK's gather_A.
+QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "wgrad_gather")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
@@ -107,13 +108,13 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         fn = host.compile_op(fam, H, F, P, cfg.num_sms, cfg)
         dw = shared_empty(d, fam, 0, *w.shape)
         no_slot = host._no_slots_f32(dw)  # B = 0: an empty fp32 view (a zero-sized tensor map cannot be encoded)
-        a = (x, gather_rows(d)) if fam == "wgrad_gather" else (x,)  # the gathered wgrad's A: x read by row_src
+        a = (d["x_tok"], d["row_src"]) if fam == "wgrad_gather" else (x,)  # the gathered wgrad's A: tokens by row_src
         return (lambda: fn(*a, dy, ends, dw, no_slot)), (lambda _: (dw,))
     if fam == "wgrad_gather_t":  # dW [G, F, H] = dy^T x[row_src], as dW^T = x[row_src]^T dy (A gathered, M = H)
         fn = host.compile_op(fam, H, F, P, cfg.num_sms, cfg)
         dw = shared_empty(d, fam, 0, w.shape[0], F, H)
         dw_t, no_slot_t = dw.transpose(1, 2), host._no_slots_f32(dw).transpose(1, 2)
-        return (lambda: fn(x, gather_rows(d), dy, ends, dw_t, no_slot_t)), (lambda _: (dw,))
+        return (lambda: fn(d["x_tok"], d["row_src"], dy, ends, dw_t, no_slot_t)), (lambda _: (dw,))
     if fam == "swiglu":
         fn = host.compile_op("swiglu", H, F, P, cfg.num_sms, cfg)
         h, gate, up = (shared_empty(d, fam, i, M, F) for i in range(3))
@@ -127,23 +128,13 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
     raise ValueError(f"bench_tiles: unknown family {fam!r}")
 
 
-def gather_rows(d: dict) -> torch.Tensor:
-    """The gathered wgrads' row_src: a random permutation of x's rows (int32, made once per layout)."""
-    if "row_src" not in d:
-        gen = torch.Generator(device=d["x"].device).manual_seed(int(d["x"].shape[0]))
-        d["row_src"] = torch.randperm(d["x"].shape[0], generator=gen, device=d["x"].device).int()
-    return d["row_src"]
-
-
 def family_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
-    """bench_peers' fp32 reference of `fam`, or of the families only bench_tiles has (row_scale, the gathered
-    wgrads)."""
+    """bench_peers' fp32 reference of `fam`, or of the families only bench_tiles has (row_scale, the transposed
+    gathered wgrad)."""
     if fam == "row_scale":
         return row_scale_reference(d)
-    if fam == "wgrad_gather":
-        return gemm_reference("wgrad", dict(d, x=d["x"][gather_rows(d).long()]))
-    if fam == "wgrad_gather_t":  # per group dy_g^T x[row_src]_g
-        return gemm_reference("wgrad", dict(d, x=d["dy"], dy=d["x"][gather_rows(d).long()]))
+    if fam == "wgrad_gather_t":  # per group dy_g^T x_tok[row_src]_g
+        return gemm_reference("wgrad", dict(d, x=d["dy"], dy=gathered_operand("wgrad_gather", d)["x"]))
     return gemm_reference(fam, d)
 
 
@@ -225,7 +216,7 @@ def run(opts) -> dict:
     for phase in phases:
         qgi = importlib.import_module("quack.gemm_interface") if phase == "quack" else None
         for li, (lname, ends) in enumerate(layouts.items()):
-            d = gemm_operands(ends, H, F, device, opts.seed + 10 + li)
+            d = gemm_operands(ends, H, F, device, opts.seed + 10 + li, opts.S)
             M = int(ends[-1])
             for fam in families:
                 key = f"{fam} | {lname}"

@@ -31,10 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_peers import gemm_call, gemm_operands, group_layouts, load_peers  # noqa: E402
+from benchmarks.bench_peers import FAMILIES, gemm_call, gemm_operands, group_layouts, load_peers  # noqa: E402
 from benchmarks.common import names_option, run_info, write_json  # noqa: E402
 
-FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
             "SchedulerStats", "WarpStateStats")
 EXTRA_METRICS = ("regex:sm__pipe_tensor_op_.*cycles_active\\.avg\\.pct_of_peak_sustained_active",
@@ -62,7 +61,7 @@ def profiled_calls(opts: dict, device: torch.device) -> list[tuple[str, object]]
     layouts = group_layouts(opts["rows"], opts["E"], opts["P"], opts["S"], opts["K"], seed=0)
     if opts["layout"] not in layouts:
         raise SystemExit(f"ncu_gemm: --layout {opts['layout']!r} is not one of {sorted(layouts)}")
-    d = gemm_operands(layouts[opts["layout"]], opts["H"], opts["F"], device, seed=10)
+    d = gemm_operands(layouts[opts["layout"]], opts["H"], opts["F"], device, seed=10, tokens=opts["S"])
     calls = []
     for impl in opts["impls"]:
         qgi = None

@@ -158,6 +158,25 @@ def test_bench_peers_group_layouts():
         group_layouts(1000)
 
 
+def test_bench_peers_token_rows_read_every_token_k_times_ascending_in_each_group():
+    """The gathered families' row_src: as the layer's dispatch index, every token read by M / S rows and each
+    group's rows in ascending token order; the plain families' operands do not change with it."""
+    from benchmarks.bench_peers import gathered_operand, gemm_operands, group_layouts, starts_ends, token_rows
+
+    for ends in group_layouts(65536).values():
+        src = token_rows(ends, 8192, torch.Generator().manual_seed(0))
+        assert src.dtype == torch.int32 and src.numel() == int(ends[-1])
+        reads = torch.bincount(src.long(), minlength=8192)  # 8 each; the skewed layout's padding rows one more
+        assert reads.numel() == 8192 and reads.min() == src.numel() // 8192 and reads.max() - reads.min() <= 1
+        for s, e in starts_ends(ends):
+            assert (src[s + 1:e] >= src[s:e - 1]).all(), (s, e)
+    ends = group_layouts(2048, groups=8, P=16, S=256, K=8)["8 equal"]
+    d = gemm_operands(ends, 32, 16, "cpu", seed=3, tokens=256)
+    assert torch.equal(gathered_operand("swiglu_bwd_gather", d)["g_y"], d["g_tok"][d["row_src"].long()])
+    again = gemm_operands(ends, 32, 16, "cpu", seed=3, tokens=64)
+    assert all(torch.equal(d[k], again[k]) for k in ("x", "dy", "g_y", "w", "gate", "row_w"))
+
+
 def test_bench_peers_table_reports_failures_and_missing_peers():
     from benchmarks.bench_peers import gemm_ratios, layer_ratios, table
 
@@ -201,7 +220,7 @@ def test_bench_peers_smoke_without_peers(peers_smoke):
             assert r[f"{mode}_ms"] > 0 and r[f"{mode}_tflops"] > 0, (name, mode)
         assert r["peak_gb"] is None  # CPU: no peak memory
     assert d["layer"]["torch"]["ours_over_fwd"] > 0
-    assert len(d["gemm"]) == 6 * 3  # fwd, dgrad, dgrad2, wgrad, swiglu, swiglu_bwd x 3 layouts
+    assert len(d["gemm"]) == 9 * 3  # fwd, dgrad, dgrad2, wgrad, swiglu, swiglu_bwd, the 3 gathered x 3 layouts
     for name, r in d["gemm"].items():
         assert r["ours_ok"] and r["torch_ok"], (name, r)
         assert r["ours_tflops"] > 0 and r["ours_over_torch"] > 0 and r["ours_over_quack"] is None
