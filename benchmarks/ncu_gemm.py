@@ -2,6 +2,7 @@
 
     source .carry/prelude.sh && source .carry/peers.sh && python3 benchmarks/ncu_gemm.py --out $OUT/ncu
     python benchmarks/ncu_gemm.py --smoke          (CPU: the calls run once, no profiler)
+    ... ncu_gemm.py --layer ours,sonicmoe --out $OUT/ncu_layer   (the GEMM kernels of one layer training step)
 
 bench_peers and bench_tiles give each kernel's time; this says where the time goes. The script runs itself
 under `ncu --profile-from-start off --nvtx --clock-control none` (clocks free, as in bench_peers' bursts; ncu's
@@ -14,6 +15,12 @@ active cycles and every warp stall reason per issued instruction. Writes ncu_gem
 every metric of every profiled kernel), ncu_gemm.json (the metrics below per "<impl> <family>" and the run's
 GPU, command, commit, date), ncu_gemm.png (elapsed cycles and tensor-pipe active share per call) and
 prints a table of them.
+
+`--layer IMPLS`: instead of the GEMM families, one forward + backward step of bench_peers' MoE layer (S=8192,
+H=7168, F=2048, E=48, K=8, R=1, its exact-routing inputs) per implementation (ours, sonicmoe), after two warm
+steps, in one NVTX range "<impl> layer"; only kernels whose name holds "gemm" (any case) are profiled (ours'
+grouped GEMMs, QuACK's inside SonicMoE; the router's cuBLAS GEMMs are not), each kept as "<impl> layer
+<n>" in launch order: what each GEMM of the layer costs in cycles there, against the same family's call alone.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import importlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -80,10 +88,45 @@ def profiled_calls(opts: dict, device: torch.device) -> list[tuple[str, object]]
     return calls
 
 
+def layer_steps(impls: list[str], device: torch.device) -> list[tuple[str, object]]:
+    """("<impl> layer", one forward + backward step of bench_peers' layer by impl) for ours / sonicmoe, each
+    step run twice here (compiled, warm). The 1-rank process group ours needs is made here."""
+    import datetime
+    import tempfile
+
+    import torch.distributed as dist
+
+    from benchmarks.bench_peers import OursLayer, SonicLayer, layer_inputs, ours_group
+
+    o = dict(S=8192, H=7168, E=48, K=8, F=2048, P=128, seed=0)
+    dist.init_process_group("nccl", init_method=f"file://{tempfile.mkdtemp(prefix='ncu_layer_pg_')}/store",
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+    (x, router_w, w_gate, w_up, w_down, g), _ = layer_inputs(o, device)
+    steps = []
+    for impl in impls:
+        if impl == "ours":
+            layer = OursLayer(ours_group(o, device, "ours"), router_w, w_gate, w_up, w_down)
+        else:
+            mods, status = load_peers(True)
+            if "sonicmoe" not in mods:
+                raise SystemExit(f"ncu_gemm: sonicmoe {status['sonicmoe']}")
+            layer = SonicLayer(mods["sonicmoe"], router_w, w_gate, w_up, w_down, o["K"])
+        xg = x.clone().requires_grad_()
+
+        def step(layer=layer, xg=xg):
+            layer(xg).backward(g)
+        for _ in range(2):
+            step()
+        steps.append((f"{impl} layer", step))
+    torch.cuda.synchronize()
+    return steps
+
+
 def run_profiled(opts: dict) -> None:
     """The process ncu profiles: each call once in its own NVTX range and profiler window."""
     device = torch.device("cuda", 0) if opts["device"] == "cuda" else torch.device("cpu")
-    for name, call in profiled_calls(opts, device):
+    calls = layer_steps(opts["layer"], device) if opts["layer"] else profiled_calls(opts, device)
+    for name, call in calls:
         if device.type != "cuda":
             call()
             print(f"ncu_gemm smoke: {name} ran", flush=True)
@@ -104,11 +147,20 @@ def details_rows(text: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text[start:])))
 
 
-def summarize(rows: list[dict], renamed: list[dict]) -> dict:
+def summarize(rows: list[dict], renamed: list[dict], every_kernel: bool = False) -> dict:
     """{"<impl> <family>": {kernel, metrics by SUMMARY heading, stalls {reason: warps per issue}}}: `rows` the
     details page with the kernels' names, `renamed` the same page with NVTX range names (same IDs). A call
-    that ran several kernels keeps the longest one (the GEMM) and lists the others' names."""
+    that ran several kernels keeps the longest one (the GEMM) and lists the others' names; with
+    `every_kernel` (--layer) each kernel is kept, as "<range> <n>" in launch order."""
     range_of = {r["ID"]: r["Kernel Name"].split("/")[0] for r in renamed}  # ncu 2025.3 prints "<range>/<kernel>"
+    names = {r["ID"]: r["Kernel Name"] for r in rows}
+    if every_kernel:
+        seen: dict[str, int] = {}
+        for kid in sorted(range_of, key=int):
+            seen[range_of[kid]] = seen.get(range_of[kid], 0) + 1
+            kernel_class = re.search(r"(?:[A-Z][a-z0-9]*)*Gemm(?:[A-Z][a-z0-9]*)*?Sm90", names.get(kid, ""))
+            range_of[kid] = (f"{range_of[kid]} {seen[range_of[kid]]}"
+                             f"{' ' + kernel_class.group(0) if kernel_class else ''}")
     kernels: dict[str, dict] = {}
     for r in rows:
         k = kernels.setdefault(r["ID"], dict(range=range_of.get(r["ID"], "?"), kernel=r["Kernel Name"],
@@ -143,12 +195,19 @@ def summarize(rows: list[dict], renamed: list[dict]) -> dict:
     return out
 
 
+def order(name: str) -> tuple:
+    """Table order: the families' calls by family, then impl; a layer step's kernels by impl, then launch."""
+    parts = name.split(" ")
+    return (parts[0], int(parts[2])) if parts[1:2] == ["layer"] else (parts[-1], name)
+
+
 def table(summary: dict) -> list[str]:
     heads = [h for h, _ in SUMMARY]
-    lines = ["range".ljust(18) + "".join(h.rjust(11) for h in heads)]
-    for name in sorted(summary, key=lambda n: (n.split(" ")[-1], n)):
+    width = max([18] + [len(n) + 1 for n in summary])
+    lines = ["range".ljust(width) + "".join(h.rjust(11) for h in heads)]
+    for name in sorted(summary, key=order):
         s = summary[name]["summary"]
-        lines.append(name.ljust(18) + "".join((f"{s[h]:11.3f}" if isinstance(s[h], float) else "-".rjust(11))
+        lines.append(name.ljust(width) + "".join((f"{s[h]:11.3f}" if isinstance(s[h], float) else "-".rjust(11))
                                               for h in heads))
         lines.append("    stalls (warps per issued instruction): " + ", ".join(
             f"{r} {v:.2f}" for r, v in summary[name]["top_stalls"]))
@@ -186,7 +245,7 @@ def profile(opts: dict, argv: list[str]) -> None:
     os.makedirs(out, exist_ok=True)
     rep = os.path.join(out, "ncu_gemm")
     cmd = ["ncu", "--profile-from-start", "off", "--nvtx", "--clock-control", "none", "--target-processes", "all",
-           "-f", "-o", rep] + [a for s in SECTIONS for a in ("--section", s)] + [
+           "-f", "-o", rep] + (["--kernel-name", "regex:(?i)gemm"] if opts["layer"] else []) + [a for s in SECTIONS for a in ("--section", s)] + [
         "--metrics", ",".join(EXTRA_METRICS)] + [sys.executable, os.path.abspath(__file__), "--child"
                                                               ] + argv
     print(" ".join(cmd), flush=True)
@@ -197,8 +256,8 @@ def profile(opts: dict, argv: list[str]) -> None:
                              text=True).stdout
     with open(os.path.join(out, "ncu_gemm.csv"), "w") as f:
         f.write(text)
-    summary = summarize(details_rows(text), details_rows(renamed))
-    payload = dict(run_info(), layout=opts["layout"], clock_control="none",
+    summary = summarize(details_rows(text), details_rows(renamed), every_kernel=bool(opts["layer"]))
+    payload = dict(run_info(), layout="layer step" if opts["layer"] else opts["layout"], clock_control="none",
                    **{k: opts[k] for k in ("H", "F", "E", "P", "rows")}, kernels=summary)
     path = write_json("ncu_gemm.json", payload, out)
     print("wrote", path, flush=True)
@@ -219,12 +278,15 @@ def main(argv=None) -> None:
                     "48 skewed)")
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated GEMM families")
     ap.add_argument("--impls", default="ours,quack", help="comma-separated: ours, quack, torch")
+    ap.add_argument("--layer", default="", help="comma-separated (ours, sonicmoe): profile the GEMM kernels of one "
+                    "layer training step of each instead of the families")
     ap.add_argument("--child", action="store_true", help="(internal) the profiled process")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, ours and torch, each call run once")
     args = ap.parse_args(argv)
     opts = vars(args)
     opts["families"] = names_option(ap, "--families", args.families, FAMILIES)
     opts["impls"] = names_option(ap, "--impls", args.impls, ("ours", "quack", "torch"))
+    opts["layer"] = names_option(ap, "--layer", args.layer, ("ours", "sonicmoe")) if args.layer else []
     if args.smoke:
         opts.update(SMOKE, device="cpu", impls=[i for i in opts["impls"] if i != "quack"], layout="16 x 32")
         run_profiled(opts)
