@@ -155,6 +155,14 @@ def summarize(rows: list[dict], renamed: list[dict], every_kernel: bool = False)
     range_of = {r["ID"]: r["Kernel Name"].split("/")[0] for r in renamed}  # ncu 2025.3 prints "<range>/<kernel>"
     names = {r["ID"]: r["Kernel Name"] for r in rows}
     if every_kernel:
+        # autograd runs the backward's kernels on its own thread, outside the step's NVTX range (NVTX ranges
+        # are per thread): a kernel without a range belongs to the step of the last one with a range (the
+        # implementations' steps run one after another, each synchronised)
+        ranged = {r["ID"] for r in renamed if "/" in r["Kernel Name"]}
+        last = "?"
+        for kid in sorted(range_of, key=int):
+            last = range_of[kid] if kid in ranged else last
+            range_of[kid] = last
         seen: dict[str, int] = {}
         for kid in sorted(range_of, key=int):
             seen[range_of[kid]] = seen.get(range_of[kid], 0) + 1
@@ -221,10 +229,10 @@ def plot(path: str) -> None:
     import matplotlib.pyplot as plt
 
     d = json.load(open(path))
-    names = sorted(d["kernels"], key=lambda n: (n.split("/")[0].split(" ")[-1], n))
+    names = sorted(d["kernels"], key=order)
     mets = [d["kernels"][n]["metrics"] for n in names]
     labels = [n.split("/")[0] for n in names]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5 + 0.04 * max(len(lab) for lab in labels)))
     for ax, key, ylabel in ((axes[0], "Elapsed Cycles", "elapsed cycles (M)"), (axes[1], TENSOR_ACTIVE,
                                                                                  "tensor pipe active (%)")):
         vals = [m.get(key, 0.0) / (1e6 if key == "Elapsed Cycles" else 1.0) for m in mets]
