@@ -20,7 +20,9 @@ prints a table of them.
 H=7168, F=2048, E=48, K=8, R=1, its exact-routing inputs) per implementation (ours, sonicmoe), after two warm
 steps, in one NVTX range "<impl> layer"; only kernels whose name holds "gemm" (any case) are profiled (ours'
 grouped GEMMs, QuACK's inside SonicMoE; the router's cuBLAS GEMMs are not), each kept as "<impl> layer
-<n>" in launch order: what each GEMM of the layer costs in cycles there, against the same family's call alone.
+<n> <kernel class>" in launch order (the backward's kernels, which autograd launches from its own thread
+outside the range, under the step of the last kernel with a range): what each GEMM of the layer costs in
+cycles there, against the same family's call alone.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def summarize(rows: list[dict], renamed: list[dict], every_kernel: bool = False)
     """{"<impl> <family>": {kernel, metrics by SUMMARY heading, stalls {reason: warps per issue}}}: `rows` the
     details page with the kernels' names, `renamed` the same page with NVTX range names (same IDs). A call
     that ran several kernels keeps the longest one (the GEMM) and lists the others' names; with
-    `every_kernel` (--layer) each kernel is kept, as "<range> <n>" in launch order."""
+    `every_kernel` (--layer) each kernel is kept, as "<range> <n> <kernel class>" in launch order."""
     range_of = {r["ID"]: r["Kernel Name"].split("/")[0] for r in renamed}  # ncu 2025.3 prints "<range>/<kernel>"
     names = {r["ID"]: r["Kernel Name"] for r in rows}
     if every_kernel:

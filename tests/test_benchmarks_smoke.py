@@ -676,6 +676,26 @@ def test_ncu_gemm_summary_of_a_hand_made_details_page():
         details_rows("==ERROR== ERR_NVGPUCTRPERM\n")
 
 
+def test_ncu_gemm_layer_summary_keeps_every_kernel_and_carries_the_range_to_the_backward():
+    """`ncu_gemm.py --layer`: every profiled kernel of a step is kept, keyed "<impl> layer <n> <kernel class>" in
+    launch order; the backward's kernels (autograd's thread, no NVTX range) belong to the last ranged step."""
+    from benchmarks.ncu_gemm import details_rows, order, summarize
+
+    head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+    names = ["k_csrc_cutegroup_gemmswigluGroupGemmSwigluGatherSm90_obj", "k_wgradGroupGemmWgradGatherSm90_obj",
+             "k_quackgemm_actGemmGatedSm90_obj", "k_quackgemm_default_epiGemmDefaultSm90_obj"]
+    ranged = {0: "ours layer", 2: "sonicmoe layer"}
+
+    def page(named):
+        return head + "".join(f'"{i}","{(ranged[i] + "/" + n) if named and i in ranged else n}","S","Duration",'
+                              f'"nsecond","{1000 * (i + 1)}"\n' for i, n in enumerate(names))
+    got = summarize(details_rows(page(False)), details_rows(page(True)), every_kernel=True)
+    assert sorted(got, key=order) == ["ours layer 1 GroupGemmSwigluGatherSm90", "ours layer 2 GroupGemmWgradGatherSm90",
+                                      "sonicmoe layer 1 GemmGatedSm90", "sonicmoe layer 2 GemmDefaultSm90"]
+    assert got["ours layer 2 GroupGemmWgradGatherSm90"]["summary"]["ms"] == pytest.approx(2e-3)
+    assert all(v["others"] == [] for v in got.values())
+
+
 def test_ncu_gemm_smoke_runs_every_call_on_the_cpu():
     """`ncu_gemm.py --smoke`: the profiled process's calls (bench_peers' operands, ours and torch) run on the
     CPU, each family once, without the profiler."""
