@@ -87,7 +87,8 @@ SECTIONS = ("layer", "gemm")
 PEERS = ("quack", "sonicmoe")
 FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "swiglu_gather", "wgrad_gather",
             "swiglu_bwd_gather")
-GATHERED = {"swiglu_gather": "x", "wgrad_gather": "x", "swiglu_bwd_gather": "g_y"}  # family -> operand read by index
+# gathered family -> (the operand of its plain family, the tokens that operand's rows are read from by row_src)
+GATHERED = {"swiglu_gather": ("x", "x_tok"), "wgrad_gather": ("x", "x_tok"), "swiglu_bwd_gather": ("g_y", "g_tok")}
 IMPLS = ("ours", "ours_rows", "torch", "torch_compiled", "sonicmoe", "quack")
 PICKED_TOP, PICKED_STEP, OTHER_LOGIT = 0.5, 0.0625, -8.0  # designed router logits (see the module docstring)
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, gemm_rows=512, iters=2, repeats=1, warmup=1,
@@ -470,8 +471,8 @@ def gemm_reference(fam: str, d: dict) -> tuple[torch.Tensor, ...]:
 def gathered_operand(fam: str, d: dict) -> dict:
     """{operand name: its rows read by index from the tokens} of gathered family `fam` (the input of its plain
     family)."""
-    src = GATHERED[fam]
-    return {src: d[f"{src[0]}_tok"].index_select(0, d["row_src"])}
+    operand, tokens = GATHERED[fam]
+    return {operand: d[tokens].index_select(0, d["row_src"])}
 
 
 def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
@@ -479,12 +480,12 @@ def gemm_call(impl: str, fam: str, d: dict, P: int, qgi=None):
     gives the reference's outputs (same order as gemm_reference). torch's gathered families: index_select into
     a buffer, then its plain call on the buffer."""
     if impl == "torch" and fam in GATHERED:
-        src = GATHERED[fam]
-        buf = torch.empty_like(d[src])
-        plain, outputs = gemm_call(impl, fam.removesuffix("_gather"), dict(d, **{src: buf}), P, qgi)
+        operand, tokens = GATHERED[fam]
+        buf = torch.empty_like(d[operand])
+        plain, outputs = gemm_call(impl, fam.removesuffix("_gather"), dict(d, **{operand: buf}), P, qgi)
 
         def gather_then_plain():
-            torch.index_select(d[f"{src[0]}_tok"], 0, d["row_src"], out=buf)
+            torch.index_select(d[tokens], 0, d["row_src"], out=buf)
             return plain()
         return gather_then_plain, outputs
     x_tok, g_tok, row_src = d["x_tok"], d["g_tok"], d["row_src"]

@@ -92,17 +92,10 @@ def profiled_calls(opts: dict, device: torch.device) -> list[tuple[str, object]]
 
 def layer_steps(impls: list[str], device: torch.device) -> list[tuple[str, object]]:
     """("<impl> layer", one forward + backward step of bench_peers' layer by impl) for ours / sonicmoe, each
-    step run twice here (compiled, warm). The 1-rank process group ours needs is made here."""
-    import datetime
-    import tempfile
-
-    import torch.distributed as dist
-
+    step run twice here (compiled, warm). Ours' R = 1 EPGroup makes its own 1-rank process group."""
     from benchmarks.bench_peers import OursLayer, SonicLayer, layer_inputs, ours_group
 
     o = dict(S=8192, H=7168, E=48, K=8, F=2048, P=128, seed=0)
-    dist.init_process_group("nccl", init_method=f"file://{tempfile.mkdtemp(prefix='ncu_layer_pg_')}/store",
-                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
     (x, router_w, w_gate, w_up, w_down, g), _ = layer_inputs(o, device)
     steps = []
     for impl in impls:
@@ -161,16 +154,12 @@ def summarize(rows: list[dict], renamed: list[dict], every_kernel: bool = False)
         # are per thread): a kernel without a range belongs to the step of the last one with a range (the
         # implementations' steps run one after another, each synchronised)
         ranged = {r["ID"] for r in renamed if "/" in r["Kernel Name"]}
-        last = "?"
+        last, seen = "?", {}
         for kid in sorted(range_of, key=int):
             last = range_of[kid] if kid in ranged else last
-            range_of[kid] = last
-        seen: dict[str, int] = {}
-        for kid in sorted(range_of, key=int):
-            seen[range_of[kid]] = seen.get(range_of[kid], 0) + 1
+            seen[last] = seen.get(last, 0) + 1
             kernel_class = re.search(r"(?:[A-Z][a-z0-9]*)*Gemm(?:[A-Z][a-z0-9]*)*?Sm90", names.get(kid, ""))
-            range_of[kid] = (f"{range_of[kid]} {seen[range_of[kid]]}"
-                             f"{' ' + kernel_class.group(0) if kernel_class else ''}")
+            range_of[kid] = f"{last} {seen[last]}{' ' + kernel_class.group(0) if kernel_class else ''}"
     kernels: dict[str, dict] = {}
     for r in rows:
         k = kernels.setdefault(r["ID"], dict(range=range_of.get(r["ID"], "?"), kernel=r["Kernel Name"],
