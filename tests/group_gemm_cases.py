@@ -206,6 +206,24 @@ def random_row_src(cu, n, s, seed, all_padding=(), tail_valid=False):
     return src.to(cu.device)
 
 
+def unmultiplied_rows(cu, row_src, window=128, block=16):
+    """bool [n]: the rows a gathered wgrad does not multiply (``GatherKRowsMixin.routed_k_rows``): in each
+    group, those past the 16-row block that holds its last routed row among its last 128 rows (the rows
+    before those all count as routed), its first block always multiplied."""
+    src = row_src.cpu()
+    mask = torch.zeros(src.shape[0], dtype=torch.bool)
+    start = 0
+    for end in cu.cpu().tolist():
+        length = end - start
+        if length:
+            w = min(length, window)
+            routed = (src[end - w:end] >= 0).nonzero()
+            k_rows = length - w + (int(routed[-1]) + 1 if len(routed) else 0)
+            mask[start + max(-(-k_rows // block), 1) * block:end] = True
+        start = end
+    return mask.to(row_src.device)
+
+
 def random_tokens(s, kd, seed):
     """x [s, H] bf16 on the GPU, of the scale ``random_problem`` uses."""
     return (torch.randn(s, kd, generator=torch.Generator().manual_seed(seed)) * 0.5).bfloat16().cuda()

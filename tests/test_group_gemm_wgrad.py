@@ -25,6 +25,7 @@ from group_gemm_cases import (
     random_row_src,
     random_tokens,
     reference_dgrad,
+    unmultiplied_rows,
 )
 
 
@@ -321,6 +322,39 @@ def test_gathered_wgrad_pingpong_tiles_equal_the_wgrad(op):
     else:  # dW^T: A = the tokens' rows gathered, B = rows by TMA, stored into the transposes of dW
         check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, rows, cu, h.transpose(1, 2), s.transpose(1, 2)),
                              rows, gathered_rows(tokens, row_src), cu, epn, 128, 12)
+
+
+@gpu
+@pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_t"])
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_gathered_wgrads_skip_the_padding_blocks_at_group_ends(op, pingpong):
+    # the 16-row k blocks after a group's last routed row (among its last 128 rows) are not multiplied: NaN
+    # in the other operand's rows there (dy; wgrad_gather_t: the rows by TMA) leaves the gradients finite and
+    # bitwise the wgrad with those rows zero. Groups of 128-768 rows with 1 .. all of them routed, slot
+    # groups, an all-padding group, an empty one; cooperative 128 x 128 and pingpong 128 x 192 consumers
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    epn = 5
+    lengths = random_lengths(128, epn, 3, 6, seed=40)
+    rows, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=384, nd=520, n_total=sum(lengths) + 128, seed=41)
+    tokens = random_tokens(301, 384 if op == "wgrad_gather" else 520, seed=42)
+    row_src = random_row_src(cu, dy.shape[0], tokens.shape[0], 43, all_padding=(2,))
+    skipped = unmultiplied_rows(cu, row_src)
+    assert skipped.sum() > 128, "the case must have padding blocks to skip"
+    config = GroupGemmConfig(128, 192, 4, pingpong=True) if pingpong else GroupGemmConfig(128, 128, 4)
+    kd, nd = (520, 384) if op == "wgrad_gather_t" else (384, 520)
+    kernel = compile_op(op, kd, nd, 128, 4, config)
+    other = dy if op == "wgrad_gather" else rows
+    nan_there = torch.where(skipped[:, None], float("nan"), other.float()).bfloat16()
+    zero_there = torch.where(skipped[:, None], 0.0, other.float()).bfloat16()
+    if op == "wgrad_gather":
+        check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, nan_there, cu, h, s),
+                             gathered_rows(tokens, row_src), zero_there, cu, epn, 128, 44)
+    else:
+        check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, nan_there, cu, h.transpose(1, 2),
+                                                 s.transpose(1, 2)),
+                             zero_there, gathered_rows(tokens, row_src), cu, epn, 128, 44)
 
 
 @gpu

@@ -476,22 +476,44 @@ class GroupGemmSm90Base:
 
 
     @cute.jit
-    def mma_stage(self, p, mainloop, read_state, accs, tCrA: cute.Tensor, tCrBs, first: bool = False):
+    def mma_stage(self, p, mainloop, read_state, accs, tCrA: cute.Tensor, tCrBs, first: bool = False,
+                  rows=None):
         """Wait for ring stage ``read_state`` and commit its wgmma batch: every k block, every
-        accumulator; ``first`` (a tile's first stage): its first k block overwrites the accumulators."""
+        accumulator; ``first`` (a tile's first stage): its first k block overwrites the accumulators.
+        ``rows`` (None: the whole stage): the stage's k rows that hold data, from its first; only the k
+        blocks holding one are issued (a first stage issues its first k block whatever ``rows``), so
+        the padding rows at a group's end cost no tensor-core time. Those k blocks are a loop, not a
+        branch per count: wgmma in branches with different counts made ptxas serialise every wgmma of
+        the kernel (C7515, "non wgmma instructions defining accumulator registers")."""
         mainloop.consumer_wait(read_state)
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            coord = (None, None, kb, read_state.index)
-            mma = p.first_mma if cutlass.const_expr(first and kb == 0) else p.tiled_mma
-            for acc, tCrB in zip(accs, tCrBs):
-                cute.gemm(mma, acc, tCrA[coord], tCrB[coord], acc)
+        num_kb = cute.size(tCrA, mode=[2])
+        if cutlass.const_expr(rows is None):
+            for kb in cutlass.range_constexpr(num_kb):
+                self.issue_k_block(p.first_mma if cutlass.const_expr(first and kb == 0) else p.tiled_mma,
+                                   read_state, accs, tCrA, tCrBs, kb)
+        else:
+            kb_rows = self.tile_k // num_kb
+            blocks = cutlass.min(cutlass.max((rows + kb_rows - 1) // kb_rows, 0), num_kb)
+            if cutlass.const_expr(first):
+                self.issue_k_block(p.first_mma, read_state, accs, tCrA, tCrBs, 0)
+            for kb in cutlass.range(1 if cutlass.const_expr(first) else 0, blocks, unroll=1):
+                self.issue_k_block(p.tiled_mma, read_state, accs, tCrA, tCrBs, kb)
         warpgroup.commit_group()
 
     @cute.jit
+    def issue_k_block(self, mma, read_state, accs, tCrA: cute.Tensor, tCrBs, kb):
+        """The wgmma of k block ``kb`` of ring stage ``read_state`` into every accumulator."""
+        coord = (None, None, kb, read_state.index)
+        for acc, tCrB in zip(accs, tCrBs):
+            cute.gemm(mma, acc, tCrA[coord], tCrB[coord], acc)
+
+    @cute.jit
     def mma_k_tiles(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
-                    k_count: cutlass.Int32, tile: cutlass.Int32):
+                    k_count: cutlass.Int32, tile: cutlass.Int32, k_rows=None):
         """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k for ``tile`` (one wgmma batch in
-        flight; ``p`` the kernel's params: ``p.tiled_mma``, ``p.first_mma``); zeros without k tiles. The
+        flight; ``p`` the kernel's params: ``p.tiled_mma``, ``p.first_mma``); zeros without k tiles.
+        ``k_rows`` (None: all): the tile's k rows that hold data, from its first; the stages' k blocks past
+        them are not issued (``mma_stage``: the rows there are zeros, which add nothing). The
         first k block overwrites the accumulators (``p.first_mma``: ACCUMULATE off), so no wgmma reads the
         zeros: accumulated onto them, the second accumulator block's zero moves landed after the tile's
         first wgmma and ptxas waited for that one to complete before the next (sm_90a SASS of every
@@ -508,19 +530,38 @@ class GroupGemmSm90Base:
         warpgroup.fence()
         n_pro = 1 if k_count > 0 else 0
         for k in cutlass.range(n_pro, unroll=1):
-            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs, first=True)
+            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs, first=True, rows=k_rows)
             read_state.advance()
-        for k in cutlass.range(n_pro, k_count, unroll=1):
-            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs)
-            warpgroup.wait_group(1)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
-            read_state.advance()
+        if cutlass.const_expr(k_rows is None):
+            read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
+                                                        n_pro, k_count)
+        else:  # the stages whose rows all hold data, then the rest, each with its rows
+            k_full = cutlass.min(cutlass.max(k_rows // self.tile_k, n_pro), k_count)
+            read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
+                                                        n_pro, k_full)
+            read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
+                                                        k_full, k_count, k_rows)
         self.pass_mainloop_turn(p, tile)
         warpgroup.wait_group(0)
         for k in cutlass.range(n_pro, unroll=1):
             mainloop.consumer_release(release_state)
             release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def mma_stages(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
+                   k_from: cutlass.Int32, k_to: cutlass.Int32, k_rows=None):
+        """Consumers, within ``mma_k_tiles``: the tile's stages [k_from, k_to) after its first, each one's
+        batch committed before the previous one's stage is released; ``k_rows`` as there."""
+        for k in cutlass.range(k_from, k_to, unroll=1):
+            rows = None
+            if cutlass.const_expr(k_rows is not None):
+                rows = k_rows - k * self.tile_k
+            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs, rows=rows)
+            warpgroup.wait_group(1)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
         return read_state, release_state
 
     @cute.jit

@@ -149,7 +149,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
             atoms=a_atoms + (tma_b, tma_c), tma_a=tma_a, mA=mA, b_operands=[(tma_b, mB, 0)], b_buffers=("sB",),
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens, num_n_tiles=num_n_tiles, tiles_per_group=tiles_per_group,
-            num_tiles=num_tiles, tma_c=tma_c, mC=mC, mDs=mDs,
+            num_tiles=num_tiles, tma_c=tma_c, mC=mC, mDs=mDs, row_src=row_src,
         ))
 
     @cute.jit
@@ -181,13 +181,19 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         is_home = g < p.num_home
         if is_home | (k_count > 0):  # the mainloop takes its turn (pingpong) in mma_k_tiles
             read_state, release_state = self.mma_k_tiles(
-                p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
+                p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile,
+                self.routed_k_rows(p, k_start, k_count),
             )
             epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
         else:  # a skipped item takes and passes the turn too
             self.wait_mainloop_turn(tile)
             self.pass_mainloop_turn(p, tile)
         return read_state, release_state, epi_count
+
+    def routed_k_rows(self, p, k_start, k_count):
+        """The item's k rows that hold data (``mma_k_tiles``' ``k_rows``): all of them (None) when A is the
+        grouped rows themselves, whose padding rows the kernel cannot tell apart."""
+        return None
 
     @cute.jit
     def store_item(self, p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count: cutlass.Int32):
