@@ -281,13 +281,12 @@ def check_gathered_a(ptx: str, tile_m: int):
 
 def check_gathered_wgrad_a(ptx: str, tile_m: int, tile_n: int):
     """The wgrad's gathered A operand (M-major, k rows by index): one 16-byte cp.async per k row a producer
-    thread owns (tile_m / 16 of a k tile's 64), predicated (zero fill: a source size chosen per copy), at
-    each of the k-tile loop's two loads (even and odd k tiles, each with its own token indices); each thread
-    arrives on the stage's mbarrier when its copies land (noinc); the full barriers count 1 + 128 arrivals;
-    no TMA load (nor descriptor) of A: the k tiles' 2-D loads are B's (tile_n / 64 boxes of 64 columns
-    each), the prefetched descriptors B's and the store's."""
-    check_cp_async_gather(ptx, copies=2 * tile_m // 16, commits=2)
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * tile_n // 64
+    thread owns (tile_m / 16 of a k tile's 64), predicated (zero fill: a source size chosen per copy), in
+    the one k-tile loop; each thread arrives on the stage's mbarrier when its copies land (noinc); the full
+    barriers count 1 + 128 arrivals; no TMA load (nor descriptor) of A: the k tile's 2-D loads are B's
+    (tile_n / 64 boxes of 64 columns), the prefetched descriptors B's and the store's."""
+    check_cp_async_gather(ptx, copies=tile_m // 16, commits=1)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == tile_n // 64
     assert ptx.count("prefetch.tensormap") == 2
 
 

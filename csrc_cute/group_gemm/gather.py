@@ -222,10 +222,10 @@ class GatherKRowsMixin(GatherOperandMixin):
     """The wgrad's producer with a gathered A = ``rows^T`` (M-major, varlen-K): k row r of A is
     ``x[row_src[r]]`` (M = H, the columns of x). The group scheduler's ``load_tiles`` runs unchanged in all
     four producer warps; ``load_work_item`` loads one work item's k tiles, reading the token indices of
-    each k tile's rows two k tiles ahead into registers (their global-memory latency overlaps the waits
-    for free stages and the copies of the k tiles in between). Reading the next item's first indices
-    during the current item instead of at its start was tried and left out: no faster in the layer step
-    (4.21-4.34 M cycles a gathered wgrad against 4.18-4.20 M, ncu, session 25)."""
+    each k tile's rows one k tile ahead into registers (their global-memory latency overlaps the wait for
+    a free stage and the copies of the current k tile). Tried in session 25 and left out (docs/design-notes.md):
+    reading them two k tiles ahead (faster at 16 x 4096 rows, ~2% slower in the layer step's 22-k-tile
+    items) and reading the next item's first ones during the current item (slower still)."""
 
     gather_m_major = True
 
@@ -242,10 +242,12 @@ class GatherKRowsMixin(GatherOperandMixin):
         """Consumer warp: the rows of k tiles [k_start, k_start + k_count) up to their last one with a token,
         looked for among the last ``ROUTED_TAIL_ROWS`` (rows before those count as routed). Every row after
         it is a zero row of A, so the mainloop need not multiply it (``mma_k_tiles``' ``k_rows``): the
-        layer's groups end in up to P - 1 padding rows (dispatch's layout), and skipping their k blocks saves
-        the 16-row blocks of them, ~3% of the wgrad's MMAs at 48 groups of 1365 routed rows each. Four
-        loads a lane from ``p.row_src`` (cached, issued before the mainloop waits for its turn) and one max
-        over the warp."""
+        layer's groups end in up to P - 1 padding rows (dispatch's layout), whose whole 16-row blocks are
+        ~3% of the wgrad's MMAs at 48 groups of 1365 routed rows each. Measured in the layer step under ncu
+        (session 25): the tensor pipe's active share fell by that much (93.9 -> 90.5%), the elapsed cycles
+        did not (4.13 -> 4.19 M on another board, where the unchanged SwiGLU took 1% more): this kernel's
+        short items are not bound by the tensor cores. Four loads a lane from ``p.row_src`` (cached, issued
+        before the mainloop waits for its turn) and one max over the warp."""
         rows = k_count * self.tile_k
         first = k_start * self.tile_k
         window = cutlass.min(rows, ROUTED_TAIL_ROWS)
@@ -274,63 +276,52 @@ class GatherKRowsMixin(GatherOperandMixin):
     def load_work_item(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, b_load, m_idx, n_idx,
                        k_start: cutlass.Int32, k_count: cutlass.Int32):
         """Producer thread: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
-        ``n_idx``) into the ring (``load_gathered_k_tile``), two at a time, each with its own registers of
-        token indices, read two k tiles ahead: their global-memory latency has two k tiles' time to land.
-        With one k tile of lead (the next tile's indices read into the registers the current one had just
-        used) the producer waited on each read: a k tile takes the consumers ~770 cycles at the tensor
-        cores' rate, about one L2 read's latency under this load. Under ncu at 16 x 4096 rows the two-tile
-        lead took the gathered wgrad from 4.13 M cycles (QuACK 4.22 M; results/ncu_gemm_gathered_e9931fe.json)
-        to 3.94 M (QuACK 4.21 M; results/ncu_gemm_wgrad_gather_session25.json)."""
+        ``n_idx``) into the ring: A gathered (m tile ``m_idx`` of x's columns), B (``b_load``: atom, (TMA,
+        RestN, RestK), (TMA, stage)) by TMA (``load_gathered_k_rows``)."""
         tma_b, tBgB, tBsB = b_load
-        tma_load = (tma_b, tBgB[(None, n_idx, None)], tBsB)
-        k_rows = cute.size(gather.tAcA, mode=[2])
-        in_m = cutlass.Boolean(True)
-        m_extent = cute.size(gather.x, mode=[1])
-        if cutlass.const_expr(m_extent % self.tile_m != 0):  # a partial last tile: chunks past x's columns
-            in_m = m_idx * self.tile_m + gather.tAcA[(0, 0, 0)][0] < m_extent
-        even_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
-        odd_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
-        self.fetch_k_sources(gather, k_start, even_src)
-        self.fetch_k_sources(gather, k_start + 1, odd_src)
-        for k in cutlass.range(0, k_count, 2, unroll=1):
-            prod_state = self.load_gathered_k_tile(mainloop, prod_state, gather, tAsA, m_idx, tma_load,
-                                                   k_start + k, even_src, in_m)
-            self.fetch_k_sources(gather, k_start + k + 2, even_src)
-            if k + 1 < k_count:
-                prod_state = self.load_gathered_k_tile(mainloop, prod_state, gather, tAsA, m_idx, tma_load,
-                                                       k_start + k + 1, odd_src, in_m)
-                self.fetch_k_sources(gather, k_start + k + 3, odd_src)
-        return prod_state
+        return self.load_gathered_k_rows(mainloop, prod_state, gather, tAsA, m_idx,
+                                         (tma_b, tBgB[(None, n_idx, None)], tBsB), k_start, k_count)
 
     @cute.jit
-    def load_gathered_k_tile(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, tma_load,
-                             k_tile: cutlass.Int32, src: cute.Tensor, in_m):
-        """Producer thread: k tile ``k_tile`` into the next ring stage. Warp 0 issues B's load (``tma_load``:
-        atom, (TMA, RestK) of this item, (TMA, stage)) and every thread its chunks of the gathered A's tile
-        ``m_idx`` (tile_m columns of x from ``m_idx * tile_m``, into ``tAsA``): one 16-byte cp.async per k
-        row from the row's token ``src[j]`` (8 consecutive columns), predicated off (zero fill) for rows
-        without a token and, in a partial last tile (``in_m``), columns past x's (the address clamped to
-        token 0)."""
+    def load_gathered_k_rows(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, tma_load,
+                             k_start: cutlass.Int32, k_count: cutlass.Int32):
+        """Producer thread: k tiles [k_start, k_start + k_count) into the ring. Per k tile warp 0 issues B's
+        load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every thread its chunks of the
+        gathered A's tile ``m_idx`` (tile_m columns of x from ``m_idx * tile_m``, into ``tAsA``), one 16-byte
+        cp.async per k row from the row's token of x (8 consecutive columns), predicated off (zero fill) for
+        rows without a token and, in a partial last tile, columns past x's (the address clamped to token 0)."""
         tma_b, tBgB, tBsB = tma_load
-        thr_copy, x = gather.thr_copy, gather.x
-        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
+        thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
+        k_rows = cute.size(tAcA, mode=[2])
+        m_extent = cute.size(x, mode=[1])
         is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
-        mainloop.producer_acquire(prod_state, is_tma_warp)
-        stage = prod_state.index
-        if is_tma_warp:
-            cute.copy(tma_b, tBgB[(None, k_tile)], tBsB[(None, stage)],
-                      tma_bar_ptr=mainloop.producer_get_barrier(prod_state))
-        for j in cutlass.range_constexpr(cute.size(src)):
-            # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
-            # partition then picks this thread's chunk of it (same column offsets as the stage)
-            row = cute.local_tile(x, (1, self.tile_m), (cutlass.max(src[j], 0), m_idx))
-            tAgA = thr_copy.partition_S(
-                cute.make_tensor(row.iterator, cute.make_layout((self.tile_m, self.tile_k), stride=(1, 0)))
-            )
-            pred[0] = (src[j] >= 0) & in_m
-            cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
-        mainloop.producer_cpasync_commit(prod_state)
-        prod_state.advance()
+        in_m = cutlass.Boolean(True)
+        if cutlass.const_expr(m_extent % self.tile_m != 0):  # a partial last tile: chunks past x's columns
+            in_m = m_idx * self.tile_m + tAcA[(0, 0, 0)][0] < m_extent
+        src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
+        next_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
+        self.fetch_k_sources(gather, k_start, next_src)
+        pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
+        for k in cutlass.range(k_count, unroll=1):
+            for j in cutlass.range_constexpr(k_rows):
+                src[j] = next_src[j]
+            self.fetch_k_sources(gather, k_start + k + 1, next_src)
+            mainloop.producer_acquire(prod_state, is_tma_warp)
+            stage = prod_state.index
+            if is_tma_warp:
+                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, stage)],
+                          tma_bar_ptr=mainloop.producer_get_barrier(prod_state))
+            for j in cutlass.range_constexpr(k_rows):
+                # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
+                # partition then picks this thread's chunk of it (same column offsets as the stage)
+                row = cute.local_tile(x, (1, self.tile_m), (cutlass.max(src[j], 0), m_idx))
+                tAgA = thr_copy.partition_S(
+                    cute.make_tensor(row.iterator, cute.make_layout((self.tile_m, self.tile_k), stride=(1, 0)))
+                )
+                pred[0] = (src[j] >= 0) & in_m
+                cute.copy(thr_copy, tAgA[(None, None, j)], tAsA[(None, None, j, stage)], pred=pred)
+            mainloop.producer_cpasync_commit(prod_state)
+            prod_state.advance()
         return prod_state
 
 
