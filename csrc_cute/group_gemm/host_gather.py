@@ -108,9 +108,11 @@ def group_gemm_wgrad_gather(
     operand is ``x[row_src[r]]``, or a zero row where ``row_src[r] < 0`` (padding rows, rows past the last
     group), for ``row_src`` int32 ``[N]`` (``dy`` has the N rows). Writes ``dw_home`` and adds into
     ``dw_slot`` bitwise what ``group_gemm_wgrad(where(row_src >= 0, x[row_src], 0), dy, ...)`` does, without
-    the [N, Kd] copy. ``x`` has fewer than 2**31 elements (32-bit row offsets). Precondition (device values,
-    not checked: no host sync): every ``row_src[r] < S``; an index may repeat (a token routed to several
-    groups). No host sync."""
+    the [N, Kd] copy, for finite ``dy``: the 16-row blocks of a group after its last row with a token (among
+    its last 128 rows) are not multiplied, so ``dy``'s rows there are not read (a NaN there, which the
+    reference would spread, stays out). ``x`` has fewer than 2**31 elements (32-bit row offsets).
+    Precondition (device values, not checked: no host sync): every ``row_src[r] < S``; an index may repeat (a
+    token routed to several groups). No host sync."""
     op = "group_gemm_wgrad_gather"
 
     def contract(_):
@@ -170,8 +172,10 @@ def group_gemm_wgrad_gather_b(
     rows, rows past the last group), for ``row_src`` int32 ``[N]`` (``x`` has the N rows). Writes
     ``dw_home`` and adds into ``dw_slot`` bitwise what ``group_gemm_wgrad(x, where(row_src >= 0,
     dy_src[row_src], 0), ...)`` does, without the [N, Nd] copy (the down projection's wgrad, x = h_w and
-    dy_src = g_out). ``dy_src`` has fewer than 2**31 elements (32-bit row offsets). Precondition (device
-    values, not checked: no host sync): every ``row_src[r] < S``; an index may repeat. No host sync."""
+    dy_src = g_out), for finite ``x``: as in ``group_gemm_wgrad_gather`` the 16-row blocks of a group after
+    its last row with a token (among its last 128) are not multiplied, so ``x``'s rows there are not read.
+    ``dy_src`` has fewer than 2**31 elements (32-bit row offsets). Precondition (device values, not checked:
+    no host sync): every ``row_src[r] < S``; an index may repeat. No host sync."""
     op = "group_gemm_wgrad_gather_b"
 
     def contract(_):
