@@ -330,7 +330,7 @@ def test_gathered_wgrad_pingpong_tiles_equal_the_wgrad(op):
 def test_gathered_wgrads_skip_the_padding_blocks_at_group_ends(op, pingpong):
     # the 16-row k blocks after a group's last routed row (among its last 128 rows) are not multiplied: NaN
     # in the other operand's rows there (dy; wgrad_gather_t: the rows by TMA) leaves the gradients finite and
-    # bitwise the wgrad with those rows zero. Groups of 128-768 rows with 1 .. all of them routed, slot
+    # bitwise the wgrad with those rows zero. Groups of up to 640 rows with 1 .. all of them routed, slot
     # groups, an all-padding group, an empty one; cooperative 128 x 128 and pingpong 128 x 192 consumers
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op

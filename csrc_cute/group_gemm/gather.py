@@ -243,7 +243,7 @@ class GatherKRowsMixin(GatherOperandMixin):
         looked for among the last ``ROUTED_TAIL_ROWS`` (rows before those count as routed). Every row after
         it is a zero row of A, so the mainloop need not multiply it (``mma_k_tiles``' ``k_rows``): the
         layer's groups end in up to P - 1 padding rows (dispatch's layout), whose whole 16-row blocks are
-        ~3% of the wgrad's MMAs at 48 groups of 1365 routed rows each. Measured in the layer step under ncu
+        ~3% of the wgrad's MMAs at 48 groups of 1365 routed rows on average. Measured in the layer step under ncu
         (session 25): the tensor pipe's active share fell by that much (93.9 -> 90.5%), the elapsed cycles
         did not (4.13 -> 4.19 M on another board, where the unchanged SwiGLU took 1% more): this kernel's
         short items are not bound by the tensor cores. Four loads a lane from ``p.row_src`` (cached, issued
