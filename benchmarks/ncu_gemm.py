@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_peers import FAMILIES, gemm_call, gemm_operands, group_layouts, load_peers  # noqa: E402
+from benchmarks.bench_peers import (FAMILIES, OursLayer, SonicLayer, gemm_call, gemm_operands,  # noqa: E402
+                                    group_layouts, layer_inputs, load_peers, ours_group)
 from benchmarks.common import names_option, run_info, write_json  # noqa: E402
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
@@ -93,8 +94,6 @@ def profiled_calls(opts: dict, device: torch.device) -> list[tuple[str, object]]
 def layer_steps(impls: list[str], device: torch.device) -> list[tuple[str, object]]:
     """("<impl> layer", one forward + backward step of bench_peers' layer by impl) for ours / sonicmoe, each
     step run twice here (compiled, warm). Ours' R = 1 EPGroup makes its own 1-rank process group."""
-    from benchmarks.bench_peers import OursLayer, SonicLayer, layer_inputs, ours_group
-
     o = dict(S=8192, H=7168, E=48, K=8, F=2048, P=128, seed=0)
     (x, router_w, w_gate, w_up, w_down, g), _ = layer_inputs(o, device)
     steps = []

@@ -129,7 +129,9 @@ def _group_gemm_swiglu_gather_cuda(x, row_src, w_gate_home, w_gate_slot, w_up_ho
 def group_gemm_wgrad_gather(x: Tensor, row_src: Tensor, dy: Tensor, cu_seqlens: Tensor, dw_home: Tensor,
                             dw_slot: Tensor, P: int) -> None:
     """moonep::group_gemm_wgrad with the rows `where(row_src >= 0, x[row_src], 0)` [N, Kd] as its A operand,
-    read from x [S, Kd] by the kernel (dy has the N rows): bitwise the same dw_home / dw_slot."""
+    read from x [S, Kd] by the kernel (dy has the N rows): bitwise the same dw_home / dw_slot for finite dy (the
+    CUDA kernel does not read dy's rows in the 16-row blocks after a group's last routed row:
+    csrc_cute.group_gemm.group_gemm_wgrad_gather)."""
     fake.group_gemm.check_wgrad_gather_args(x, row_src, dy, cu_seqlens, dw_home, dw_slot, P)
     ops.group_gemm_wgrad(gathered_rows("group_gemm_wgrad_gather", "x", x, row_src), dy, cu_seqlens, dw_home, dw_slot,
                          P)
@@ -150,7 +152,8 @@ def group_gemm_wgrad_gather_b(x: Tensor, dy_src: Tensor, row_src: Tensor, cu_seq
                               dw_slot: Tensor, P: int) -> None:
     """moonep::group_gemm_wgrad with the output-gradient rows `where(row_src >= 0, dy_src[row_src], 0)` [N, Nd]
     as its dy, read from dy_src [S, Nd] by the kernel (x has the N rows; the down projection's wgrad with
-    x = h_w, dy_src = the tokens' gradient): bitwise the same dw_home / dw_slot."""
+    x = h_w, dy_src = the tokens' gradient): bitwise the same dw_home / dw_slot for finite x (the CUDA kernel
+    does not read x's rows in the 16-row blocks after a group's last routed row)."""
     fake.group_gemm.check_wgrad_gather_b_args(x, dy_src, row_src, cu_seqlens, dw_home, dw_slot, P)
     ops.group_gemm_wgrad(x, gathered_rows("group_gemm_wgrad_gather_b", "dy_src", dy_src, row_src), cu_seqlens,
                          dw_home, dw_slot, P)

@@ -693,10 +693,10 @@ def tanh_approx(x, *, loc=None, ip=None) -> cutlass.Float32:
 
 def sigmoid_approx(x):
     """Trace time: sigmoid(x) = (1 + tanh(x / 2)) / 2 in fp32 with one MUFU instruction
-    (``tanh_approx``, ~2^-11 relative error) where 1 / (1 + 2^(-x log2 e)) takes two (``ex2``,
-    ``rcp``): the SwiGLU epilogues issue one an element (the cooperative forward's with no mainloop
-    overlapping it), and an SM's MUFU unit returns a quarter as many results a clock as its FMA pipe.
-    The approximation (~2^-11) is below the bf16 rounding of what the epilogues store."""
+    (``tanh_approx``) where 1 / (1 + 2^(-x log2 e)) takes two (``ex2``, ``rcp``): the SwiGLU epilogues
+    issue one an element (the cooperative forward's with no mainloop overlapping it), and an SM's MUFU
+    unit returns a quarter as many results a clock as its FMA pipe. Its ~2^-11 relative error is below
+    the bf16 rounding of what the epilogues store."""
     half = cutlass.Float32(0.5)
     return half + half * tanh_approx(x * half)
 
