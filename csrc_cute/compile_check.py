@@ -112,6 +112,9 @@ class KernelStats:
     spill_store_bytes: int = 0
     spill_load_bytes: int = 0
     cmem_bytes: int = 0
+    # ptxas' "wgmma.mma_async instructions are serialized" (C7510-C7516): each wgmma waits for the previous
+    # one, the tensor cores idle between them (e.g. too few registers for the wgmma pipeline); its reason
+    wgmma_serialized: str = ""
 
     @property
     def spill_bytes(self) -> int:
@@ -125,6 +128,7 @@ _RE_FRAME = re.compile(
 _RE_USED = re.compile(r"Used (\d+) registers")
 _RE_SMEM = re.compile(r"(\d+) bytes smem")
 _RE_CMEM = re.compile(r"(\d+) bytes cmem\[0\]")
+_RE_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized (.*?) in the function '([^']+)'")
 
 
 def parse_ptxas_verbose(text: str) -> list[KernelStats]:
@@ -151,6 +155,10 @@ def parse_ptxas_verbose(text: str) -> list[KernelStats]:
             m3 = _RE_CMEM.search(line)
             if m3:
                 cur.cmem_bytes = int(m3.group(1))
+    for m in _RE_SERIALIZED.finditer(text):  # the function's name: ptxas may say it before or after its stats
+        for s in stats:
+            if s.name == m.group(2):
+                s.wgmma_serialized = m.group(1)
     return stats
 
 
@@ -201,6 +209,7 @@ class CompileCheckResult:
                 f"{s.name}: {s.registers} registers, {s.shared_bytes} B smem (static), "
                 f"{s.stack_frame_bytes} B stack, {s.spill_store_bytes} B spill stores, "
                 f"{s.spill_load_bytes} B spill loads"
+                + (f", wgmma serialized {s.wgmma_serialized}" if s.wgmma_serialized else "")
             )
         return "\n".join(lines)
 

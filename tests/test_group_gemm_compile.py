@@ -19,8 +19,8 @@ from csrc_cute.group_gemm import (
 
 def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int, config=None) -> str:
     """Compile one GEMM variant (``config``: instead of the op's tile choice) for sm_90a, check ptxas
-    reports one kernel with no spills and no stack frame, and return its PTX text (skips when ptxas is
-    missing)."""
+    reports one kernel with no spills, no stack frame and no serialized wgmma, and return its PTX text (skips
+    when ptxas is missing)."""
     res = compile_group_gemm_for_sm90(str(tmp_path), kd=kd, nd=nd, pad=pad, op=op, config=config)
     assert res.ptx, f"no PTX written:\n{res.child_output}"
     assert res.cubin and all(os.path.getsize(c) > 0 for c in res.cubin), res.child_output
@@ -31,6 +31,7 @@ def compile_one_kernel_no_spills(tmp_path, op: str, kd: int, nd: int, pad: int, 
     for s in res.stats:
         assert s.spill_bytes == 0, res.summary()
         assert s.stack_frame_bytes == 0, res.summary()
+        assert not s.wgmma_serialized, res.summary()
     with open(res.ptx[0], "rb") as f:
         return f.read().decode(errors="replace")
 
@@ -53,6 +54,15 @@ def test_parse_ptxas_verbose():
     (s,) = compile_check.parse_ptxas_verbose(text)
     assert (s.name, s.registers, s.shared_bytes, s.cmem_bytes) == ("k1", 168, 1024, 400)
     assert (s.stack_frame_bytes, s.spill_store_bytes, s.spill_load_bytes, s.spill_bytes) == (8, 4, 12, 16)
+    assert s.wgmma_serialized == ""
+    # ptxas' serialized-wgmma notes name their function (here before its stats); other notes are ignored
+    serial = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+              "due to insufficient register resources for the wgmma pipeline in the function 'k2'\n"
+              "ptxas info    : (C7519) warpgroup.arrive is injected in around line 9 by compiler to allow use of "
+              "registers in GMMA in function 'k1'\n")
+    k1, k2 = compile_check.parse_ptxas_verbose(serial + text + text.replace("k1", "k2"))
+    assert (k1.name, k1.wgmma_serialized) == ("k1", "")
+    assert (k2.name, k2.wgmma_serialized) == ("k2", "due to insufficient register resources for the wgmma pipeline")
 
 
 @pytest.mark.parametrize("pad", [128, 64])
