@@ -23,12 +23,17 @@ grouped GEMMs, QuACK's inside SonicMoE; the router's cuBLAS GEMMs are not), each
 <n> <kernel class>" in launch order (the backward's kernels, which autograd launches from its own thread
 outside the range, under the step of the last kernel with a range): what each GEMM of the layer costs in
 cycles there, against the same family's call alone.
+
+`--source`: also the SourceCounters section (warp states sampled per SASS instruction): ncu's source page of
+every kernel goes to ncu_source.csv.gz and each kernel's instructions with the most samples (``source_hotspots``)
+into the JSON's "source_hotspots": which wait (a barrier, a load, the wgmma) holds its warps.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import importlib
 import io
 import json
@@ -246,8 +251,13 @@ def profile(opts: dict, argv: list[str]) -> None:
            "-f", "-o", rep] + (["--kernel-name", "regex:(?i)gemm"] if opts["layer"] else []) + [a for s in SECTIONS for a in ("--section", s)] + [
         "--metrics", ",".join(EXTRA_METRICS)] + [sys.executable, os.path.abspath(__file__), "--child"
                                                               ] + argv
+    if opts["source"]:
+        cmd[cmd.index("--metrics"):cmd.index("--metrics")] = ["--section", "SourceCounters", "--import-source", "no"]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
+    hotspots = None
+    if opts["source"]:
+        hotspots = source_hotspots(write_source_page(rep + ".ncu-rep", os.path.join(out, "ncu_source.csv.gz")))
     page = ["ncu", "-i", rep + ".ncu-rep", "--csv", "--page", "details", "--print-units", "base"]
     text = subprocess.run(page, check=True, capture_output=True, text=True).stdout
     renamed = subprocess.run(page + ["--print-nvtx-rename", "kernel"], check=True, capture_output=True,
@@ -257,6 +267,8 @@ def profile(opts: dict, argv: list[str]) -> None:
     summary = summarize(details_rows(text), details_rows(renamed), every_kernel=bool(opts["layer"]))
     payload = dict(run_info(), layout="layer step" if opts["layer"] else opts["layout"], clock_control="none",
                    **{k: opts[k] for k in ("H", "F", "E", "P", "rows")}, kernels=summary)
+    if hotspots is not None:
+        payload["source_hotspots"] = hotspots  # kernel name -> its instructions with the most warp samples
     path = write_json("ncu_gemm.json", payload, out)
     print("wrote", path, flush=True)
     try:
@@ -264,6 +276,43 @@ def profile(opts: dict, argv: list[str]) -> None:
     except Exception as e:  # noqa: BLE001  (no matplotlib, say: the JSON is written, the table still prints)
         print(f"no PNG: {e}", flush=True)
     print("\n".join(table(summary)), flush=True)
+
+
+def write_source_page(report: str, path: str) -> str:
+    """ncu's source page of every kernel of ``report`` (SASS, with the SourceCounters section's per-instruction
+    warp-state samples), gzipped to ``path``: where in the kernel its warps wait. Returns the page's text."""
+    text = subprocess.run(["ncu", "-i", report, "--csv", "--page", "source", "--print-source", "sass"], check=True,
+                          capture_output=True, text=True).stdout
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    print(f"wrote {path}: {len(text.splitlines())} lines", flush=True)
+    return text
+
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def source_hotspots(text: str, top: int = 12) -> dict[str, list[dict]]:
+    """ncu's CSV source page (a ``"Kernel Name","<name>"`` line before each kernel's table of SASS instructions,
+    one row per address) -> per kernel its ``top`` instructions by warp-state samples (all warps, issued or not):
+    address, SASS text, samples and their share of the kernel's."""
+    tables: dict[str, list[dict]] = {}
+    name, header = None, None
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) >= 2 and row[0] == "Kernel Name":
+            name, header = row[1], None
+            tables.setdefault(name, [])
+        elif name is not None and row and row[0] == "Address":
+            header = row
+        elif name is not None and header is not None and len(row) == len(header):
+            tables[name].append(dict(zip(header, row)))
+    hot = {}
+    for name, rows in tables.items():
+        samples = [(int(float(r.get(SAMPLES) or 0)), r) for r in rows]
+        total = sum(n for n, _ in samples) or 1
+        hot[name] = [dict(address=r["Address"], sass=r.get("Source", ""), samples=n, share=round(n / total, 4))
+                     for n, r in sorted(samples, key=lambda nr: -nr[0])[:top]]
+    return hot
 
 
 def main(argv=None) -> None:
@@ -278,6 +327,8 @@ def main(argv=None) -> None:
     ap.add_argument("--impls", default="ours,quack", help="comma-separated: ours, quack, torch")
     ap.add_argument("--layer", default="", help="comma-separated (ours, sonicmoe): profile the GEMM kernels of one "
                     "layer training step of each instead of the families")
+    ap.add_argument("--source", action="store_true", help="also sample each kernel's warps per SASS instruction "
+                    "(the SourceCounters section) and write ncu's source page (ncu_source.csv.gz)")
     ap.add_argument("--child", action="store_true", help="(internal) the profiled process")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, ours and torch, each call run once")
     args = ap.parse_args(argv)
