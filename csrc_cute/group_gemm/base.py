@@ -122,7 +122,7 @@ class GroupGemmSm90Base:
         self.epi_groups = 2 if pingpong else 1
         # pingpong: 3 slots a warp group, so that a 128 x 192 tile's ring has 5 stages in the 227 KB of shared
         # memory, not 4 (QuACK's pingpong tile runs 5): under ncu the layer step's three gathered wgrads took
-        # 0.5-0.8% and its row-scaled forward 0.3-0.5% fewer cycles, A/B on one H200 in two machines' runs
+        # 0.5-1.0% and its row-scaled forward 0.35-0.5% fewer cycles, A/B on one H200 in two machines' runs
         # (results/ncu_layer_session27_variants.json; docs/design-notes.md, session 27)
         self.epi_stage = 3 if pingpong else 4
         return self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage * self.epi_groups
