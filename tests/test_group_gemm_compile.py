@@ -1,7 +1,8 @@
 """CPU (CI) checks of the CuTe DSL grouped GEMM kernels (csrc_cute/group_gemm/): every variant compiles
-for sm_90a without a GPU and ptxas reports one kernel with no spills and no stack frame; the PTX has the
-instructions of its design (wgmma majorness, TMA loads and stores, the remote variants' descriptor
-machinery); layout probes of the epilogues (CuTe layout algebra at trace time); the ptxas report parser.
+for sm_90a without a GPU and ptxas reports one kernel with no spills, no stack frame and no serialized
+wgmma; the PTX has the instructions of its design (wgmma majorness, TMA loads and stores, the remote
+variants' descriptor machinery); layout probes of the epilogues (CuTe layout algebra at trace time); the
+ptxas report parser.
 """
 
 import os
