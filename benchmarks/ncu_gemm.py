@@ -257,7 +257,11 @@ def profile(opts: dict, argv: list[str]) -> None:
     subprocess.run(cmd, check=True)
     hotspots = None
     if opts["source"]:
-        hotspots = source_hotspots(write_source_page(rep + ".ncu-rep", os.path.join(out, "ncu_source.csv.gz")))
+        page_text = write_source_page(rep + ".ncu-rep", os.path.join(out, "ncu_source.csv.gz"))
+        try:
+            hotspots = source_hotspots(page_text)
+        except (KeyError, ValueError) as e:  # a page layout this parser has not seen: the page itself is kept
+            print(f"no source hotspots ({type(e).__name__}: {e}); see ncu_source.csv.gz", flush=True)
     page = ["ncu", "-i", rep + ".ncu-rep", "--csv", "--page", "details", "--print-units", "base"]
     text = subprocess.run(page, check=True, capture_output=True, text=True).stdout
     renamed = subprocess.run(page + ["--print-nvtx-rename", "kernel"], check=True, capture_output=True,
@@ -308,7 +312,7 @@ def source_hotspots(text: str, top: int = 12) -> dict[str, list[dict]]:
             tables[name].append(dict(zip(header, row)))
     hot = {}
     for name, rows in tables.items():
-        samples = [(int(float(r.get(SAMPLES) or 0)), r) for r in rows]
+        samples = [(int(float((r.get(SAMPLES) or "0").replace(",", ""))), r) for r in rows]  # ncu writes 1,234
         total = sum(n for n, _ in samples) or 1
         hot[name] = [dict(address=r["Address"], sass=r.get("Source", ""), samples=n, share=round(n / total, 4))
                      for n, r in sorted(samples, key=lambda nr: -nr[0])[:top]]
