@@ -78,8 +78,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (Bench, apply_smoke_defaults, gpu_idle, kernel_breakdown,  # noqa: E402
-                               names_option, run_info, short_error, symmetric_bytes, time_round_robin, write_json)
+from benchmarks.common import (Bench, apply_smoke_defaults, combine_local_bytes, gpu_idle,  # noqa: E402
+                               kernel_breakdown, names_option, run_info, short_error, symmetric_bytes,
+                               time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
 
@@ -326,7 +327,9 @@ def measure_layer(b: Bench, name: str, impl, x: torch.Tensor, g: torch.Tensor, r
     peak, resident, _ = b.memory(train_step, clear)
     res["peak_gb"], res["step_gb"] = peak, None if peak is None else peak - resident
     if b.cuda:
-        res.update(gpu_time_split(kernel_breakdown(train_step, show=name == "ours", top=None)))
+        kernels = kernel_breakdown(train_step, show=name == "ours", top=None)
+        res.update(gpu_time_split(kernels))
+        res["combine_local"] = combine_local_bandwidth(kernels, *x.shape, b.opts["K"], x.element_size())
         res["step_gpu_idle"] = gpu_idle(train_step)
     clear()
     b.log(f"layer {name:14s} fwd {res['fwd_ms']:.3f} ms, infer {res['infer_ms']:.3f} ms, fwd+bwd "
@@ -337,6 +340,22 @@ def measure_layer(b: Bench, name: str, impl, x: torch.Tensor, g: torch.Tensor, r
 # matrix-product kernels (ours, QuACK's/SonicMoE's CuTe GEMMs, cuBLAS) by kernel name; the rest is the
 # non-GEMM time of a step (issue 13's target: <= 3 ms for ours at R = 1)
 GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cublas|cutlass.*sm90.*(tensorop|wgmma)", re.IGNORECASE)
+
+
+# ours' one-pass combine at R = 1 (csrc_cute/combine.py combine_local): the pull kernel whose first operand is the
+# rows themselves (a float tensor; the multi-rank pull's and dispatch's pull's first operands are int64 addresses)
+COMBINE_LOCAL_KERNEL = re.compile(r"_pull_kernel_tensorptr(bf16|f16|f32)")
+
+
+def combine_local_bandwidth(kernels: list[tuple[str, float]], S: int, H: int, K: int, itemsize: int) -> dict | None:
+    """ours' combine_local in one profiled step (issue 13: its local passes at >= 80% of HBM bandwidth): its GPU
+    ms, the bytes it must move with every token routed to K rows (``combine_local_bytes``) and their GB/s; None
+    where the step ran no such kernel (the peers, R > 1)."""
+    ms = sum(t for n, t in kernels if COMBINE_LOCAL_KERNEL.search(n))
+    if not ms:
+        return None
+    nbytes = combine_local_bytes(S * K, S, S * K, H * itemsize)
+    return dict(ms=round(ms, 4), bytes=nbytes, gbs=round(nbytes / ms / 1e6, 1))
 
 
 def gpu_time_split(kernels: list[tuple[str, float]]) -> dict:
@@ -705,6 +724,10 @@ def table(payload: dict) -> list[str]:
             if layer[i].get("gpu_ms") is not None:
                 lines.append(f"  {i}: one profiled fwd+bwd step {layer[i]['gpu_ms']:.2f} ms GPU time, GEMM "
                              f"{layer[i]['gemm_gpu_ms']:.2f} ms, non-GEMM {layer[i]['non_gemm_gpu_ms']:.2f} ms")
+            comb = layer[i].get("combine_local")
+            if comb:
+                lines.append(f"  {i}: combine_local {comb['ms']:.3f} ms for {comb['bytes'] / 1e9:.2f} GB: "
+                             f"{comb['gbs']:.0f} GB/s")
             idle = layer[i].get("step_gpu_idle")
             if idle:
                 lines.append(f"  {i}: 3 steps back to back, per step: enqueued in {idle['enqueue_ms']:.2f} ms (host), "

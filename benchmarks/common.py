@@ -376,6 +376,13 @@ def gpu_idle(step, steps: int = 3, gaps: int = 4) -> dict:
                 longest_gaps=[(round(us, 1), a[:80], b[:80]) for us, a, b in found[:gaps]])
 
 
+def combine_local_bytes(rows_in: int, S: int, entries: int, row_bytes: int) -> int:
+    """HBM bytes of the one-pass combine of one rank (csrc_cute/combine.py combine_local): its ``rows_in``
+    routed rows read, out[s] written for the S tokens, and each of the plan's ``entries`` (s, k) read from
+    three int32 tables."""
+    return rows_in * row_bytes + S * row_bytes + entries * 12
+
+
 def kernel_breakdown(step, show: bool, top: int | None = 25) -> list[tuple[str, float]]:
     """GPU time per kernel name over one step (torch.profiler), ms, largest first (the first `top`, or
     all with None); printed (the first 25) if `show`."""

@@ -269,6 +269,23 @@ def test_peers_gpu_time_split_names_gemm_kernels():
                                                         "void at::native::vectorized_elementwise_kernel<add>"]
 
 
+def test_peers_combine_local_bandwidth_finds_the_one_pass_pull():
+    """bench_peers' combine_local figure: only the pull whose first operand is the rows (combine_local's LOCAL
+    variant) counts, not dispatch's or the multi-rank pull (int64 address operands first); its bytes are every
+    routed row in and out[s] written (bench_comm's count at R = 1 with every token present), 12 B an entry."""
+    from benchmarks.bench_peers import combine_local_bandwidth
+
+    kernels = [("kernel_cutlass__pull_kernel_tensorptrbf16gmemalign16o5138022401_tensorptri32gmemo655361", 0.5),
+               ("kernel_cutlass__pull_kernel_tensorptri64gmemo11_tensorptri32gmemo655361", 0.25),
+               ("kernel_cutlass_kernel_GroupGemmWgradSm90_x", 5.0)]
+    S, H, K = 8192, 7168, 8
+    got = combine_local_bandwidth(kernels, S, H, K, 2)
+    nbytes = (S * K + S) * H * 2 + S * K * 12
+    assert got == dict(ms=0.5, bytes=nbytes, gbs=round(nbytes / 0.5 / 1e6, 1))
+    assert got["gbs"] == 2115.5  # 1.058 GB in 0.5 ms
+    assert combine_local_bandwidth(kernels[1:], S, H, K, 2) is None
+
+
 def test_busy_union_of_overlapping_items_and_gaps():
     """Items worked by hand (us): a [0, 10], b [4, 6] inside a, c [8, 14] overlapping a's end, then a 6 us gap,
     d [20, 25], a 5 us gap, e [30, 31]: span 31, busy 14 + 5 + 1 = 20, the gaps longest first named by the
