@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import combine_local_bytes, cuda_time_ms, run_info, write_json  # noqa: E402
+from benchmarks.common import combine_pull_bytes, cuda_time_ms, run_info, write_json  # noqa: E402
 from benchmarks.routing_gen import routing_for_maxvio  # noqa: E402
 
 MAXVIOS = (0.2, 1.0, 2.0, 5.0, 10.0, 20.0)
@@ -95,9 +95,9 @@ def comm_bytes(S: int, R: int, row_bytes: int, dst_rank: torch.Tensor, dst_row: 
     entries = int((dst_rank >= 0).sum())
     table = 4 * 4  # w, primary, next, src: 4 bytes each per row or (s, k) entry
     staged = 0 if R == 1 else 2 * S * row_bytes                      # x -> send_rows (R > 1 only)
-    combine = dict(pull=combine_local_bytes(real, S, entries, row_bytes)) if R == 1 else dict(
+    combine = dict(pull=combine_pull_bytes(real, S, entries, row_bytes)) if R == 1 else dict(
         presum=real * row_bytes + heads * row_bytes + nvs * 8,        # chains in, one row per head out
-        pull=carriers * row_bytes + S * row_bytes + entries * 12)     # carriers' presums in, out[s]
+        pull=combine_pull_bytes(carriers, S, entries, row_bytes))     # carriers' presums in, out[s]
     return {
         "dispatch": dict(
             minimum=(present + real) * row_bytes,

@@ -78,7 +78,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (Bench, apply_smoke_defaults, combine_local_bytes, gpu_idle,  # noqa: E402
+from benchmarks.common import (Bench, apply_smoke_defaults, combine_pull_bytes, gpu_idle,  # noqa: E402
                                kernel_breakdown, names_option, run_info, short_error, symmetric_bytes,
                                time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
@@ -349,12 +349,12 @@ COMBINE_LOCAL_KERNEL = re.compile(r"_pull_kernel_tensorptr(bf16|f16|f32)")
 
 def combine_local_bandwidth(kernels: list[tuple[str, float]], S: int, H: int, K: int, itemsize: int) -> dict | None:
     """ours' combine_local in one profiled step (issue 13: its local passes at >= 80% of HBM bandwidth): its GPU
-    ms, the bytes it must move with every token routed to K rows (``combine_local_bytes``) and their GB/s; None
+    ms, the bytes it must move with every token routed to K rows (``combine_pull_bytes``) and their GB/s; None
     where the step ran no such kernel (the peers, R > 1)."""
     ms = sum(t for n, t in kernels if COMBINE_LOCAL_KERNEL.search(n))
     if not ms:
         return None
-    nbytes = combine_local_bytes(S * K, S, S * K, H * itemsize)
+    nbytes = combine_pull_bytes(S * K, S, S * K, H * itemsize)
     return dict(ms=round(ms, 4), bytes=nbytes, gbs=round(nbytes / ms / 1e6, 1))
 
 

@@ -376,10 +376,10 @@ def gpu_idle(step, steps: int = 3, gaps: int = 4) -> dict:
                 longest_gaps=[(round(us, 1), a[:80], b[:80]) for us, a, b in found[:gaps]])
 
 
-def combine_local_bytes(rows_in: int, S: int, entries: int, row_bytes: int) -> int:
-    """HBM bytes of the one-pass combine of one rank (csrc_cute/combine.py combine_local): its ``rows_in``
-    routed rows read, out[s] written for the S tokens, and each of the plan's ``entries`` (s, k) read from
-    three int32 tables."""
+def combine_pull_bytes(rows_in: int, S: int, entries: int, row_bytes: int) -> int:
+    """Bytes of combine's pull kernel (csrc_cute/combine.py): its ``rows_in`` rows read (R = 1, combine_local's
+    one pass: every routed row; R > 1: the carriers' presums), out[s] written for the S tokens, and each of the
+    plan's ``entries`` (s, k) read from three int32 tables."""
     return rows_in * row_bytes + S * row_bytes + entries * 12
 
 
