@@ -50,8 +50,9 @@ a peer (or any implementation) that fails is recorded as an error in its cell an
 imported after ours and torch have run: importing quack makes CuTe DSL compiles single-threaded process-wide.
 
 Timing: CUDA events (wall clock on the CPU), median over --repeats of the mean of --iters calls after --warmup;
-the GEMM families' implementations in rotated rounds, one round timing each once, so that ours and QuACK share
-the GPU's clock and power state (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
+the implementations of a layer mode or a GEMM family in rotated rounds, one round timing each once, so that they
+share the GPU's clock and power state (the layer's since session 28, each timed in a block of its own before;
+until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
 the same QuACK dgrad at 16 x 4096 took 2.50 ms there and 2.81 ms in a bench_tiles run of the same session on
 another machine, 1 H200: results/bench_peers_4cde1fc_h200.log, bench_tiles_session18_h200.log).
 Writes bench_peers.json (GPU, command, commit, date, versions of torch, cutlass, quack, sonicmoe) and
@@ -288,52 +289,77 @@ def layer_reference(x, router_w, w_gate, w_up, w_down, g, K: int, ids: torch.Ten
     return {k: v.cpu() for k, v in ref.items()}  # kept on the host: out of the measured implementations' peaks
 
 
-def measure_layer(b: Bench, name: str, impl, x: torch.Tensor, g: torch.Tensor, ref: dict, tol: float) -> dict:
-    """Check `impl` against the reference (forward, then forward + backward), then time forward, inference
-    forward and forward + backward, and the peak memory of one training step."""
-    xg = x.clone().requires_grad_()
-    res: dict = {}
+class LayerRun:
+    """One implementation of the layer and its calls on the shared inputs x [S, H] and output gradient g:
+    `fwd`, `infer` (no_grad, inference mode) and `train_step` (gradients cleared, then forward + backward)."""
 
-    def clear():
-        xg.grad = None
-        for t in impl_params(impl):
+    def __init__(self, impl, x: torch.Tensor, g: torch.Tensor):
+        self.impl, self.x, self.g = impl, x, g
+        self.xg = x.clone().requires_grad_()
+        self.calls = dict(fwd=self.fwd, infer=self.infer, fwd_bwd=self.train_step)
+
+    def clear(self):
+        self.xg.grad = None
+        for t in impl_params(self.impl):
             t.grad = None
 
-    def train_step():
-        clear()
-        impl(xg).backward(g)
+    def train_step(self):
+        self.clear()
+        self.impl(self.xg).backward(self.g)
 
-    def fwd():
-        return impl(xg)
+    def fwd(self):
+        return self.impl(self.xg)
 
-    def infer():
+    def infer(self):
         with torch.no_grad():
-            return impl(x, inference=True)
+            return self.impl(self.x, inference=True)
 
-    y = fwd()
-    res["y_err"] = rel_err(y, ref["y"])
-    with torch.no_grad():
-        res["infer_y_err"] = rel_err(infer(), ref["y"])
-    train_step()
-    grads = dict(impl.grads(), x=xg.grad)
+
+LAYER_MODES = ("fwd", "infer", "fwd_bwd")
+
+
+def check_layer(run: LayerRun, ref: dict, tol: float) -> dict:
+    """`run` against the reference: the forward's, the inference forward's and every gradient's error, and ok."""
+    res = {"y_err": rel_err(run.fwd(), ref["y"]), "infer_y_err": rel_err(run.infer(), ref["y"])}
+    run.train_step()
+    grads = dict(run.impl.grads(), x=run.xg.grad)
     res.update({f"d{k}_err": rel_err(grads[k], ref[k]) for k in ("x", "router", "w_gate", "w_up", "w_down")})
     res["ok"] = all(v <= tol for k, v in res.items() if k.endswith("_err"))
-    del y, grads
-    for mode, fn in (("fwd", fwd), ("infer", infer), ("fwd_bwd", train_step)):
-        for _ in range(b.opts["warmup"]):
-            fn()
+    run.clear()
+    return res
+
+
+def time_layers(b: Bench, runs: dict) -> dict:
+    """name -> {mode_ms}: each mode (forward, inference forward, forward + backward) of every run warmed, then
+    timed in rotated rounds (``time_round_robin``: per round the mean of --iters back-to-back calls of each
+    run, the median over --repeats rounds), so that the implementations share the GPU's clock and power state.
+    Until session 28 each implementation was timed in a block of its own after its checks, so that each met
+    the board in another state: one H200 had SonicMoE's training step 1.8% faster in bench_peers than at
+    the power cap (bench_sustained), ours not (results/bench_peers_layer_session27.json, bench_sustained_b53bc3f.json)."""
+    out: dict = {name: {} for name in runs}
+    for mode in LAYER_MODES:
+        calls = {name: run.calls[mode] for name, run in runs.items()}
+        for call in calls.values():
+            for _ in range(b.opts["warmup"]):
+                call()
         b.sync()
-        res[f"{mode}_ms"] = b.time_ms(fn)
-    peak, resident, _ = b.memory(train_step, clear)
+        for name, ms in time_round_robin(calls, lambda c: b.time_ms(c, repeats=1), b.opts["repeats"]).items():
+            out[name][f"{mode}_ms"] = ms
+    return out
+
+
+def profile_layer(b: Bench, name: str, run: LayerRun) -> dict:
+    """The peak memory of one training step and (CUDA) its profile: GPU time in GEMMs and the rest, ours'
+    combine_local bandwidth, the GPU's idle time over three steps."""
+    res: dict = {}
+    peak, resident, _ = b.memory(run.train_step, run.clear)
     res["peak_gb"], res["step_gb"] = peak, None if peak is None else peak - resident
     if b.cuda:
-        kernels = kernel_breakdown(train_step, show=name == "ours", top=None)
-        res.update(gpu_time_split(kernels))
-        res["combine_local"] = combine_local_bandwidth(kernels, *x.shape, b.opts["K"], x.element_size())
-        res["step_gpu_idle"] = gpu_idle(train_step)
-    clear()
-    b.log(f"layer {name:14s} fwd {res['fwd_ms']:.3f} ms, infer {res['infer_ms']:.3f} ms, fwd+bwd "
-          f"{res['fwd_bwd_ms']:.3f} ms; max rel err {max(v for k, v in res.items() if k.endswith('_err')):.2e}")
+        kernels = kernel_breakdown(run.train_step, show=name == "ours", top=None, calls=True)
+        res.update(gpu_time_split([(n, ms) for n, ms, _ in kernels]))
+        res["combine_local"] = combine_local_bandwidth(kernels, *run.x.shape, b.opts["K"], run.x.element_size())
+        res["step_gpu_idle"] = gpu_idle(run.train_step)
+    run.clear()
     return res
 
 
@@ -347,15 +373,20 @@ GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cublas|cutlass.*sm90.*(tensorop|wgmma
 COMBINE_LOCAL_KERNEL = re.compile(r"_pull_kernel_tensorptr(bf16|f16|f32)")
 
 
-def combine_local_bandwidth(kernels: list[tuple[str, float]], S: int, H: int, K: int, itemsize: int) -> dict | None:
-    """ours' combine_local in one profiled step (issue 13: its local passes at >= 80% of HBM bandwidth): its GPU
-    ms, the bytes it must move with every token routed to K rows (``combine_pull_bytes``) and their GB/s; None
-    where the step ran no such kernel (the peers, R > 1)."""
-    ms = sum(t for n, t in kernels if COMBINE_LOCAL_KERNEL.search(n))
-    if not ms:
+def combine_local_bandwidth(kernels: list[tuple[str, float, int]], S: int, H: int, K: int, itemsize: int
+                            ) -> dict | None:
+    """ours' combine_local in one profiled step (issue 13: its local passes at >= 80% of HBM bandwidth), from
+    `kernels` (name, ms, launches): its launches (a training step runs two, the forward's combine and its
+    backward's, of one compile key: one kernel name), the GPU ms of one, the bytes one must move with every
+    token routed to K rows (``combine_pull_bytes``) and their GB/s; None where the step ran no such kernel
+    (the peers, R > 1)."""
+    found = [(ms, n_calls) for n, ms, n_calls in kernels if COMBINE_LOCAL_KERNEL.search(n)]
+    if not found:
         return None
+    ms, n_calls = sum(m for m, _ in found), sum(c for _, c in found)
     nbytes = combine_pull_bytes(S * K, S, S * K, H * itemsize)
-    return dict(ms=round(ms, 4), bytes=nbytes, gbs=round(nbytes / ms / 1e6, 1))
+    per_call = ms / n_calls
+    return dict(calls=n_calls, ms=round(per_call, 4), bytes=nbytes, gbs=round(nbytes / per_call / 1e6, 1))
 
 
 def gpu_time_split(kernels: list[tuple[str, float]]) -> dict:
@@ -393,40 +424,53 @@ def ours_group(o: dict, device, name: str):
                    gather_rows=False if name == "ours_rows" else None, **sms)
 
 
-def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
-    """Run the layer implementations `impls` (a subset of ours, ours_rows = ours with
-    EPGroup(gather_rows=False), torch, torch_compiled, sonicmoe) into st."""
+def layer_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool = True) -> None:
+    """Build the layer implementations `impls` (a subset of ours, ours_rows = ours with EPGroup(gather_rows=False),
+    torch, torch_compiled, sonicmoe), check each against the reference and keep it (st["runs"]); `timed`: then
+    time every kept one together (``time_layers``), profile each (``profile_layer``) and free them."""
     o = b.opts
     if "inputs" not in st:
         st["inputs"], ids = layer_inputs(o, b.device)
         st["ref"] = layer_reference(*st["inputs"], o["K"], ids)
-        st["rows"] = {}
+        st["rows"], st["runs"], st["eps"] = {}, {}, []
         b.log("layer: inputs and fp32 reference ready (exact routing checked)")
         b.free()
     x, router_w, w_gate, w_up, w_down, g = st["inputs"]
     for name in impls:
-        impl = None
         try:
             if name in ("ours", "ours_rows"):
-                st["ep"] = ours_group(o, b.device, name)
-                impl = OursLayer(st["ep"], router_w, w_gate, w_up, w_down)
-                st["ours_symmetric_gb"] = (symmetric_bytes(st["ep"]) or 0) / 2**30
+                ep = ours_group(o, b.device, name)
+                st["eps"].append(ep)
+                impl = OursLayer(ep, router_w, w_gate, w_up, w_down)
+                st["ours_symmetric_gb"] = (symmetric_bytes(ep) or 0) / 2**30
             elif name in ("torch", "torch_compiled"):
                 impl = TorchLayer(TorchMoE(router_w, w_gate, w_up, w_down, o["K"]),
                                   o["compile_backend"] if name == "torch_compiled" else None)
-            elif name == "sonicmoe":
+            else:
                 impl = SonicLayer(peers["sonicmoe"], router_w, w_gate, w_up, w_down, o["K"])
-            st["rows"][name] = measure_layer(b, name, impl, x, g, st["ref"], o["tol"])
+            run = LayerRun(impl, x, g)
+            st["rows"][name] = check_layer(run, st["ref"], o["tol"])
+            st["runs"][name] = run
         except Exception as e:  # noqa: BLE001  (one implementation's failure is recorded, the run goes on)
             st["rows"][name] = dict(error=short_error(e))
             b.log(f"layer {name}: failed: {short_error(e)}")
             traceback.print_exc()
-        del impl
-        if name == "torch_compiled":
-            torch._dynamo.reset()
-        if name in ("ours", "ours_rows") and "ep" in st:
-            st.pop("ep").destroy()
         b.free()
+    if timed:
+        try:
+            for name, times in time_layers(b, st["runs"]).items():
+                st["rows"][name].update(times)
+            for name, run in st["runs"].items():
+                r = st["rows"][name]
+                r.update(profile_layer(b, name, run))
+                b.log(f"layer {name:14s} fwd {r['fwd_ms']:.3f} ms, infer {r['infer_ms']:.3f} ms, fwd+bwd "
+                      f"{r['fwd_bwd_ms']:.3f} ms; max rel err {max(v for k, v in r.items() if k.endswith('_err')):.2e}")
+        finally:
+            st["runs"].clear()
+            torch._dynamo.reset()
+            while st["eps"]:
+                st["eps"].pop().destroy()
+            b.free()
 
 
 # ------------------------------------------------------------------------------------------ gemm
@@ -726,8 +770,8 @@ def table(payload: dict) -> list[str]:
                              f"{layer[i]['gemm_gpu_ms']:.2f} ms, non-GEMM {layer[i]['non_gemm_gpu_ms']:.2f} ms")
             comb = layer[i].get("combine_local")
             if comb:
-                lines.append(f"  {i}: combine_local {comb['ms']:.3f} ms for {comb['bytes'] / 1e9:.2f} GB: "
-                             f"{comb['gbs']:.0f} GB/s")
+                lines.append(f"  {i}: combine_local {comb['ms']:.3f} ms a pass ({comb['calls']} a step) for "
+                             f"{comb['bytes'] / 1e9:.2f} GB: {comb['gbs']:.0f} GB/s")
             idle = layer[i].get("step_gpu_idle")
             if idle:
                 lines.append(f"  {i}: 3 steps back to back, per step: enqueued in {idle['enqueue_ms']:.2f} ms (host), "
@@ -793,8 +837,8 @@ def run(opts: dict) -> dict:
         """One section for `impls` (those --impls keeps; `kw` to its function); a failure outside the
         per-implementation guards (inputs, the fp32 reference) is recorded and the run goes on."""
         impls = [i for i in impls if i in opts["impls"]]
-        if name not in opts["only"] or name in errors or not impls:
-            return
+        if name not in opts["only"] or name in errors or not (impls or kw.get("timed") and sections[name][1]):
+            return  # (a timed call with no new implementation still times those an earlier call kept)
         fn, st = sections[name]
         try:
             fn(b, st, impls, peers, **kw)
@@ -804,12 +848,13 @@ def run(opts: dict) -> dict:
             traceback.print_exc()
         b.free()
 
-    section("layer", ["ours", "ours_rows", "torch", "torch_compiled"], {})
+    # ours and torch built, checked (their kernels compiled) and kept before the peers' import (it serialises
+    # compiles); every implementation timed together once SonicMoE is there too
+    section("layer", ["ours", "ours_rows", "torch", "torch_compiled"], {}, timed=False)
     section("gemm", ["ours", "torch"], {}, timed=False)  # compiled here: importing quack serialises compiles
     mods, status = load_peers(cuda)
     b.log("peers: " + "; ".join(f"{k} {v}" for k, v in status.items()))
-    if "sonicmoe" in mods:
-        section("layer", ["sonicmoe"], mods)
+    section("layer", ["sonicmoe"] if "sonicmoe" in mods else [], mods, timed=True)
     section("gemm", ["ours", "torch"] + (["quack"] if "quack" in mods else []), mods)
     dist.destroy_process_group()
     info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], section_errors=errors,

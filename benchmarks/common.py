@@ -383,21 +383,24 @@ def combine_pull_bytes(rows_in: int, S: int, entries: int, row_bytes: int) -> in
     return rows_in * row_bytes + S * row_bytes + entries * 12
 
 
-def kernel_breakdown(step, show: bool, top: int | None = 25) -> list[tuple[str, float]]:
+def kernel_breakdown(step, show: bool, top: int | None = 25, calls: bool = False) -> list[tuple]:
     """GPU time per kernel name over one step (torch.profiler), ms, largest first (the first `top`, or
-    all with None); printed (the first 25) if `show`."""
+    all with None); printed (the first 25) if `show`. (name, ms), or with `calls` (name, ms, launches): a
+    kernel the step launches several times (one compile key) has one name and their summed time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
+    launches: dict[str, int] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             totals[e.name] = totals.get(e.name, 0.0) + e.device_time_total / 1e3
+            launches[e.name] = launches.get(e.name, 0) + 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
     if show:
         print(f"  GPU time {sum(totals.values()):.2f} ms over {len(totals)} kernel names; top 25:", flush=True)
         for name, ms in rows[:25]:
-            print(f"    {ms:8.3f} ms  {name[:110]}", flush=True)
-    return [(n[:200], round(ms, 4)) for n, ms in rows[:top]]
+            print(f"    {ms:8.3f} ms  {launches[name]:3d}x  {name[:105]}", flush=True)
+    return [(n[:200], round(ms, 4)) + ((launches[n],) if calls else ()) for n, ms in rows[:top]]

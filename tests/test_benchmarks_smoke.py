@@ -272,17 +272,18 @@ def test_peers_gpu_time_split_names_gemm_kernels():
 def test_peers_combine_local_bandwidth_finds_the_one_pass_pull():
     """bench_peers' combine_local figure: only the pull whose first operand is the rows (combine_local's LOCAL
     variant) counts, not dispatch's or the multi-rank pull (int64 address operands first); its bytes are every
-    routed row in and out[s] written (bench_comm's count at R = 1 with every token present), 12 B an entry."""
+    routed row in and out[s] written (bench_comm's count at R = 1 with every token present), 12 B an entry, per
+    launch: a training step's two launches (forward and backward combine, one kernel name) share the time."""
     from benchmarks.bench_peers import combine_local_bandwidth
 
-    kernels = [("kernel_cutlass__pull_kernel_tensorptrbf16gmemalign16o5138022401_tensorptri32gmemo655361", 0.5),
-               ("kernel_cutlass__pull_kernel_tensorptri64gmemo11_tensorptri32gmemo655361", 0.25),
-               ("kernel_cutlass_kernel_GroupGemmWgradSm90_x", 5.0)]
+    kernels = [("kernel_cutlass__pull_kernel_tensorptrbf16gmemalign16o5138022401_tensorptri32gmemo655361", 0.5, 2),
+               ("kernel_cutlass__pull_kernel_tensorptri64gmemo11_tensorptri32gmemo655361", 0.25, 1),
+               ("kernel_cutlass_kernel_GroupGemmWgradSm90_x", 5.0, 7)]
     S, H, K = 8192, 7168, 8
     got = combine_local_bandwidth(kernels, S, H, K, 2)
     nbytes = (S * K + S) * H * 2 + S * K * 12
-    assert got == dict(ms=0.5, bytes=nbytes, gbs=round(nbytes / 0.5 / 1e6, 1))
-    assert got["gbs"] == 2115.5  # 1.058 GB in 0.5 ms
+    assert got == dict(calls=2, ms=0.25, bytes=nbytes, gbs=round(nbytes / 0.25 / 1e6, 1))
+    assert got["gbs"] == 4231.0  # 1.058 GB in 0.25 ms
     assert combine_local_bandwidth(kernels[1:], S, H, K, 2) is None
 
 
