@@ -80,7 +80,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (Bench, apply_smoke_defaults, combine_pull_bytes, gpu_idle,  # noqa: E402
-                               kernel_breakdown, names_option, run_info, short_error, symmetric_bytes,
+                               kernel_breakdown, names_option, rotated, run_info, short_error, symmetric_bytes,
                                time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
@@ -295,6 +295,7 @@ class LayerRun:
 
     def __init__(self, impl, x: torch.Tensor, g: torch.Tensor):
         self.impl, self.x, self.g = impl, x, g
+        self.resident_gb = 0.0  # what it holds between calls (layer_section: measured after its checks)
         self.xg = x.clone().requires_grad_()
         self.calls = dict(fwd=self.fwd, infer=self.infer, fwd_bwd=self.train_step)
 
@@ -330,30 +331,36 @@ def check_layer(run: LayerRun, ref: dict, tol: float) -> dict:
 
 
 def time_layers(b: Bench, runs: dict) -> dict:
-    """name -> {mode_ms}: each mode (forward, inference forward, forward + backward) of every run warmed, then
-    timed in rotated rounds (``time_round_robin``: per round the mean of --iters back-to-back calls of each
-    run, the median over --repeats rounds), so that the implementations share the GPU's clock and power state.
-    Until session 28 each implementation was timed in a block of its own after its checks, so that each met
-    the board in another state: one H200 had SonicMoE's training step 1.8% faster in bench_peers than at
-    the power cap (bench_sustained), ours not (results/bench_peers_layer_session27.json, bench_sustained_b53bc3f.json)."""
+    """name -> {mode_ms}: per mode (forward, inference forward, forward + backward) --repeats rotated rounds
+    (``common.rotated``), each round every run's --warmup calls and then the mean of its --iters back-to-back
+    calls; the median over the rounds. The runs take turns on the GPU, so that they share its clock and power
+    state, and each timed window follows warm calls of its own (its allocations cached, its kernels loaded).
+    Until session 28 each implementation was timed in a block of its own after its checks, so each met the
+    board in another state: one H200 had SonicMoE's training step 1.8% faster in bench_peers than at the
+    power cap (bench_sustained), ours not (results/bench_peers_layer_session27.json, bench_sustained_b53bc3f.json)."""
     out: dict = {name: {} for name in runs}
+    names = list(runs)
     for mode in LAYER_MODES:
-        calls = {name: run.calls[mode] for name, run in runs.items()}
-        for call in calls.values():
-            for _ in range(b.opts["warmup"]):
-                call()
-        b.sync()
-        for name, ms in time_round_robin(calls, lambda c: b.time_ms(c, repeats=1), b.opts["repeats"]).items():
-            out[name][f"{mode}_ms"] = ms
+        times: dict = {name: [] for name in names}
+        for r in range(b.opts["repeats"]):
+            for name in rotated(names, r):
+                call = runs[name].calls[mode]
+                for _ in range(b.opts["warmup"]):
+                    call()
+                b.sync()
+                times[name].append(b.time_ms(call, repeats=1))
+        for name, ts in times.items():
+            out[name][f"{mode}_ms"] = sorted(ts)[len(ts) // 2]
     return out
 
 
-def profile_layer(b: Bench, name: str, run: LayerRun) -> dict:
-    """The peak memory of one training step and (CUDA) its profile: GPU time in GEMMs and the rest, ours'
+def profile_layer(b: Bench, name: str, run: LayerRun, others_gb: float) -> dict:
+    """The peak memory of one training step, less `others_gb` (what the other kept implementations hold: the
+    peak is as if `run` were the only one), and (CUDA) its profile: GPU time in GEMMs and the rest, ours'
     combine_local bandwidth, the GPU's idle time over three steps."""
     res: dict = {}
     peak, resident, _ = b.memory(run.train_step, run.clear)
-    res["peak_gb"], res["step_gb"] = peak, None if peak is None else peak - resident
+    res["peak_gb"], res["step_gb"] = (None, None) if peak is None else (peak - others_gb, peak - resident)
     if b.cuda:
         kernels = kernel_breakdown(run.train_step, show=name == "ours", top=None, calls=True)
         res.update(gpu_time_split([(n, ms) for n, ms, _ in kernels]))
@@ -437,6 +444,7 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool
         b.free()
     x, router_w, w_gate, w_up, w_down, g = st["inputs"]
     for name in impls:
+        before = torch.cuda.memory_allocated(b.device) if b.cuda else 0
         try:
             if name in ("ours", "ours_rows"):
                 ep = ours_group(o, b.device, name)
@@ -451,6 +459,8 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool
             run = LayerRun(impl, x, g)
             st["rows"][name] = check_layer(run, st["ref"], o["tol"])
             st["runs"][name] = run
+            b.free()
+            run.resident_gb = ((torch.cuda.memory_allocated(b.device) if b.cuda else 0) - before) / 2**30
         except Exception as e:  # noqa: BLE001  (one implementation's failure is recorded, the run goes on)
             st["rows"][name] = dict(error=short_error(e))
             b.log(f"layer {name}: failed: {short_error(e)}")
@@ -462,7 +472,8 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool
                 st["rows"][name].update(times)
             for name, run in st["runs"].items():
                 r = st["rows"][name]
-                r.update(profile_layer(b, name, run))
+                others_gb = sum(other.resident_gb for other in st["runs"].values() if other is not run)
+                r.update(profile_layer(b, name, run, others_gb))
                 b.log(f"layer {name:14s} fwd {r['fwd_ms']:.3f} ms, infer {r['infer_ms']:.3f} ms, fwd+bwd "
                       f"{r['fwd_bwd_ms']:.3f} ms; max rel err {max(v for k, v in r.items() if k.endswith('_err')):.2e}")
         finally:
