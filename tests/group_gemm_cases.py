@@ -206,20 +206,6 @@ def random_row_src(cu, n, s, seed, all_padding=(), tail_valid=False):
     return src.to(cu.device)
 
 
-def padded_last_blocks(cu, row_src, tile_m=128):
-    """How many tile_m-row tiles of the groups ``cu`` hold a row with a source but none in their last 64 rows:
-    the tiles whose last 64-row block the gathered row kernels multiply in the first k tile only
-    (``base.mma_k_tiles``' padded_block)."""
-    src = row_src.cpu()
-    count, start = 0, 0
-    for end in cu.cpu().tolist():
-        for m0 in range(start, end, tile_m):
-            tile = src[m0:m0 + tile_m]
-            count += bool((tile >= 0).any() and (tile[-64:] < 0).all())
-        start = end
-    return count
-
-
 def unmultiplied_rows(cu, row_src, window=128, block=16):
     """bool [n]: the rows a gathered wgrad does not multiply (``GatherKRowsMixin.routed_k_rows``): in each
     group, those past the 16-row block that holds its last routed row among its last 128 rows (the rows

@@ -411,36 +411,3 @@ def test_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m, tall_m_maj
     got = both("dgrad2", 1216, 320, (*pair_a, *pair_b, cu), torch.empty_like(want))
     if not pingpong and not band_m:  # the op's own kernel (the dgrad2's raster is banded only past 8 n tiles)
         assert torch.equal(got, want)
-
-
-@gpu
-@pytest.mark.parametrize("tile_m, tile_n, pingpong", [(128, 192, True), (128, 256, False), (64, 128, False)])
-def test_row_scale_multiplies_a_block_of_zero_weights_in_its_first_k_tile_only(tile_m, tile_n, pingpong):
-    # base.mma_k_tiles' padded_block: the last 64 rows of each group (the second 64-row block of its last
-    # tile at tile_M 128, pingpong or a cooperative warp group's; the whole last tile at 64) have route weight
-    # 0, as a group's padding rows do, and NaN past x's first k tile (64 columns): the kernel multiplies that
-    # block in the tile's first k tile only, so those outputs are zero, not NaN. One group's last block keeps a
-    # single nonzero weight: multiplied whole. Every row matches the reference on the NaN-free x.
-    from csrc_cute.group_gemm.config import GroupGemmConfig
-    from csrc_cute.group_gemm.host import compile_op
-
-    lengths = [384, 0, 128, 640, 256, 128]  # epn = 4, B = 2
-    kd, nd = 320, 1216
-    x, wh, ws, cu = random_problem(lengths, 4, kd=kd, nd=nd, n_total=sum(lengths) + 128, seed=81)
-    row_w = random_row_weights(x.shape[0], seed=81).abs() + 0.25
-    padded = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    ends = [e for e, length in zip(cu.tolist(), lengths) if length]
-    for end in ends:
-        padded[end - 64:end] = True
-    row_w[padded] = 0.0
-    padded[ends[1] - 64:ends[1]] = False
-    row_w[ends[1] - 7] = 0.5  # this group's last block has data
-    want = check_row_scale(x, wh, ws, cu, row_w, pad=tile_m)
-    poisoned = x.clone()
-    poisoned[padded, 64:] = float("nan")
-    got = torch.full_like(want, float("nan"))
-    compile_op("row_scale", kd, nd, tile_m, 4, GroupGemmConfig(tile_m, tile_n, 4, pingpong))(
-        poisoned, wh, ws, cu, row_w, got)
-    torch.cuda.synchronize()
-    assert not got[padded].any() and not got.isnan().any()
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

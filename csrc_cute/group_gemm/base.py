@@ -27,10 +27,6 @@ from cutlass.utils import LayoutEnum
 from .config import GroupGemmConfig
 
 
-# rows of one wgmma accumulator block (its M): a warp group's rows of a tile are one or two such blocks
-MMA_M = 64
-
-
 class GroupGemmSm90Base:
     """What every grouped-GEMM kernel shares (see the module docstring). A kernel family chooses the
     operand majorness, the tile scheduler (``scheduler``) and the epilogue through the hooks of
@@ -485,22 +481,20 @@ class GroupGemmSm90Base:
 
     @cute.jit
     def mma_stage(self, p, mainloop, read_state, accs, tCrA: cute.Tensor, tCrBs, first: bool = False,
-                  rows=None, m_blocks=None):
+                  rows=None):
         """Wait for ring stage ``read_state`` and commit its wgmma batch: every k block, every
         accumulator; ``first`` (a tile's first stage): its first k block overwrites the accumulators.
         ``rows`` (None: the whole stage): the stage's k rows that hold data, from its first; only the k
         blocks holding one are issued (a first stage issues its first k block whatever ``rows``), so
         the padding rows at a group's end cost no tensor-core time. Those k blocks are a loop, not a
         branch per count: wgmma in branches with different counts made ptxas serialise every wgmma of
-        the kernel (C7515, "non wgmma instructions defining accumulator registers"). ``m_blocks``
-        (static; None: all): only the warp group's first ``m_blocks`` 64-row accumulator blocks are
-        multiplied (0: none; the stage is still waited for and released)."""
+        the kernel (C7515, "non wgmma instructions defining accumulator registers")."""
         mainloop.consumer_wait(read_state)
         num_kb = cute.size(tCrA, mode=[2])
         if cutlass.const_expr(rows is None):
             for kb in cutlass.range_constexpr(num_kb):
                 self.issue_k_block(p.first_mma if cutlass.const_expr(first and kb == 0) else p.tiled_mma,
-                                   read_state, accs, tCrA, tCrBs, kb, m_blocks)
+                                   read_state, accs, tCrA, tCrBs, kb)
         else:
             kb_rows = self.tile_k // num_kb
             blocks = cutlass.min(cutlass.max((rows + kb_rows - 1) // kb_rows, 0), num_kb)
@@ -511,36 +505,20 @@ class GroupGemmSm90Base:
         warpgroup.commit_group()
 
     @cute.jit
-    def issue_k_block(self, mma, read_state, accs, tCrA: cute.Tensor, tCrBs, kb, m_blocks=None):
-        """The wgmma of k block ``kb`` of ring stage ``read_state`` into every accumulator (``m_blocks``, static:
-        into its first ``m_blocks`` 64-row blocks only)."""
+    def issue_k_block(self, mma, read_state, accs, tCrA: cute.Tensor, tCrBs, kb):
+        """The wgmma of k block ``kb`` of ring stage ``read_state`` into every accumulator."""
         coord = (None, None, kb, read_state.index)
         for acc, tCrB in zip(accs, tCrBs):
-            if cutlass.const_expr(m_blocks is None):
-                cute.gemm(mma, acc, tCrA[coord], tCrB[coord], acc)
-            else:
-                acc_blocks = cute.logical_divide(acc, (None, 1))
-                a_blocks = cute.logical_divide(tCrA, (None, 1))
-                for m in cutlass.range_constexpr(m_blocks):
-                    acc_m = acc_blocks[(None, (None, m), None)]
-                    cute.gemm(mma, acc_m, a_blocks[(None, (None, m), kb, read_state.index)], tCrB[coord], acc_m)
+            cute.gemm(mma, acc, tCrA[coord], tCrB[coord], acc)
 
     @cute.jit
     def mma_k_tiles(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
-                    k_count: cutlass.Int32, tile: cutlass.Int32, k_rows=None, padded_block=None):
+                    k_count: cutlass.Int32, tile: cutlass.Int32, k_rows=None):
         """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k for ``tile`` (one wgmma batch in
         flight; ``p`` the kernel's params: ``p.tiled_mma``, ``p.first_mma``); zeros without k tiles.
         ``k_rows`` (None: all): the tile's k rows that hold data, from its first; the stages' k blocks past
-        them are not issued (``mma_stage``: the rows there are zeros, which add nothing).
-        ``padded_block`` (None: no such block): whether the last 64-row block of the warp group's rows
-        (a cooperative warp group's only one, a pingpong warp group's second) holds no data, its A rows
-        all zero: then only the tile's first stage multiplies it (its accumulators are that stage's zero
-        product) and the later stages issue the blocks before it alone, a group's last tile spending no
-        tensor-core time on its padding rows when they fill that block (``padded_block_of``). The stages
-        after the first run in two loops, the full blocks' up to a dynamic stage and the blocks before the
-        padded one's after it (every loop's wgmma static, as with ``k_rows``), so a tile without a
-        padded block runs today's mainloop.
-        The first k block overwrites the accumulators (``p.first_mma``: ACCUMULATE off), so no wgmma reads the
+        them are not issued (``mma_stage``: the rows there are zeros, which add nothing). The
+        first k block overwrites the accumulators (``p.first_mma``: ACCUMULATE off), so no wgmma reads the
         zeros: accumulated onto them, the second accumulator block's zero moves landed after the tile's
         first wgmma and ptxas waited for that one to complete before the next (sm_90a SASS of every
         kernel with two accumulator blocks a warp group, e.g. the 128 x 192 pingpong dgrad and the fused
@@ -558,15 +536,9 @@ class GroupGemmSm90Base:
         for k in cutlass.range(n_pro, unroll=1):
             self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs, first=True, rows=k_rows)
             read_state.advance()
-        if cutlass.const_expr(k_rows is None and padded_block is None):
+        if cutlass.const_expr(k_rows is None):
             read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
                                                         n_pro, k_count)
-        elif cutlass.const_expr(padded_block is not None):  # all blocks, then (a padded tile) the blocks before it
-            k_full = cutlass.select_(padded_block, n_pro, k_count)
-            read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
-                                                        n_pro, k_full)
-            read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
-                                                        k_full, k_count, m_blocks=cute.size(tCrA, mode=[1]) - 1)
         else:  # the stages whose rows all hold data, then the rest, each with its rows
             k_full = cutlass.min(cutlass.max(k_rows // self.tile_k, n_pro), k_count)
             read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
@@ -582,48 +554,19 @@ class GroupGemmSm90Base:
 
     @cute.jit
     def mma_stages(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
-                   k_from: cutlass.Int32, k_to: cutlass.Int32, k_rows=None, m_blocks=None):
+                   k_from: cutlass.Int32, k_to: cutlass.Int32, k_rows=None):
         """Consumers, within ``mma_k_tiles``: the tile's stages [k_from, k_to) after its first, each one's
-        batch committed before the previous one's stage is released; ``k_rows`` as there, ``m_blocks`` as in
-        ``mma_stage``."""
+        batch committed before the previous one's stage is released; ``k_rows`` as there."""
         for k in cutlass.range(k_from, k_to, unroll=1):
             rows = None
             if cutlass.const_expr(k_rows is not None):
                 rows = k_rows - k * self.tile_k
-            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs, rows=rows, m_blocks=m_blocks)
+            self.mma_stage(p, mainloop, read_state, accs, tCrA, tCrBs, rows=rows)
             warpgroup.wait_group(1)
             mainloop.consumer_release(release_state)
             release_state.advance()
             read_state.advance()
         return read_state, release_state
-
-    @cute.jit
-    def padded_block(self, p, m_idx):
-        """``mma_k_tiles``' ``padded_block`` for tile ``m_idx``: whether the warp group's last 64-row
-        accumulator block holds no data. None (static): this kernel's inputs do not tell, every block is
-        multiplied; a family whose inputs mark rows without data overrides it (``block_without_data``)."""
-        return None
-
-    @cute.jit
-    def block_without_data(self, values: cute.Tensor, m_idx, has_data):
-        """Consumer warp (warp-uniform): whether no row r of the warp group's last 64-row accumulator block of
-        tile ``m_idx`` (a cooperative warp group's own rows, a pingpong warp group's second block) has
-        ``has_data(values[r])`` (trace-time predicate on one entry of the per-row ``values``); rows past
-        ``values``' end have none. Two loads a lane (cached: the producer read the same rows' entries for
-        this tile's loads) and a ballot."""
-        first = m_idx * self.tile_m + self.tile_m - MMA_M
-        if cutlass.const_expr(not self.pingpong):
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            first = m_idx * self.tile_m + (warp // 4 - 1) * MMA_M  # consumer warp groups 1.. hold blocks 0..
-        lane = cute.arch.lane_idx()
-        rows = cute.size(values, mode=[0])
-        hit = cutlass.Boolean(False)
-        for half in cutlass.range_constexpr(MMA_M // 32):
-            r = first + half * 32 + lane
-            # clamped, branch-free (a per-lane branch here made ptxas serialise the pingpong SwiGLU backward's
-            # wgmma: "compiler-inserted WG.AR in divergent path")
-            hit = hit | ((r < rows) & has_data(values[cutlass.min(r, rows - 1)]))
-        return cute.arch.vote_ballot_sync(hit) == 0
 
     @cute.jit
     def is_full_tile(self, m_idx, n_idx, dims):

@@ -159,13 +159,6 @@ class GatherRowsMixin(GatherOperandMixin):
         return gather, tAsA, self.partition_b_loads(b_operands), k_tiles
 
     @cute.jit
-    def padded_block(self, p, m_idx):
-        """A 64-row block whose rows all have no source (``row_src`` < 0: zero rows of A, e.g. the padding rows
-        after a group's routed ones when they fill a pingpong tile's second block or a cooperative warp group's)
-        is multiplied in the tile's first stage only (``mma_k_tiles``): its products are zeros either way."""
-        return self.block_without_data(p.mA[1], m_idx, lambda src: src >= 0)
-
-    @cute.jit
     def load_expert_tile(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, m_idx, n_idx,
                          k_tiles: cutlass.Int32, rings, expert, descs=None):
         """Producer thread: every k tile of output tile (m_idx, n_idx), A gathered by ``gather``'s row

@@ -148,24 +148,12 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         m_idx, n_idx, k_count = self.row_work(p, tile)
         # pingpong: the mainloop takes its turn; the other warp group's runs under this epilogue
         read_state, release_state = self.mma_k_tiles(
-            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile,
-            padded_block=self.padded_block(p, m_idx),
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
         )
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
         return read_state, release_state, self.store_acc_tile(p, c, warp_idx, c.gC[(None, None, m_idx, n_idx)],
                                                               epi_count)
-
-    @cute.jit
-    def padded_block(self, p, m_idx):
-        """The row-scaled forward: a 64-row block whose row weights are all zero is multiplied in the tile's first
-        stage only (``mma_k_tiles``), its outputs being zeros whatever its rows hold (finite products): the
-        padding rows after a group's routed ones (weight 0) when they fill a pingpong tile's second block or a
-        cooperative warp group's. The other row kernels multiply every block."""
-        padded = None
-        if cutlass.const_expr(p.row_w is not None):
-            padded = self.block_without_data(p.row_w, m_idx, lambda w: w != 0.0)
-        return padded
 
     @cute.jit
     def scale_rows(self, tiled_mma: cute.TiledMma, mma_tidx, acc: cute.Tensor, row_w: cute.Tensor,

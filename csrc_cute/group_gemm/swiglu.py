@@ -194,8 +194,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         (``store_preact``) gate and up."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
         read_state, release_state = self.mma_k_tiles(  # pingpong: the mainloop takes its turn
-            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile,
-            padded_block=self.padded_block(p, m_idx),
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
         )
         tRS_rAcc, tRS_rD, tRS_rOut = c.tRS_rAcc, c.tRS_rD, c.tRS_rOut
         size_rD = cute.size(tRS_rOut)

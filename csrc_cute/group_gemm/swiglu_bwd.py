@@ -297,8 +297,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             t = self.smem_epilogue_tiles(p, c, m_idx, n_idx)
             self.smem_epilogue_prefetch(p, c, t, warp_idx, epi_count)  # gate/up load under the mainloop
         read_state, release_state = self.mma_k_tiles(  # the other warp group's mainloop runs under the epilogue
-            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile,
-            padded_block=self.padded_block(p, m_idx),
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
         )
         thr_c, acc, rG, rU, part_sums = c.thr_c, c.acc, c.rG, c.rU, c.part_sums
         coords = thr_c.partition_C(c.cC[(None, None, m_idx, n_idx)])
