@@ -470,6 +470,8 @@ def layer_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool
         try:
             for name, times in time_layers(b, st["runs"]).items():
                 st["rows"][name].update(times)
+            for run in st["runs"].values():  # a timed training step leaves its gradients until the next one
+                run.clear()
             for name, run in st["runs"].items():
                 r = st["rows"][name]
                 others_gb = sum(other.resident_gb for other in st["runs"].values() if other is not run)
