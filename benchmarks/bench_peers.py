@@ -50,11 +50,17 @@ a peer (or any implementation) that fails is recorded as an error in its cell an
 imported after ours and torch have run: importing quack makes CuTe DSL compiles single-threaded process-wide.
 
 Timing: CUDA events (wall clock on the CPU), median over --repeats of the mean of --iters calls after --warmup;
-the implementations of a layer mode or a GEMM family in rotated rounds, one round timing each once, so that they
-share the GPU's clock and power state (the layer's since session 28, each timed in a block of its own before;
-until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
+the GEMM families' implementations in rotated rounds, one round timing each once, so that ours and QuACK share
+the GPU's clock and power state (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
 the same QuACK dgrad at 16 x 4096 took 2.50 ms there and 2.81 ms in a bench_tiles run of the same session on
-another machine, 1 H200: results/bench_peers_4cde1fc_h200.log, bench_tiles_session18_h200.log).
+another machine, 1 H200: results/bench_peers_4cde1fc_h200.log, bench_tiles_session18_h200.log). The layer's
+implementations are timed each in a block of its own (fwd, inference, fwd + backward), not in rotated rounds:
+tried in session 28, rounds of 3 warm-up + 5 timed steps each (about 0.25 s) met the board's power limiter in
+the transient the other implementation left, and ours came out slower than its own steady state at the 700 W
+cap (H100: 32.65 ms against bench_sustained's 31.16 in the same call, SonicMoE 32.77 against 33.87;
+results/bench_peers_layer_session28_rotated5_h100.json, bench_sustained_session28_h100.json). Neither short
+protocol is that steady state (the blocks on that H100: ours 31.81, SonicMoE 37.10 ms,
+results/bench_peers_layer_session28_blocks_h100.json): bench_sustained measures it.
 Writes bench_peers.json (GPU, command, commit, date, versions of torch, cutlass, quack, sonicmoe) and
 bench_peers.png (benchmarks/plot_results.plot_peers, if matplotlib is there); the table is printed last.
 """
@@ -80,7 +86,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (Bench, apply_smoke_defaults, combine_pull_bytes, gpu_idle,  # noqa: E402
-                               kernel_breakdown, names_option, rotated, run_info, short_error, symmetric_bytes,
+                               kernel_breakdown, names_option, run_info, short_error, symmetric_bytes,
                                time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
@@ -289,84 +295,52 @@ def layer_reference(x, router_w, w_gate, w_up, w_down, g, K: int, ids: torch.Ten
     return {k: v.cpu() for k, v in ref.items()}  # kept on the host: out of the measured implementations' peaks
 
 
-class LayerRun:
-    """One implementation of the layer and its calls on the shared inputs x [S, H] and output gradient g:
-    `fwd`, `infer` (no_grad, inference mode) and `train_step` (gradients cleared, then forward + backward)."""
+def measure_layer(b: Bench, name: str, impl, x: torch.Tensor, g: torch.Tensor, ref: dict, tol: float) -> dict:
+    """Check `impl` against the reference (forward, then forward + backward), then time forward, inference
+    forward and forward + backward, and the peak memory of one training step."""
+    xg = x.clone().requires_grad_()
+    res: dict = {}
 
-    def __init__(self, impl, x: torch.Tensor, g: torch.Tensor):
-        self.impl, self.x, self.g = impl, x, g
-        self.resident_gb = 0.0  # what it holds between calls (layer_section: measured after its checks)
-        self.xg = x.clone().requires_grad_()
-        self.calls = dict(fwd=self.fwd, infer=self.infer, fwd_bwd=self.train_step)
-
-    def clear(self):
-        self.xg.grad = None
-        for t in impl_params(self.impl):
+    def clear():
+        xg.grad = None
+        for t in impl_params(impl):
             t.grad = None
 
-    def train_step(self):
-        self.clear()
-        self.impl(self.xg).backward(self.g)
+    def train_step():
+        clear()
+        impl(xg).backward(g)
 
-    def fwd(self):
-        return self.impl(self.xg)
+    def fwd():
+        return impl(xg)
 
-    def infer(self):
+    def infer():
         with torch.no_grad():
-            return self.impl(self.x, inference=True)
+            return impl(x, inference=True)
 
-
-LAYER_MODES = ("fwd", "infer", "fwd_bwd")
-
-
-def check_layer(run: LayerRun, ref: dict, tol: float) -> dict:
-    """`run` against the reference: the forward's, the inference forward's and every gradient's error, and ok."""
-    res = {"y_err": rel_err(run.fwd(), ref["y"]), "infer_y_err": rel_err(run.infer(), ref["y"])}
-    run.train_step()
-    grads = dict(run.impl.grads(), x=run.xg.grad)
+    y = fwd()
+    res["y_err"] = rel_err(y, ref["y"])
+    with torch.no_grad():
+        res["infer_y_err"] = rel_err(infer(), ref["y"])
+    train_step()
+    grads = dict(impl.grads(), x=xg.grad)
     res.update({f"d{k}_err": rel_err(grads[k], ref[k]) for k in ("x", "router", "w_gate", "w_up", "w_down")})
     res["ok"] = all(v <= tol for k, v in res.items() if k.endswith("_err"))
-    run.clear()
-    return res
-
-
-def time_layers(b: Bench, runs: dict) -> dict:
-    """name -> {mode_ms}: per mode (forward, inference forward, forward + backward) --repeats rotated rounds
-    (``common.rotated``), each round every run's --warmup calls and then the mean of its --iters back-to-back
-    calls; the median over the rounds. The runs take turns on the GPU, so that they share its clock and power
-    state, and each timed window follows warm calls of its own (its allocations cached, its kernels loaded).
-    Until session 28 each implementation was timed in a block of its own after its checks, so each met the
-    board in another state: one H200 had SonicMoE's training step 1.8% faster in bench_peers than at the
-    power cap (bench_sustained), ours not (results/bench_peers_layer_session27.json, bench_sustained_b53bc3f.json)."""
-    out: dict = {name: {} for name in runs}
-    names = list(runs)
-    for mode in LAYER_MODES:
-        times: dict = {name: [] for name in names}
-        for r in range(b.opts["repeats"]):
-            for name in rotated(names, r):
-                call = runs[name].calls[mode]
-                for _ in range(b.opts["warmup"]):
-                    call()
-                b.sync()
-                times[name].append(b.time_ms(call, repeats=1))
-        for name, ts in times.items():
-            out[name][f"{mode}_ms"] = sorted(ts)[len(ts) // 2]
-    return out
-
-
-def profile_layer(b: Bench, name: str, run: LayerRun, others_gb: float) -> dict:
-    """The peak memory of one training step, less `others_gb` (what the other kept implementations hold: the
-    peak is as if `run` were the only one), and (CUDA) its profile: GPU time in GEMMs and the rest, ours'
-    combine_local bandwidth, the GPU's idle time over three steps."""
-    res: dict = {}
-    peak, resident, _ = b.memory(run.train_step, run.clear)
-    res["peak_gb"], res["step_gb"] = (None, None) if peak is None else (peak - others_gb, peak - resident)
+    del y, grads
+    for mode, fn in (("fwd", fwd), ("infer", infer), ("fwd_bwd", train_step)):
+        for _ in range(b.opts["warmup"]):
+            fn()
+        b.sync()
+        res[f"{mode}_ms"] = b.time_ms(fn)
+    peak, resident, _ = b.memory(train_step, clear)
+    res["peak_gb"], res["step_gb"] = peak, None if peak is None else peak - resident
     if b.cuda:
-        kernels = kernel_breakdown(run.train_step, show=name == "ours", top=None, calls=True)
+        kernels = kernel_breakdown(train_step, show=name == "ours", top=None, calls=True)
         res.update(gpu_time_split([(n, ms) for n, ms, _ in kernels]))
-        res["combine_local"] = combine_local_bandwidth(kernels, *run.x.shape, b.opts["K"], run.x.element_size())
-        res["step_gpu_idle"] = gpu_idle(run.train_step)
-    run.clear()
+        res["combine_local"] = combine_local_bandwidth(kernels, *x.shape, b.opts["K"], x.element_size())
+        res["step_gpu_idle"] = gpu_idle(train_step)
+    clear()
+    b.log(f"layer {name:14s} fwd {res['fwd_ms']:.3f} ms, infer {res['infer_ms']:.3f} ms, fwd+bwd "
+          f"{res['fwd_bwd_ms']:.3f} ms; max rel err {max(v for k, v in res.items() if k.endswith('_err')):.2e}")
     return res
 
 
@@ -431,59 +405,40 @@ def ours_group(o: dict, device, name: str):
                    gather_rows=False if name == "ours_rows" else None, **sms)
 
 
-def layer_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool = True) -> None:
-    """Build the layer implementations `impls` (a subset of ours, ours_rows = ours with EPGroup(gather_rows=False),
-    torch, torch_compiled, sonicmoe), check each against the reference and keep it (st["runs"]); `timed`: then
-    time every kept one together (``time_layers``), profile each (``profile_layer``) and free them."""
+def layer_section(b: Bench, st: dict, impls: list[str], peers: dict) -> None:
+    """Run the layer implementations `impls` (a subset of ours, ours_rows = ours with
+    EPGroup(gather_rows=False), torch, torch_compiled, sonicmoe) into st."""
     o = b.opts
     if "inputs" not in st:
         st["inputs"], ids = layer_inputs(o, b.device)
         st["ref"] = layer_reference(*st["inputs"], o["K"], ids)
-        st["rows"], st["runs"], st["eps"] = {}, {}, []
+        st["rows"] = {}
         b.log("layer: inputs and fp32 reference ready (exact routing checked)")
         b.free()
     x, router_w, w_gate, w_up, w_down, g = st["inputs"]
     for name in impls:
-        before = torch.cuda.memory_allocated(b.device) if b.cuda else 0
+        impl = None
         try:
             if name in ("ours", "ours_rows"):
-                ep = ours_group(o, b.device, name)
-                st["eps"].append(ep)
-                impl = OursLayer(ep, router_w, w_gate, w_up, w_down)
-                st["ours_symmetric_gb"] = (symmetric_bytes(ep) or 0) / 2**30
+                st["ep"] = ours_group(o, b.device, name)
+                impl = OursLayer(st["ep"], router_w, w_gate, w_up, w_down)
+                st["ours_symmetric_gb"] = (symmetric_bytes(st["ep"]) or 0) / 2**30
             elif name in ("torch", "torch_compiled"):
                 impl = TorchLayer(TorchMoE(router_w, w_gate, w_up, w_down, o["K"]),
                                   o["compile_backend"] if name == "torch_compiled" else None)
-            else:
+            elif name == "sonicmoe":
                 impl = SonicLayer(peers["sonicmoe"], router_w, w_gate, w_up, w_down, o["K"])
-            run = LayerRun(impl, x, g)
-            st["rows"][name] = check_layer(run, st["ref"], o["tol"])
-            st["runs"][name] = run
-            b.free()
-            run.resident_gb = ((torch.cuda.memory_allocated(b.device) if b.cuda else 0) - before) / 2**30
+            st["rows"][name] = measure_layer(b, name, impl, x, g, st["ref"], o["tol"])
         except Exception as e:  # noqa: BLE001  (one implementation's failure is recorded, the run goes on)
             st["rows"][name] = dict(error=short_error(e))
             b.log(f"layer {name}: failed: {short_error(e)}")
             traceback.print_exc()
-        b.free()
-    if timed:
-        try:
-            for name, times in time_layers(b, st["runs"]).items():
-                st["rows"][name].update(times)
-            for run in st["runs"].values():  # a timed training step leaves its gradients until the next one
-                run.clear()
-            for name, run in st["runs"].items():
-                r = st["rows"][name]
-                others_gb = sum(other.resident_gb for other in st["runs"].values() if other is not run)
-                r.update(profile_layer(b, name, run, others_gb))
-                b.log(f"layer {name:14s} fwd {r['fwd_ms']:.3f} ms, infer {r['infer_ms']:.3f} ms, fwd+bwd "
-                      f"{r['fwd_bwd_ms']:.3f} ms; max rel err {max(v for k, v in r.items() if k.endswith('_err')):.2e}")
-        finally:
-            st["runs"].clear()
+        del impl
+        if name == "torch_compiled":
             torch._dynamo.reset()
-            while st["eps"]:
-                st["eps"].pop().destroy()
-            b.free()
+        if name in ("ours", "ours_rows") and "ep" in st:
+            st.pop("ep").destroy()
+        b.free()
 
 
 # ------------------------------------------------------------------------------------------ gemm
@@ -850,8 +805,8 @@ def run(opts: dict) -> dict:
         """One section for `impls` (those --impls keeps; `kw` to its function); a failure outside the
         per-implementation guards (inputs, the fp32 reference) is recorded and the run goes on."""
         impls = [i for i in impls if i in opts["impls"]]
-        if name not in opts["only"] or name in errors or not (impls or kw.get("timed") and sections[name][1]):
-            return  # (a timed call with no new implementation still times those an earlier call kept)
+        if name not in opts["only"] or name in errors or not impls:
+            return
         fn, st = sections[name]
         try:
             fn(b, st, impls, peers, **kw)
@@ -861,13 +816,12 @@ def run(opts: dict) -> dict:
             traceback.print_exc()
         b.free()
 
-    # ours and torch built, checked (their kernels compiled) and kept before the peers' import (it serialises
-    # compiles); every implementation timed together once SonicMoE is there too
-    section("layer", ["ours", "ours_rows", "torch", "torch_compiled"], {}, timed=False)
+    section("layer", ["ours", "ours_rows", "torch", "torch_compiled"], {})
     section("gemm", ["ours", "torch"], {}, timed=False)  # compiled here: importing quack serialises compiles
     mods, status = load_peers(cuda)
     b.log("peers: " + "; ".join(f"{k} {v}" for k, v in status.items()))
-    section("layer", ["sonicmoe"] if "sonicmoe" in mods else [], mods, timed=True)
+    if "sonicmoe" in mods:
+        section("layer", ["sonicmoe"], mods)
     section("gemm", ["ours", "torch"] + (["quack"] if "quack" in mods else []), mods)
     dist.destroy_process_group()
     info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], section_errors=errors,
