@@ -52,8 +52,11 @@ from benchmarks.common import names_option, run_info, write_json  # noqa: E402
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
             "SchedulerStats", "WarpStateStats")
+# sm__cycles_active min/max/avg: how unevenly the persistent CTAs' work spreads over the SMs (the slowest SM
+# sets the kernel's time; avg against "Elapsed Cycles" alone mixes that spread with the launch and the tail)
 EXTRA_METRICS = ("regex:sm__pipe_tensor_op_.*cycles_active\\.avg\\.pct_of_peak_sustained_active",
-                 "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio")
+                 "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio",
+                 "sm__cycles_active.min", "sm__cycles_active.max", "sm__cycles_active.avg")
 # (table heading, ncu metric name as the details page names it): what the table and the JSON keep
 SUMMARY = (("ms", "Duration"), ("SM MHz", "SM Frequency"), ("SM %", "Compute (SM) Throughput"),
            ("DRAM %", "DRAM Throughput"), ("L2 hit %", "L2 Hit Rate"), ("L1 %", "L1/TEX Cache Throughput"),
