@@ -45,7 +45,9 @@ from benchmarks.common import (  # noqa: E402
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
-# (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n]) per family. Dropped after earlier sweeps (kept
+# (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n[, dynamic]]) per family; ``dynamic``: the tiles taken
+# in order from a global counter (GroupGemmConfig.dynamic, csrc_cute/group_gemm/walk.py; session 29), next to
+# the same tile with the static walk. Dropped after earlier sweeps (kept
 # in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their cooperative
 # bands of 16 and the short-groups-only raster (config.py's comment), their M-major and pingpong tiles in
 # clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
@@ -58,21 +60,25 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # bench_peers.token_rows; until session 24 a random permutation of x's M rows) against QuACK's gather_A.
 QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "wgrad_gather")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
-                  (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False))
+                  (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False),
+                  (128, 192, True, 16, False, 1, True))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
-                  wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False)),
+                  wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False),
+                                (128, 192, True, 0, False, 1, True)),
                   wgrad_gather_t=((128, 192, True, 0, False), (128, 256, False, 0, False)),
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
-                          (128, 96, True, 0, False), (128, 96, True, 16, False)),
-                  swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True)))
+                          (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
+                  swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True),
+                              (128, 160, True, 16, False, 1, True)))
 
 
 def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False,
-                cluster_n: int = 1) -> str:
+                cluster_n: int = 1, dynamic: bool = False) -> str:
     return (f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
-            f"{' short groups' if tall_m_major else ''}{f' cluster 1x{cluster_n}' if cluster_n > 1 else ''}")
+            f"{' short groups' if tall_m_major else ''}{f' cluster 1x{cluster_n}' if cluster_n > 1 else ''}"
+            f"{' dynamic' if dynamic else ''}")
 
 
 def shared_empty(d: dict, fam: str, index: int, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:

@@ -168,6 +168,25 @@ def test_swiglu_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
         assert "cp.async.bulk.tensor.2d.shared::cluster.global" not in ptx
 
 
+@pytest.mark.parametrize("op,config", [
+    ("swiglu_gather", (128, 128, 132, False, 16)),  # cooperative; four producer warps walk the tiles
+    ("wgrad_gather", (128, 192, 132, True)),  # pingpong; the same
+    ("row_scale", (128, 192, 132, True, 16)),  # pingpong; the producer's warp 0 alone
+])
+def test_dynamic_walk_compiles_sm90a_no_spills(tmp_path, op, config):
+    """``GroupGemmConfig.dynamic`` (walk.py): the producer's warp 0 takes each tile number by one atomic add on
+    the counter (three sites: the walk's first two numbers and each step's), the tiles pass through the
+    shared ring's mbarriers; no spills, no serialised wgmma. The static walk has no atomic."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    kd, nd = (2048, 7168) if op == "row_scale" else (7168, 2048)
+    ptx = compile_one_kernel_no_spills(tmp_path / "dynamic", op, kd, nd, 128, GroupGemmConfig(*config, dynamic=True))
+    assert ptx.count("atom.global.add.u32") == 3
+    assert "mbarrier.try_wait" in ptx and "shfl.sync.idx" in ptx
+    static = compile_one_kernel_no_spills(tmp_path / "static", op, kd, nd, 128, GroupGemmConfig(*config))
+    assert "atom.global" not in static
+
+
 @pytest.mark.parametrize("op", ["dgrad2", "wgrad"])
 def test_cluster_option_compiles_sm90a_no_spills(tmp_path, op):
     """``GroupGemmConfig.cluster_n`` = 2: clusters of two CTAs, each loading its half of every A tile by

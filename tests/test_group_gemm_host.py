@@ -25,18 +25,18 @@ from group_gemm_cases import zero_inputs, zero_swiglu_inputs
 
 
 def test_select_config_rejects_small_pad():
-    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1)  # cooperative, M-major
-    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1)
-    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1)  # M-major too
+    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False)  # cooperative, M-major
+    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False)
+    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1, False)  # M-major too
     # the dgrad's, the dgrad2's and the down projection's at H = 7168 (28 tiles of 256): pingpong 128 x 192 in
     # bands of 16 M tiles (WIDE_ROWS_BAND)
-    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1)
+    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1, False)
     assert select_wide_rows_config(128, 2048, 132) == select_config(128, 2048, 132)  # 8 tiles: cooperative
     assert select_wide_rows_config(128, 2049, 132).pingpong and select_wide_rows_config(128, 2049, 132).band_m == 16
     assert select_wide_rows_config(64, 7168, 132) == select_config(64, 7168, 132)  # tile_M 64: cooperative
     # the fused SwiGLU: every group in bands of 16 M tiles (SWIGLU_BAND); M-major at 8 n tiles
-    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1)
-    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1)
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1, False)
+    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1, False)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):
@@ -48,8 +48,8 @@ def test_select_config_rejects_small_pad():
 
 def test_select_swiglu_bwd_config():
     # 160 columns where they pad F by at most 5%, else 128; tile_M as the forward's
-    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False, 1)
-    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False, 1)
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False, 1, False)
+    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False, 1, False)
     assert select_swiglu_bwd_config(128, 1024).band_m == 0  # 8 n tiles
     assert select_swiglu_bwd_config(128, 1024).tile_n == 128  # 1120 columns: 9% more
     assert select_swiglu_bwd_config(128, 200).tile_n == 128
@@ -89,8 +89,8 @@ def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
 
 
 def test_select_wgrad_config():
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1)  # pingpong
-    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1, False)  # pingpong
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1, False)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)

@@ -2,7 +2,7 @@
 budgets, the TMA -> mbarrier ring feeding ``wgmma`` (A and B from shared memory, fp32 accumulators),
 the producer's and the consumers' k-tile loops, the bf16 registers -> shared (stmatrix) -> global (TMA
 store) epilogue, and ``warp_specialized``: the one producer/consumer skeleton each kernel's
-``kernel`` body runs, with the kernel family's hooks (``load_tiles``, ``consumer_setup``,
+``kernel`` body runs, with the kernel family's hooks (``load_tile``, ``consumer_setup``,
 ``consume_tile``, ``consumer_tail``). Consumers are cooperative (the warp groups share each tile) or,
 for a family that asks for it, pingpong (each warp group computes whole tiles, every other one, the
 mainloops taking turns: ``consume_alternate_tiles``).
@@ -25,9 +25,10 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from .config import GroupGemmConfig
+from .walk import TileWalk
 
 
-class GroupGemmSm90Base:
+class GroupGemmSm90Base(TileWalk):
     """What every grouped-GEMM kernel shares (see the module docstring). A kernel family chooses the
     operand majorness, the tile scheduler (``scheduler``) and the epilogue through the hooks of
     ``warp_specialized``."""
@@ -41,6 +42,8 @@ class GroupGemmSm90Base:
     # whether the kernel may run in clusters of two CTAs sharing each A tile (``GroupGemmConfig.cluster_n``):
     # the families whose A is loaded by TMA and whose tile walk ``cta_tiles`` / the scheduler drive set it
     multicast_a = False
+    # whether the kernel may take its tiles from the dynamic walk (``GroupGemmConfig.dynamic``)
+    dynamic_walk = True
 
     def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int,
                      pingpong: bool = False):
@@ -48,12 +51,16 @@ class GroupGemmSm90Base:
         self.num_sms = config.num_sms
         self.band_m, self.tall_m_major = config.band_m, config.tall_m_major
         self.cluster_n = config.cluster_n
+        self.dynamic = config.dynamic
         if self.cluster_n > 1 and not self.multicast_a:
             raise ValueError(
                 f"{type(self).__name__}: GroupGemmConfig.cluster_n must be 1 for this kernel (got "
                 f"{self.cluster_n}): only the forward, dgrad, dgrad2, row-scale and wgrad kernels run in clusters "
                 f"(their A tiles shared by TMA multicast)"
             )
+        if self.dynamic and not self.dynamic_walk:
+            raise ValueError(f"{type(self).__name__}: GroupGemmConfig.dynamic must be False for this kernel (its "
+                             f"producer walks the tiles statically)")
         self.ab_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         # Cooperative: the consumer warp groups share each tile, 64 rows each. Pingpong: two consumer
@@ -191,6 +198,7 @@ class GroupGemmSm90Base:
             fields["sC"] = buffer(self.c_dtype, self.epi_smem_staged)
         if epi_barriers:
             fields["epi_mbar"] = cute.struct.MemRange[cutlass.Int64, epi_barriers]
+        fields.update(self.walk_fields())
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _launch_persistent(self, kernel, num_tiles, stream):
@@ -244,13 +252,15 @@ class GroupGemmSm90Base:
 
     @cute.jit
     def shared_tensors(self, a_smem_staged, b_smem_staged, b_buffers, epi_smem_staged=None):
-        """Allocates ``self.shared_storage`` and creates the mainloop pipeline on its mbarriers;
-        returns (pipeline, sA, [sB per name in ``b_buffers``], sC or None, the storage)."""
+        """Allocates ``self.shared_storage`` and creates the mainloop pipeline (and the dynamic walk's ring,
+        ``make_walk``) on its mbarriers; returns (pipeline, sA, [sB per name in ``b_buffers``], sC or None,
+        the storage, the walk)."""
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         mainloop = self.make_mainloop_pipeline(
             storage.mbar.data_ptr(), a_smem_staged, b_smem_staged, len(b_buffers)
         )
+        walk = self.make_walk(storage)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sBs = [getattr(storage, name).get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -258,7 +268,7 @@ class GroupGemmSm90Base:
         sC = None
         if cutlass.const_expr(epi_smem_staged is not None):
             sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
-        return mainloop, sA, sBs, sC, storage
+        return mainloop, sA, sBs, sC, storage, walk
 
     @cute.jit
     def b_load_views(self, sBs):
@@ -513,8 +523,9 @@ class GroupGemmSm90Base:
 
     @cute.jit
     def mma_k_tiles(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
-                    k_count: cutlass.Int32, tile: cutlass.Int32, k_rows=None):
-        """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k for ``tile`` (one wgmma batch in
+                    k_count: cutlass.Int32, turn, k_rows=None):
+        """Consumers: accs[i] = sum over k_count ring stages of A_k B_i,k for a tile (``turn``: its place in
+        the CTA's walk, ``wait_mainloop_turn``) (one wgmma batch in
         flight; ``p`` the kernel's params: ``p.tiled_mma``, ``p.first_mma``); zeros without k tiles.
         ``k_rows`` (None: all): the tile's k rows that hold data, from its first; the stages' k blocks past
         them are not issued (``mma_stage``: the rows there are zeros, which add nothing). The
@@ -530,7 +541,7 @@ class GroupGemmSm90Base:
         QuACK's pingpong 99.5%; results/ncu_gemm_ab0de90.json)."""
         for acc in accs:  # what a tile without k tiles stores
             acc.fill(0.0)
-        self.wait_mainloop_turn(tile)
+        self.wait_mainloop_turn(turn)
         warpgroup.fence()
         n_pro = 1 if k_count > 0 else 0
         for k in cutlass.range(n_pro, unroll=1):
@@ -545,7 +556,7 @@ class GroupGemmSm90Base:
                                                         n_pro, k_full)
             read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
                                                         k_full, k_count, k_rows)
-        self.pass_mainloop_turn(p, tile)
+        self.pass_mainloop_turn(p, turn)
         warpgroup.wait_group(0)
         for k in cutlass.range(n_pro, unroll=1):
             mainloop.consumer_release(release_state)
@@ -578,14 +589,15 @@ class GroupGemmSm90Base:
     @cute.jit
     def warp_specialized(self, p):
         """The kernel body every family runs. ``p`` (a ``KernelParams``) holds the kernel's arguments as the hooks
-        read them; the scheduler's ``count_groups`` adds its group counts. Warp group 0 produces (``produce``:
-        the family's ``load_tiles``), the others run the MMA over this CTA's tiles (``consume_tile`` per tile,
-        after ``consumer_setup``, then ``consumer_tail``)."""
+        read them; the scheduler's ``count_groups`` adds its group counts. Warp group 0 produces (``produce``,
+        ``load_tiles``: the family's ``load_tile`` per tile), the others run the MMA over this CTA's tiles
+        (``consume_tile`` per tile, after ``consumer_setup``, then ``consumer_tail``); the CTA's tiles are its
+        walk's (``walk.TileWalk``)."""
         tidx, bidx, gdim, warp_idx, wg_idx = self.warp_roles()
         self.prefetch_tma_descriptors(warp_idx, p.atoms)
         self.count_groups(p)
-        mainloop, sA, sBs, sC, storage = self.shared_tensors(p.a_smem_staged, p.b_smem_staged, p.b_buffers,
-                                                             p.epi_smem_staged)
+        mainloop, sA, sBs, sC, storage, p.walk = self.shared_tensors(p.a_smem_staged, p.b_smem_staged,
+                                                                     p.b_buffers, p.epi_smem_staged)
         p.storage = storage  # for a family's hooks that use more of it than sC (epilogue mbarriers)
         sB_loads = self.b_load_views(sBs)
         tAgA, tAsA, b_loads, k_tiles = self.partition_loads(
@@ -609,54 +621,68 @@ class GroupGemmSm90Base:
             epi_count = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
                 self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, tCrA, tCrBs, bidx, gdim)
+            elif cutlass.const_expr(self.dynamic):
+                self.consume_walked_tiles(p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs)
             else:
                 for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
                     read_state, release_state, epi_count = self.consume_tile(
-                        p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, epi_count
+                        p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, tile, epi_count
                     )
             self.consumer_tail(c, warp_idx)
 
     @cute.jit
     def consume_alternate_tiles(self, p, c, warp_idx, wg, mainloop, tCrA: cute.Tensor, tCrBs, bidx, gdim):
-        """Pingpong consumers: warp group ``wg`` (0 or 1) computes every other tile of this CTA (the
-        CTA's tiles are bidx, bidx + gdim, ...; the producer loads them in that order into the one
-        ring). A warp group passes over the other's ring stages without waiting on or releasing
-        them: ``passed`` counts the ring stages before a tile (the k tiles of every earlier tile of
-        the CTA, the scheduler's ``tile_stages``) and each tile starts from the pipeline state that
-        many stages in. The family's ``consume_tile`` runs its mainloop as ``mma_k_tiles(p, ..., tile)``
-        (a tile without one calls ``wait_mainloop_turn`` / ``pass_mainloop_turn`` itself), so the
-        mainloops take turns and each epilogue runs under the other warp group's mainloop."""
-        epi_count = cutlass.Int32(0)
-        passed = self.tile_stages(p, bidx) * wg
-        for tile in cutlass.range(bidx + wg * gdim, p.num_tiles, 2 * gdim, unroll=1):
-            _, _, epi_count = self.consume_tile(
-                p, c, warp_idx, mainloop, self.consumer_state_at(passed), self.consumer_state_at(passed), tCrA,
-                tCrBs, tile, epi_count
-            )
-            passed = passed + self.tile_stages(p, tile) + self.tile_stages(p, tile + gdim)
+        """Pingpong consumers: warp group ``wg`` (0 or 1) computes every other tile of this CTA's walk (the
+        producer loads them in that order into the one ring). A warp group passes over the other's ring
+        stages without waiting on or releasing them: ``passed`` counts the ring stages before a tile (the
+        k tiles of every earlier tile of the CTA, the scheduler's ``tile_stages``) and each tile starts from
+        the pipeline state that many stages in. The family's ``consume_tile`` runs its mainloop as
+        ``mma_k_tiles(p, ..., turn)`` (a tile without one calls ``wait_mainloop_turn`` /
+        ``pass_mainloop_turn`` itself), so the mainloops take turns and each epilogue runs under the other
+        warp group's mainloop. The dynamic walk's warp groups read every tile of it
+        (``walk.TileWalk.consume_walked_alternate_tiles``)."""
+        if cutlass.const_expr(self.dynamic):
+            self.consume_walked_alternate_tiles(p, c, warp_idx, wg, mainloop, tCrA, tCrBs)
+        else:
+            epi_count = cutlass.Int32(0)
+            passed = self.tile_stages(p, bidx) * wg
+            for tile in cutlass.range(bidx + wg * gdim, p.num_tiles, 2 * gdim, unroll=1):
+                _, _, epi_count = self.consume_tile(
+                    p, c, warp_idx, mainloop, self.consumer_state_at(passed), self.consumer_state_at(passed), tCrA,
+                    tCrBs, tile, tile, epi_count
+                )
+                passed = passed + self.tile_stages(p, tile) + self.tile_stages(p, tile + gdim)
 
     @cute.jit
-    def wait_mainloop_turn(self, tile: cutlass.Int32):
-        """Pingpong, before the mainloop of ``tile``: wait until the other warp group has finished the
-        mainloop of the CTA's previous tile. Without it a warp group would wait on ring stages more than
-        one ring pass ahead of the loads, and an mbarrier wait sees only the phase parity: it would take
-        the slot's previous pass for this one (on the H200: hangs and faults once a CTA had two tiles).
-        Cooperative consumers: nothing."""
+    def wait_mainloop_turn(self, turn):
+        """Pingpong, before the mainloop of a tile (``turn``: the tile, or with the dynamic walk its step in the
+        CTA's walk): wait until the other warp group has finished the mainloop of the CTA's previous tile.
+        Without it a warp group would wait on ring stages more than one ring pass ahead of the loads, and an
+        mbarrier wait sees only the phase parity: it would take the slot's previous pass for this one (on the
+        H200: hangs and faults once a CTA had two tiles). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            bidx, gdim = self.cta_tiles()
-            if tile != bidx:
-                cute.arch.barrier(barrier_id=self.turn_barrier_id(tile, bidx, gdim),
-                                  number_of_threads=2 * self.threads_per_wg)
+            if cutlass.const_expr(self.dynamic):
+                if turn != 0:
+                    cute.arch.barrier(barrier_id=2 + turn % 2, number_of_threads=2 * self.threads_per_wg)
+            else:
+                bidx, gdim = self.cta_tiles()
+                if turn != bidx:
+                    cute.arch.barrier(barrier_id=self.turn_barrier_id(turn, bidx, gdim),
+                                      number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
-    def pass_mainloop_turn(self, p, tile: cutlass.Int32):
-        """Pingpong, after the mainloop of ``tile``: let the other warp group start the CTA's next tile.
-        Cooperative consumers: nothing."""
+    def pass_mainloop_turn(self, p, turn):
+        """Pingpong, after the mainloop of a tile (``turn`` as ``wait_mainloop_turn``'s): let the other warp
+        group start the CTA's next tile (the dynamic walk passes it after every tile:
+        ``walk.TileWalk.consume_walked_alternate_tiles``). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            bidx, gdim = self.cta_tiles()
-            if tile + gdim < p.num_tiles:
-                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(tile + gdim, bidx, gdim),
-                                         number_of_threads=2 * self.threads_per_wg)
+            if cutlass.const_expr(self.dynamic):
+                cute.arch.barrier_arrive(barrier_id=2 + (turn + 1) % 2, number_of_threads=2 * self.threads_per_wg)
+            else:
+                bidx, gdim = self.cta_tiles()
+                if turn + gdim < p.num_tiles:
+                    cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(turn + gdim, bidx, gdim),
+                                             number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
     def turn_barrier_id(self, tile: cutlass.Int32, bidx, gdim):
@@ -675,8 +701,20 @@ class GroupGemmSm90Base:
         cute.arch.setmaxregister_decrease(self.load_regs)
         if warp_idx == 0:
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-            prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads)
+            prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads, True)
             mainloop.producer_tail(prod_state)
+
+    @cute.jit
+    def load_tiles(self, mainloop, prod_state, p, tAgA, tAsA, b_loads, is_writer):
+        """Producer warp: over this CTA's tiles (the static walk, or the dynamic one, whose writer
+        ``is_writer`` is warp 0), each tile's loads (the scheduler's ``load_tile``)."""
+        if cutlass.const_expr(self.dynamic):
+            prod_state = self.load_walked_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads, is_writer)
+        else:
+            bidx, gdim = self.cta_tiles()
+            for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
+                prod_state = self.load_tile(mainloop, prod_state, p, tAgA, tAsA, b_loads, tile)
+        return prod_state
 
     @cute.jit
     def consumer_tail(self, c, warp_idx):

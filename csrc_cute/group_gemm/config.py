@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class GroupGemmConfig(tuple):
-    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n).
+    """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n,
+    dynamic).
     ``pingpong``: the kernels whose consumers are cooperative by default (the row kernels: forward, dgrad,
     dgrad2, row scale; the wgrad; the fused SwiGLU) run two consumer warp groups that take alternate whole
     tiles instead, each one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong).
@@ -18,10 +19,14 @@ class GroupGemmConfig(tuple):
     for the fused SwiGLU and its backward). ``cluster_n`` (1 or 2; the forward, dgrad, dgrad2, row-scale
     and wgrad kernels): 2 launches clusters of two CTAs that compute the same M tile at two neighbouring N tiles, each
     loading half of every A (rows) tile by TMA multicast into both CTAs' shared memory, so the cluster
-    reads each A tile from L2 once for two output tiles (``GroupGemmSm90Base.cta_tiles``)."""
+    reads each A tile from L2 once for two output tiles (``GroupGemmSm90Base.cta_tiles``). ``dynamic``
+    (clusters of one CTA): the persistent CTAs take the tiles in order from one global counter instead of
+    every #CTAs-th tile from their block index (``walk.TileWalk``), so an SM that runs its tiles slower does
+    not finish the launch last with a fixed share of them; no op chooses it yet (docs/design-notes.md,
+    session 29: the pingpong kernels ran more cycles with it)."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
-                tall_m_major: bool = False, cluster_n: int = 1):
+                tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False):
         if isinstance(band_m, bool) or int(band_m) < 0:
             raise ValueError(f"GroupGemmConfig: band_m must be an int >= 0, got {band_m!r}")
         if tall_m_major and not band_m:
@@ -30,8 +35,11 @@ class GroupGemmConfig(tuple):
             raise ValueError(f"GroupGemmConfig: cluster_n must be 1 or 2, got {cluster_n!r}")
         if cluster_n == 2 and int(num_sms) < 2:
             raise ValueError(f"GroupGemmConfig: cluster_n = 2 needs num_sms >= 2 (one cluster), got {num_sms!r}")
+        if dynamic and cluster_n != 1:
+            raise ValueError("GroupGemmConfig: dynamic needs cluster_n = 1 (a cluster's CTAs would have to take "
+                             "their tiles together)")
         return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m),
-                                     bool(tall_m_major), int(cluster_n)))
+                                     bool(tall_m_major), int(cluster_n), bool(dynamic)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -43,6 +51,7 @@ class GroupGemmConfig(tuple):
     band_m = property(lambda self: self[4])
     tall_m_major = property(lambda self: self[5])
     cluster_n = property(lambda self: self[6])
+    dynamic = property(lambda self: self[7])
 
 
 H100_H200_NUM_SMS = 132

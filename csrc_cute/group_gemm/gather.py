@@ -95,6 +95,7 @@ class GatherOperandMixin:
 
     gather_m_major = False
     multicast_a = False  # the gathered operand is not loaded by TMA, nor is its pipeline a cluster's
+    walk_producer_readers = GATHER_THREADS // 32 - 1  # every producer warp walks the tiles; warp 0 writes the walk
 
     def _init_gather(self):
         # every producer thread holds the source rows and addresses of up to 8 rows: with two consumer
@@ -139,14 +140,14 @@ class GatherOperandMixin:
         then warp 0 waits for the consumers to drain the ring."""
         cute.arch.setmaxregister_decrease(self.load_regs)
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads)
+        prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads, warp_idx == 0)
         if warp_idx == 0:
             mainloop.producer_tail(prod_state)
 
 
 class GatherRowsMixin(GatherOperandMixin):
     """The row-grouped kernels' producer with a gathered A operand (K-major, varlen-M): their m tiles come
-    from N (the output's rows), not S. The row scheduler's ``load_tiles`` runs unchanged in all four
+    from N (the output's rows), not S. ``load_tiles`` (the row scheduler's ``load_tile``) runs in all four
     producer warps (each computes the schedule itself); ``load_expert_tile`` loads a tile's row indices
     once, then its k tiles (``load_gathered_k_tiles``)."""
 
@@ -220,8 +221,8 @@ class GatherRowsMixin(GatherOperandMixin):
 
 class GatherKRowsMixin(GatherOperandMixin):
     """The wgrad's producer with a gathered A = ``rows^T`` (M-major, varlen-K): k row r of A is
-    ``x[row_src[r]]`` (M = H, the columns of x). The group scheduler's ``load_tiles`` runs unchanged in all
-    four producer warps; ``load_work_item`` loads one work item's k tiles, reading the token indices of
+    ``x[row_src[r]]`` (M = H, the columns of x). ``load_tiles`` (the group scheduler's ``load_tile``) runs in
+    all four producer warps; ``load_work_item`` loads one work item's k tiles, reading the token indices of
     each k tile's rows one k tile ahead into registers (their global-memory latency overlaps the wait for
     a free stage and the copies of the current k tile). Tried in session 25 and left out (docs/design-notes.md):
     reading them two k tiles ahead (faster at 16 x 4096 rows, ~2% slower in the layer step's 22-k-tile

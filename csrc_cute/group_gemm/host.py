@@ -38,9 +38,32 @@ _DESC_BYTES = 128
 _JIT = KernelFamily("group_gemm", ("csrc_cute.group_gemm",))
 
 
-def _compile_cached(key: tuple, build):
-    """``build()`` once per ``key`` and target arch (csrc_cute/jit.py)."""
-    return _JIT.compiled(key, build)
+def _compile_cached(key: tuple, build, config: GroupGemmConfig):
+    """``build()`` once per ``key`` and target arch (csrc_cute/jit.py), launched with the tile counter of its
+    ``config``'s walk (``_with_tile_counter``)."""
+    return _with_tile_counter(_JIT.compiled(key, build), config.dynamic)
+
+
+# per device: the tile_counter argument of the kernels that walk their tiles statically (never read)
+_UNUSED_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _with_tile_counter(fn, dynamic: bool):
+    """``fn`` (a compiled kernel) called with its last argument, the tile counter (int32 [1]), added: a
+    fresh zero for a kernel of the dynamic walk (csrc_cute/group_gemm/walk.py; the caching allocator keeps a
+    launch's counter its own until the launch is done), else one unused tensor per device."""
+
+    def launch(*args):
+        device = args[0].device
+        if dynamic:
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+        else:
+            counter = _UNUSED_COUNTERS.get(device)
+            if counter is None:
+                counter = _UNUSED_COUNTERS[device] = torch.empty(1, dtype=torch.int32, device=device)
+        fn(*args, counter)
+
+    return launch
 
 
 def _fake_sizes():
@@ -65,8 +88,11 @@ def _compile_for_torch(kernel, *fakes):
     current stream (tvm-ffi environment stream)."""
     import cutlass.cute as cute
 
+    import cutlass
+
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *fakes, stream, options="--enable-tvm-ffi")
+    counter = _fake(cutlass.Int32, (1,), 4)  # every kernel's last tensor: its walk's tile counter
+    return cute.compile(kernel, *fakes, counter, stream, options="--enable-tvm-ffi")
 
 
 @compiler
@@ -86,7 +112,7 @@ def _compile_rows_kernel(name: str, red: int, out: int, kd: int, nd: int, b_k_ma
             _fake(bf, (n, out)),
         )
 
-    return _compile_cached((name, int(kd), int(nd), tuple(config)), build)
+    return _compile_cached((name, int(kd), int(nd), tuple(config)), build, config)
 
 
 def compile_group_gemm(kd: int, nd: int, config: GroupGemmConfig):
@@ -121,7 +147,7 @@ def compile_group_gemm_dgrad2(kd: int, nd: int, config: GroupGemmConfig):
             GroupGemmDgrad2Sm90(config), *pair(), *pair(), _fake(cutlass.Int32, (ng,), 4), _fake(bf, (n, kd)),
         )
 
-    return _compile_cached(("group_gemm_dgrad2", int(kd), int(nd), tuple(config)), build)
+    return _compile_cached(("group_gemm_dgrad2", int(kd), int(nd), tuple(config)), build, config)
 
 
 @compiler
@@ -142,7 +168,7 @@ def compile_group_gemm_wgrad(kd: int, nd: int, config: GroupGemmConfig):
             _fake(bf, (epn, kd, nd)), _fake(f32, (nb, kd, nd)),
         )
 
-    return _compile_cached(("group_gemm_wgrad", int(kd), int(nd), tuple(config)), build)
+    return _compile_cached(("group_gemm_wgrad", int(kd), int(nd), tuple(config)), build, config)
 
 
 @compiler
@@ -168,7 +194,7 @@ def compile_group_gemm_wgrad_gather(kd: int, nd: int, config: GroupGemmConfig, d
         )
 
     key = ("group_gemm_wgrad_gather", int(kd), int(nd), tuple(config)) + (("dw_m_major",) if dw_m_major else ())
-    return _compile_cached(key, build)
+    return _compile_cached(key, build, config)
 
 
 def _fake_remote(num_peer_arrays: int):
@@ -207,7 +233,7 @@ def compile_group_gemm_swiglu(hd: int, f: int, config: GroupGemmConfig, store_pr
         )
 
     name = "group_gemm_swiglu_remote" if remote else "group_gemm_swiglu"
-    return _compile_cached((name, bool(store_preact), int(hd), int(f), tuple(config)), build)
+    return _compile_cached((name, bool(store_preact), int(hd), int(f), tuple(config)), build, config)
 
 
 @compiler
@@ -232,7 +258,8 @@ def compile_group_gemm_swiglu_gather(hd: int, f: int, config: GroupGemmConfig, s
             _fake(bf, (n, f)), _fake(bf, (n, f)),
         )
 
-    return _compile_cached(("group_gemm_swiglu_gather", bool(store_preact), int(hd), int(f), tuple(config)), build)
+    key = ("group_gemm_swiglu_gather", bool(store_preact), int(hd), int(f), tuple(config))
+    return _compile_cached(key, build, config)
 
 
 @compiler
@@ -256,7 +283,7 @@ def compile_group_gemm_row_scale(kd: int, nd: int, config: GroupGemmConfig, remo
         )
 
     name = "group_gemm_row_scale_remote" if remote else "group_gemm_row_scale"
-    return _compile_cached((name, int(kd), int(nd), tuple(config)), build)
+    return _compile_cached((name, int(kd), int(nd), tuple(config)), build, config)
 
 
 @compiler
@@ -280,7 +307,7 @@ def compile_group_gemm_swiglu_bwd(hd: int, f: int, config: GroupGemmConfig, epil
             _fake(f32, (n,), 4), *(_fake(bf, (n, f)) for _ in range(5)), _fake(f32, (n, n_tiles), 4),
         )
 
-    return _compile_cached(("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config), epilogue), build)
+    return _compile_cached(("group_gemm_swiglu_bwd", int(hd), int(f), tuple(config), epilogue), build, config)
 
 
 @compiler
@@ -305,7 +332,7 @@ def compile_group_gemm_swiglu_bwd_gather(hd: int, f: int, config: GroupGemmConfi
             _fake(f32, (n, n_tiles), 4),
         )
 
-    return _compile_cached(("group_gemm_swiglu_bwd_gather", int(hd), int(f), tuple(config)), build)
+    return _compile_cached(("group_gemm_swiglu_bwd_gather", int(hd), int(f), tuple(config)), build, config)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -464,7 +491,8 @@ _CONFIGURABLE = dict(fwd=compile_group_gemm, dgrad=compile_group_gemm_dgrad, dgr
                      row_scale=lambda kd, nd, config: compile_group_gemm_row_scale(kd, nd, config),
                      wgrad_gather=compile_group_gemm_wgrad_gather,
                      wgrad_gather_t=lambda kd, nd, config: compile_group_gemm_wgrad_gather(kd, nd, config, True),
-                     swiglu_bwd_smem=lambda kd, nd, config: compile_group_gemm_swiglu_bwd(kd, nd, config, "smem"))
+                     swiglu_bwd_smem=lambda kd, nd, config: compile_group_gemm_swiglu_bwd(kd, nd, config, "smem"),
+                     swiglu_bwd_gather=compile_group_gemm_swiglu_bwd_gather)
 
 
 def _compile_with_config(op: str, kd: int, nd: int, config: GroupGemmConfig):

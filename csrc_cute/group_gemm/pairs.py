@@ -40,18 +40,16 @@ class OperandPairsMixin(RowTileScheduler):
         return m_idx, n_idx, k_count * self.num_pairs
 
     @cute.jit
-    def load_tiles(self, mainloop, prod_state, p, tAgA, tAsA, b_loads):
-        """Producer warp: over this CTA's tiles, the first pair's k tiles (A0, W0_g), then the second's
-        (A1, W1_g), into the one ring; tiles past the last group load nothing."""
-        bidx, gdim = self.cta_tiles()
+    def load_tile(self, mainloop, prod_state, p, tAgA, tAsA, b_loads, tile: cutlass.Int32):
+        """Producer warp (``load_tiles``' step): tile ``tile``'s k tiles of the first pair (A0, W0_g), then the
+        second's (A1, W1_g), into the one ring; a tile past the last group loads nothing."""
         num_groups = cute.size(p.cu_seqlens, mode=[0])
         num_home = cute.size(b_loads[p.home_rings[0]][1], mode=[3])
-        for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
-            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
-            for pair in cutlass.range_constexpr(self.num_pairs):
-                load = (mainloop, prod_state, p.tma_a[pair], tAgA[pair], tAsA[pair], m_idx, n_idx, p.k_tiles)
-                if g < num_home:
-                    prod_state = self.load_expert_tile(*load, [b_loads[p.home_rings[pair]]], g)
-                elif g < num_groups:
-                    prod_state = self.load_expert_tile(*load, [b_loads[p.slot_rings[pair]]], g - num_home)
+        m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        for pair in cutlass.range_constexpr(self.num_pairs):
+            load = (mainloop, prod_state, p.tma_a[pair], tAgA[pair], tAsA[pair], m_idx, n_idx, p.k_tiles)
+            if g < num_home:
+                prod_state = self.load_expert_tile(*load, [b_loads[p.home_rings[pair]]], g)
+            elif g < num_groups:
+                prod_state = self.load_expert_tile(*load, [b_loads[p.slot_rings[pair]]], g - num_home)
         return prod_state

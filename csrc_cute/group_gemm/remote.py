@@ -32,12 +32,14 @@ class RemoteWeightsMixin(RowTileScheduler):
     ``class GroupGemmRowScaleRemoteSm90(RemoteWeightsMixin, GroupGemmRowScaleSm90)``."""
 
     multicast_a = False  # each CTA's remote descriptors are its own; clusters are not tested with them
+    dynamic_walk = False  # the descriptors are built at the CTA's first remote tile of its static walk
 
     @cute.jit
-    def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
-        """``RowTileScheduler.load_tiles`` (producer warp) with remote groups (``p.remote``): groups [epn + B, G)
-        are remote group j = g - epn - B, expert e = remote_experts[j], read from the donor's home weights
-        ``peers[e // epn]`` (per B ring), expert index ``e % epn``. The loads of remote tiles go through a copy
+    def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, is_writer):
+        """``GroupGemmSm90Base.load_tiles`` (producer warp; the static walk: ``is_writer`` unused) with remote
+        groups (``p.remote``): groups [epn + B, G) are remote group j = g - epn - B, expert e =
+        remote_experts[j], read from the donor's home weights ``peers[e // epn]`` (per B ring), expert index
+        ``e % epn``. The loads of remote tiles go through a copy
         of the home atom's descriptor in this CTA's global-memory slot(s), with the donor's address, built once,
         at the CTA's first remote tile (``build_remote_descriptors``): every remote expert of a launch comes
         from one donor (the caller's precondition), so the descriptor never changes while loads that use it are

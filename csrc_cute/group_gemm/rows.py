@@ -65,12 +65,13 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         w_slot: cute.Tensor,  # (B, Kd, Nd), Nd contiguous
         cu_seqlens: cute.Tensor,  # (G,) int32
         y: cute.Tensor,  # (N, out), out contiguous
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, w_home, w_slot, cu_seqlens, y, None, stream)
+        self._launch(x, w_home, w_slot, cu_seqlens, y, None, tile_counter, stream)
 
     @cute.jit
-    def _launch(self, x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts=None, peers=None,
+    def _launch(self, x, w_home, w_slot, cu_seqlens, y, row_w, tile_counter, stream, remote_experts=None, peers=None,
                 desc_ws=None):
         """Shared by the plain kernel (``row_w`` None) and the row-scaled one (``row_w`` (N,) fp32);
         with ``remote_experts`` (peers, descriptor workspace) the last groups are remote groups."""
@@ -87,7 +88,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
             self.kernel(
                 tma_a, mA, tma_bh, mBh, tma_bs, mBs, tma_c, mC, cu_seqlens, row_w,
                 self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-                num_n_tiles, num_tiles, remote_experts, peers, bh_view, desc_ws,
+                num_n_tiles, num_tiles, remote_experts, peers, bh_view, desc_ws, self.walk_counter(tile_counter),
             ),
             num_tiles,
             stream,
@@ -116,6 +117,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         peers,  # None, or (R,) int64: each rank's home weights' address
         bh_view,  # None, or w_home viewed as B (the layout of a donor's weights)
         desc_ws,  # None, or the remote descriptors' workspace (int64, 16 per CTA)
+        tile_counter,  # None (the static walk), or the dynamic walk's counter
     ):
         remote = None
         if cutlass.const_expr(remote_experts is not None):
@@ -126,6 +128,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
             num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_c=tma_c, mC=mC, row_w=row_w, remote=remote,
+            tile_counter=tile_counter,
         ))
 
     @cute.jit
@@ -143,12 +146,12 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, epi_count: cutlass.Int32):
+                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
         """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
         # pingpong: the mainloop takes its turn; the other warp group's runs under this epilogue
         read_state, release_state = self.mma_k_tiles(
-            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
         )
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
@@ -187,9 +190,10 @@ class GroupGemmRowScaleSm90(GroupGemmSm90):
         cu_seqlens: cute.Tensor,  # (G,) int32
         row_w: cute.Tensor,  # (N,) fp32
         y: cute.Tensor,  # (N, Nd)
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream)
+        self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, tile_counter, stream)
 
 class GroupGemmRowScaleRemoteSm90(RemoteWeightsMixin, GroupGemmRowScaleSm90):
     """The row-scaled forward whose last ``n_remote`` groups are remote groups (inference): remote
@@ -208,9 +212,10 @@ class GroupGemmRowScaleRemoteSm90(RemoteWeightsMixin, GroupGemmRowScaleSm90):
         remote_experts: cute.Tensor,  # (n_remote,) int32, global expert ids (-1: unused group)
         peers: cute.Tensor,  # (R,) int64: address of rank r's home weights (epn, Kd, Nd)
         desc_ws: cute.Tensor,  # (16 * #SMs,) int64: one descriptor slot per CTA
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, stream, remote_experts, peers, desc_ws)
+        self._launch(x, w_home, w_slot, cu_seqlens, y, row_w, tile_counter, stream, remote_experts, peers, desc_ws)
 
 
 class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
@@ -233,6 +238,7 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
         wb_slot: cute.Tensor,  # (B, Kd, Nd)
         cu_seqlens: cute.Tensor,  # (G,) int32
         dx: cute.Tensor,  # (N, Kd)
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
         self._setup_mainloop()
@@ -248,7 +254,7 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
             self.kernel(
                 tma_a0, mA0, tma_a1, mA1, tma_ah, mBah, tma_as, mBas, tma_bh, mBbh, tma_bs, mBbs, tma_c, mC,
                 cu_seqlens, self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-                num_n_tiles, num_tiles,
+                num_n_tiles, num_tiles, self.walk_counter(tile_counter),
             ),
             num_tiles,
             stream,
@@ -271,6 +277,7 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
         epi_smem_staged: cute.ComposedLayout,
         num_n_tiles: cutlass.Int32,
         num_tiles: cutlass.Int32,
+        tile_counter,  # None (the static walk), or the dynamic walk's counter
     ):
         self.warp_specialized(KernelParams(
             atoms=(tma_a0, tma_a1, tma_ah, tma_as, tma_bh, tma_bs, tma_c), tma_a=(tma_a0, tma_a1), mA=(mA0, mA1),
@@ -278,7 +285,7 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
             b_buffers=("sB",), home_rings=(0, 2), slot_rings=(1, 3),
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
-            num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_c=tma_c, mC=mC, row_w=None,
+            num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_c=tma_c, mC=mC, row_w=None, tile_counter=tile_counter,
         ))
 
 

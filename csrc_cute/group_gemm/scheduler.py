@@ -18,7 +18,7 @@ import cutlass.cute as cute
 
 
 class RowTileScheduler:
-    """Mixin of the row-grouped kernels (with ``GroupGemmSm90Base``). Its ``load_tiles`` reads the
+    """Mixin of the row-grouped kernels (with ``GroupGemmSm90Base``). Its ``load_tile`` reads the
     kernel's ``p.cu_seqlens``, ``p.num_n_tiles``, ``p.num_tiles``, ``p.k_tiles`` and the B loads
     ``p.home_rings`` / ``p.slot_rings`` (indices into the B operands: group g < epn reads the home
     weights' expert g, a slot group the slot weights' g - epn)."""
@@ -96,27 +96,25 @@ class RowTileScheduler:
         return self.row_work(p, tile)[2]
 
     @cute.jit
-    def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
-        """Producer warp: over this CTA's tiles, all k tiles of A and of the B operand(s) of the tile's
-        group; tiles past the last group load nothing."""
+    def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, tile: cutlass.Int32):
+        """Producer warp (``load_tiles``' step): all k tiles of A and of the B operand(s) of tile ``tile``'s
+        group; a tile past the last group loads nothing."""
         b_home = [b_loads[i] for i in p.home_rings]
         b_slot = [b_loads[i] for i in p.slot_rings]
-        bidx, gdim = self.cta_tiles()
         num_groups = cute.size(p.cu_seqlens, mode=[0])
         num_home = cute.size(b_home[0][1], mode=[3])
-        for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
-            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
-            load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, m_idx, n_idx, p.k_tiles)
-            if g < num_home:
-                prod_state = self.load_expert_tile(*load, b_home, g)
-            elif g < num_groups:
-                prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
+        m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, m_idx, n_idx, p.k_tiles)
+        if g < num_home:
+            prod_state = self.load_expert_tile(*load, b_home, g)
+        elif g < num_groups:
+            prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
         return prod_state
 
 
 class GroupTileScheduler:
     """Mixin of the wgrad kernel: work items (group, m tile, n tile) over ``p.num_tiles`` =
-    G x ``p.tiles_per_group``; ``load_tiles`` reads ``p.cu_seqlens``, ``p.num_n_tiles`` and the one
+    G x ``p.tiles_per_group``; ``load_tile`` reads ``p.cu_seqlens``, ``p.num_n_tiles`` and the one
     B load."""
 
     @cute.jit
@@ -158,16 +156,12 @@ class GroupTileScheduler:
         p.num_home = cute.size(p.mC, mode=[2])
 
     @cute.jit
-    def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
-        """Producer warp: over this CTA's work items, the item's k tiles of A = x^T and B = dy^T
+    def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, tile: cutlass.Int32):
+        """Producer warp (``load_tiles``' step): work item ``tile``'s k tiles of A = x^T and B = dy^T
         (``load_work_item``)."""
         (b_load,) = b_loads
-        bidx, gdim = self.cta_tiles()
-        for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
-            g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
-            prod_state = self.load_work_item(mainloop, prod_state, p.tma_a, tAgA, tAsA, b_load, m_idx, n_idx,
-                                             k_start, k_count)
-        return prod_state
+        g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
+        return self.load_work_item(mainloop, prod_state, p.tma_a, tAgA, tAsA, b_load, m_idx, n_idx, k_start, k_count)
 
     @cute.jit
     def load_work_item(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,

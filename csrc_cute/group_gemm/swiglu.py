@@ -48,7 +48,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
         self._init_common(
             GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, config.pingpong, config.band_m,
-                            config.tall_m_major, config.cluster_n),
+                            config.tall_m_major, config.cluster_n, config.dynamic),
             LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
             LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
             self._init_tma_store_epilogue(config.tile_m, config.pingpong),
@@ -92,12 +92,13 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         h: cute.Tensor,  # (N, F)
         gate: cute.Tensor,  # (N, F), written only with store_preact
         up: cute.Tensor,  # (N, F), written only with store_preact
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream)
+        self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, tile_counter, stream)
 
     @cute.jit
-    def _launch(self, x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream,
+    def _launch(self, x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, tile_counter, stream,
                 remote_experts=None, gate_peers=None, up_peers=None, desc_ws=None, row_src=None):
         """Shared by the plain kernel, the one with remote groups (``remote_experts`` not None) and the
         one with a gathered A operand (``row_src`` not None: A row r is x[row_src[r]], no TMA for A, and
@@ -123,6 +124,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
                 tma_h, mH, tma_g, mG, tma_u, mU, cu_seqlens,
                 self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
                 num_n_tiles, num_tiles, remote_experts, gate_peers, up_peers, bg_view, bu_view, desc_ws, row_src,
+                self.walk_counter(tile_counter),
             ),
             num_tiles,
             stream,
@@ -152,6 +154,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         bu_view,  # None, or the same for up
         desc_ws,  # None, or the remote descriptors' workspace (int64, 2 x 16 per CTA)
         row_src,  # None, or (N,) int32: the gathered A's source rows of x (mA; tma_a is None)
+        tile_counter,  # None (the static walk), or the dynamic walk's counter
     ):
         stores = (tma_h, tma_g, tma_u) if cutlass.const_expr(self.store_preact) else (tma_h,)
         a_atoms = (tma_a,)
@@ -167,7 +170,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens,
             num_n_tiles=num_n_tiles, num_tiles=num_tiles, tma_h=tma_h, mH=mH, tma_g=tma_g, mG=mG, tma_u=tma_u,
-            mU=mU, remote=remote,
+            mU=mU, remote=remote, tile_counter=tile_counter,
         ))
 
     @cute.jit
@@ -189,12 +192,12 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, epi_count: cutlass.Int32):
+                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
         """One output tile: the MMA of gate and up, then h = silu(gate) * up (fp32) stored bf16, then
         (``store_preact``) gate and up."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
         read_state, release_state = self.mma_k_tiles(  # pingpong: the mainloop takes its turn
-            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
         )
         tRS_rAcc, tRS_rD, tRS_rOut = c.tRS_rAcc, c.tRS_rD, c.tRS_rOut
         size_rD = cute.size(tRS_rOut)
@@ -251,10 +254,11 @@ class GroupGemmSwigluRemoteSm90(RemoteWeightsMixin, GroupGemmSwigluSm90):
         gate_peers: cute.Tensor,  # (R,) int64: address of rank r's home gate weights (epn, H, F)
         up_peers: cute.Tensor,  # (R,) int64: address of rank r's home up weights (epn, H, F)
         desc_ws: cute.Tensor,  # (2 * 16 * #SMs,) int64: one descriptor slot per CTA and B ring
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream, remote_experts,
-                     gate_peers, up_peers, desc_ws)
+        self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, tile_counter, stream,
+                     remote_experts, gate_peers, up_peers, desc_ws)
 
 
 class GroupGemmSwigluGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluSm90):
@@ -280,9 +284,11 @@ class GroupGemmSwigluGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluSm90):
         h: cute.Tensor,  # (N, F)
         gate: cute.Tensor,  # (N, F), written only with store_preact
         up: cute.Tensor,  # (N, F), written only with store_preact
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, stream, row_src=row_src)
+        self._launch(x, wg_home, wg_slot, wu_home, wu_slot, cu_seqlens, h, gate, up, tile_counter, stream,
+                     row_src=row_src)
 
 
 def swiglu_gather_copy_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:

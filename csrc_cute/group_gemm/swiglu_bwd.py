@@ -91,12 +91,13 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         g_up: cute.Tensor,  # (N, F) bf16 out
         h_w: cute.Tensor,  # (N, F) bf16 out
         part: cute.Tensor,  # (N, ceil(F / tile_n)) fp32 out
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(g_y, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, stream)
+        self._launch(g_y, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, tile_counter, stream)
 
     @cute.jit
-    def _launch(self, g_y, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, stream,
+    def _launch(self, g_y, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, tile_counter, stream,
                 row_src=None):
         """Shared by the plain kernel (g_y = the grouped rows [N, H]) and the one with a gathered A operand
         (``row_src`` not None: g_y is [S, H], A row r is g_y[row_src[r]], no TMA for A, and the m tiles
@@ -120,7 +121,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             self.kernel(
                 tma_a, mA, tma_bh, mBh, tma_bs, mBs, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part,
                 self.tiled_mma, self.a_smem_staged, self.b_smem_staged, num_n_tiles, num_tiles,
-                epi_smem_staged, *epi_atoms, row_src,
+                epi_smem_staged, *epi_atoms, row_src, self.walk_counter(tile_counter),
             ),
             num_tiles,
             stream,
@@ -243,6 +244,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         # gate, up; stores of g_gate, g_up, h_w
         tma_ld_gate, mLdGate, tma_ld_up, mLdUp, tma_st_gg, mStGG, tma_st_gu, mStGU, tma_st_hw, mStHW,
         row_src,  # None, or (N,) int32: the gathered A's source rows of g_y (mA; tma_a is None)
+        tile_counter,  # None (the static walk), or the dynamic walk's counter
     ):
         atoms = (tma_a, tma_bh, tma_bs)
         if cutlass.const_expr(row_src is not None):
@@ -257,6 +259,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             mGate=mGate, mUp=mUp, mGG=mGG, mGU=mGU, mHW=mHW, mPart=mPart,
             tma_ld_gate=tma_ld_gate, mLdGate=mLdGate, tma_ld_up=tma_ld_up, mLdUp=mLdUp, tma_st_gg=tma_st_gg,
             mStGG=mStGG, tma_st_gu=tma_st_gu, mStGU=mStGU, tma_st_hw=tma_st_hw, mStHW=mStHW,
+            tile_counter=tile_counter,
         ))
 
     @cute.jit
@@ -288,7 +291,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, epi_count: cutlass.Int32):
+                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
         """One output tile: the dgrad MMA, the SwiGLU backward epilogue, the rows' partial sums
         (``epi_count``: the warp group's sub-tiles so far in the shared-memory epilogue; passed through
         by the register epilogue)."""
@@ -297,7 +300,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             t = self.smem_epilogue_tiles(p, c, m_idx, n_idx)
             self.smem_epilogue_prefetch(p, c, t, warp_idx, epi_count)  # gate/up load under the mainloop
         read_state, release_state = self.mma_k_tiles(  # the other warp group's mainloop runs under the epilogue
-            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
         )
         thr_c, acc, rG, rU, part_sums = c.thr_c, c.acc, c.rG, c.rU, c.part_sums
         coords = thr_c.partition_C(c.cC[(None, None, m_idx, n_idx)])
@@ -376,9 +379,10 @@ class GroupGemmSwigluBwdGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluBwdSm9
         g_up: cute.Tensor,  # (N, F) bf16 out
         h_w: cute.Tensor,  # (N, F) bf16 out
         part: cute.Tensor,  # (N, ceil(F / tile_n)) fp32 out
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(g_out, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, stream,
+        self._launch(g_out, w_home, w_slot, cu_seqlens, row_w, gate, up, g_gate, g_up, h_w, part, tile_counter, stream,
                      row_src=row_src)
 
 

@@ -67,12 +67,13 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         cu_seqlens: cute.Tensor,  # (G,) int32
         dw_home: cute.Tensor,  # (epn, Kd, Nd) bf16, Nd contiguous: written
         dw_slot: cute.Tensor,  # (B, Kd, Nd) fp32, Nd contiguous: accumulated
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, dy, cu_seqlens, dw_home, dw_slot, stream)
+        self._launch(x, dy, cu_seqlens, dw_home, dw_slot, tile_counter, stream)
 
     @cute.jit
-    def _launch(self, x, dy, cu_seqlens, dw_home, dw_slot, stream, row_src=None):
+    def _launch(self, x, dy, cu_seqlens, dw_home, dw_slot, tile_counter, stream, row_src=None):
         """Shared by the plain kernel (x = the grouped rows [N, Kd]) and the one with a gathered A
         (``row_src`` not None: x is [S, Kd], k row r of A is x[row_src[r]], no TMA for A)."""
         self._setup_mainloop()
@@ -98,7 +99,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
             self.kernel(
                 tma_a, mA, tma_b, mB, tma_c, mC, cu_seqlens, d_slot,
                 self.tiled_mma, self.a_smem_staged, self.b_smem_staged, self.epi_smem_staged,
-                num_n_tiles, num_m_tiles * num_n_tiles, num_tiles, row_src,
+                num_n_tiles, num_m_tiles * num_n_tiles, num_tiles, row_src, self.walk_counter(tile_counter),
             ),
             num_tiles,
             stream,
@@ -141,6 +142,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         tiles_per_group: cutlass.Int32,
         num_tiles: cutlass.Int32,
         row_src,  # None, or (N,) int32: the gathered A's token of each k row (mA = x; tma_a is None)
+        tile_counter,  # None (the static walk), or the dynamic walk's counter
     ):
         a_atoms = (tma_a,)
         if cutlass.const_expr(row_src is not None):
@@ -149,7 +151,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
             atoms=a_atoms + (tma_b, tma_c), tma_a=tma_a, mA=mA, b_operands=[(tma_b, mB, 0)], b_buffers=("sB",),
             a_smem_staged=a_smem_staged, b_smem_staged=b_smem_staged, epi_smem_staged=epi_smem_staged,
             tiled_mma=tiled_mma, cu_seqlens=cu_seqlens, num_n_tiles=num_n_tiles, tiles_per_group=tiles_per_group,
-            num_tiles=num_tiles, tma_c=tma_c, mC=mC, mDs=mDs, row_src=row_src,
+            num_tiles=num_tiles, tma_c=tma_c, mC=mC, mDs=mDs, row_src=row_src, tile_counter=tile_counter,
         ))
 
     @cute.jit
@@ -174,20 +176,20 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, epi_count: cutlass.Int32):
+                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
         """One work item: home items always run (an empty group: no k tiles, zeros stored) and store
         bf16; slot items with rows add fp32 into the reduce buffer; empty slot groups' items are skipped."""
         g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
         is_home = g < p.num_home
         if is_home | (k_count > 0):  # the mainloop takes its turn (pingpong) in mma_k_tiles
             read_state, release_state = self.mma_k_tiles(
-                p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, tile,
+                p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn,
                 self.routed_k_rows(p, k_start, k_count),
             )
             epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
         else:  # a skipped item takes and passes the turn too
-            self.wait_mainloop_turn(tile)
-            self.pass_mainloop_turn(p, tile)
+            self.wait_mainloop_turn(turn)
+            self.pass_mainloop_turn(p, turn)
         return read_state, release_state, epi_count
 
     def routed_k_rows(self, p, k_start, k_count):
@@ -235,9 +237,10 @@ class GroupGemmWgradGatherSm90(gather.GatherKRowsMixin, GroupGemmWgradSm90):
         cu_seqlens: cute.Tensor,  # (G,) int32
         dw_home: cute.Tensor,  # (epn, Kd, Nd) bf16, Nd contiguous: written
         dw_slot: cute.Tensor,  # (B, Kd, Nd) fp32, Nd contiguous: accumulated
+        tile_counter: cute.Tensor,  # (1,) int32, zero: the dynamic walk's counter (unused by the static walk)
         stream: cuda.CUstream,
     ):
-        self._launch(x, dy, cu_seqlens, dw_home, dw_slot, stream, row_src=row_src)
+        self._launch(x, dy, cu_seqlens, dw_home, dw_slot, tile_counter, stream, row_src=row_src)
 
 
 def wgrad_epilogue_coverage(tile_m: int = 128, tile_n: int = 256) -> dict:

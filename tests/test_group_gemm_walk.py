@@ -1,0 +1,149 @@
+"""The dynamic tile walk (``GroupGemmConfig.dynamic``, csrc_cute/group_gemm/walk.py): the persistent CTAs take
+their tiles in order from one global counter instead of every #CTAs-th tile. Each output element keeps its
+k loop, so every kernel family is bitwise its static-walk kernel of the same tile: checked on the GPU on 4
+CTAs (many tiles each) with empty home and slot groups, partial tiles and rows past the last group,
+launched twice (the counter is zeroed for every launch) and replayed in a CUDA graph. CPU: the config's
+rules and the compile checks (test_group_gemm_compile.py)."""
+
+import pytest
+import torch
+
+from csrc_cute.group_gemm.config import GroupGemmConfig
+from group_gemm_cases import (
+    gpu,
+    random_bwd_problem,
+    random_lengths,
+    random_problem,
+    random_row_src,
+    random_row_weights,
+    random_swiglu_problem,
+    random_tokens,
+)
+
+LENGTHS = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3: empty home and slot groups
+EPN = 5
+
+
+def test_dynamic_walk_config_rules():
+    assert GroupGemmConfig(128, 192, 132, True, 16, dynamic=True).dynamic
+    assert not GroupGemmConfig(128, 192, 132, True, 16).dynamic
+    with pytest.raises(ValueError, match="dynamic needs cluster_n = 1"):
+        GroupGemmConfig(128, 256, 132, cluster_n=2, dynamic=True)
+
+
+def test_remote_kernels_refuse_the_dynamic_walk():
+    # the remote variants build their donor descriptors at the CTA's first remote tile of its static walk
+    from csrc_cute.group_gemm.rows import GroupGemmRowScaleRemoteSm90
+
+    with pytest.raises(ValueError, match="dynamic must be False"):
+        GroupGemmRowScaleRemoteSm90(GroupGemmConfig(128, 256, 132, dynamic=True))
+
+
+def walks_agree(op, kd, nd, static, args, outs):
+    """Launch ``op``'s kernel of tile config ``static`` and of the same config with the dynamic walk on
+    ``args`` into fresh copies of ``outs`` (NaN-filled, or what an accumulating output holds), the dynamic
+    one twice; assert every output is bitwise equal, and return the static kernel's."""
+    from csrc_cute.group_gemm.host import compile_op
+
+    dynamic = GroupGemmConfig(*static[:7], True)
+    got = []
+    for config, launches in ((static, 1), (dynamic, 2)):
+        for _ in range(launches):
+            bufs = [o.clone() for o in outs]
+            compile_op(op, kd, nd, 128, 4, config)(*args, *bufs)
+            got.append(bufs)
+    torch.cuda.synchronize()
+    want = got[0]
+    for run in got[1:]:
+        for i, (a, b) in enumerate(zip(want, run)):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{op} output {i}: the dynamic walk differs"
+    return want
+
+
+def nan_rows(n, cols, dtype=torch.bfloat16):
+    return torch.full((n, cols), float("nan"), dtype=dtype, device="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("pingpong,band_m", [(False, 0), (True, 16), (True, 0)])
+def test_dynamic_walk_row_kernels_equal_the_static_walk(pingpong, band_m):
+    # forward, row-scaled forward and dgrad2 (cooperative 128 x 256 or pingpong 128 x 192, M-major or banded)
+    tile_n = 192 if pingpong else 256
+    static = GroupGemmConfig(128, tile_n, 4, pingpong, band_m)
+    n_total = sum(LENGTHS) + 200
+    x, wh, ws, cu = random_problem(LENGTHS, EPN, kd=320, nd=1216, n_total=n_total, seed=81)
+    y = walks_agree("fwd", 320, 1216, static, (x, wh, ws, cu), [nan_rows(n_total, 1216)])[0]
+    assert not y[:sum(LENGTHS)].isnan().any(), "rows of the groups unwritten"
+    row_w = random_row_weights(n_total, seed=82)
+    walks_agree("row_scale", 320, 1216, static, (x, wh, ws, cu, row_w), [nan_rows(n_total, 1216)])
+    _, dy_a, wa_h, wa_s, _ = random_bwd_problem(LENGTHS, EPN, 1216, 320, n_total=n_total, seed=83)
+    _, dy_b, wb_h, wb_s, _ = random_bwd_problem(LENGTHS, EPN, 1216, 320, n_total=n_total, seed=84)
+    walks_agree("dgrad2", 1216, 320, static, (dy_a, wa_h, wa_s, dy_b, wb_h, wb_s, cu), [nan_rows(n_total, 1216)])
+
+
+@gpu
+def test_dynamic_walk_gathered_swiglu_kernels_equal_the_static_walk():
+    # the layer's gathered SwiGLU (cooperative, four producer warps walking the tiles: warp 0 writes the walk,
+    # the others read it) and its backward (pingpong, shared-memory epilogue), banded, F = 600 (partial n tiles)
+    n_total = sum(LENGTHS) + 200
+    _, wgh, wgs, wuh, wus, cu = random_swiglu_problem(LENGTHS, EPN, kd=320, nd=600, n_total=n_total, seed=85)
+    tokens = random_tokens(1000, 320, seed=86)
+    row_src = random_row_src(cu, n_total, tokens.shape[0], 87, all_padding=(2,))
+    h = walks_agree("swiglu_gather", 320, 600, GroupGemmConfig(128, 128, 4, False, 16),
+                    (tokens, row_src, wgh, wgs, wuh, wus, cu), [nan_rows(n_total, 600) for _ in range(3)])[0]
+    assert not h[:sum(LENGTHS)].isnan().any(), "rows of the groups unwritten"
+    gen = torch.Generator().manual_seed(88)
+    wdh = (torch.randn(EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
+    wds = (torch.randn(len(LENGTHS) - EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
+    gate = (torch.randn(n_total, 600, generator=gen) * 2).bfloat16().cuda()
+    up = torch.randn(n_total, 600, generator=gen).bfloat16().cuda()
+    row_w = torch.rand(n_total, generator=gen).cuda()
+    g_out = random_tokens(1000, 320, seed=89)
+    outs = [nan_rows(n_total, 600) for _ in range(3)] + [nan_rows(n_total, -(-600 // 160), torch.float32)]
+    walks_agree("swiglu_bwd_gather", 320, 600, GroupGemmConfig(128, 160, 4, False, 16),
+                (g_out, row_src, wdh, wds, cu, row_w, gate, up), outs)
+
+
+@gpu
+@pytest.mark.parametrize("op,pingpong", [("wgrad", False), ("wgrad_gather", True), ("wgrad_gather_t", True)])
+def test_dynamic_walk_wgrads_equal_the_static_walk(op, pingpong):
+    # work items (group, m tile, n tile) from the counter; home items stored, slot items added into the fp32
+    # buffers (each launch starts from the same buffer), an empty slot group, padding rows
+    lengths = random_lengths(128, EPN, 3, 7, seed=90)
+    rows, dy, _, _, cu = random_bwd_problem(lengths, EPN, kd=384, nd=1000, n_total=sum(lengths) + 128, seed=91)
+    kd, nd = (1000, 384) if op == "wgrad_gather_t" else (384, 1000)
+    tokens = random_tokens(301, 384 if op == "wgrad_gather" else 1000, seed=92)
+    row_src = random_row_src(cu, dy.shape[0], tokens.shape[0], 93)
+    args = {"wgrad": (rows, dy, cu), "wgrad_gather": (tokens, row_src, dy, cu),
+            "wgrad_gather_t": (tokens, row_src, rows, cu)}[op]
+    nb = len(lengths) - EPN
+    dwh = torch.full((EPN, nd, kd) if op == "wgrad_gather_t" else (EPN, kd, nd), float("nan"),
+                     dtype=torch.bfloat16, device="cuda")
+    dws = torch.randn((nb, nd, kd) if op == "wgrad_gather_t" else (nb, kd, nd),
+                      generator=torch.Generator().manual_seed(94)).cuda()
+    if op == "wgrad_gather_t":  # into the transposes of the gradients
+        dwh, dws = dwh.transpose(1, 2), dws.transpose(1, 2)
+    tile_n = 192 if pingpong else 128
+    walks_agree(op, kd, nd, GroupGemmConfig(128, tile_n, 4, pingpong), args, [dwh, dws])
+
+
+@gpu
+def test_dynamic_walk_cuda_graph_replay():
+    # the counter is zeroed inside the captured launch: every replay walks all the tiles again
+    from csrc_cute.group_gemm.host import compile_op
+
+    n_total = sum(LENGTHS) + 200
+    x, wh, ws, cu = random_problem(LENGTHS, EPN, kd=320, nd=1216, n_total=n_total, seed=95)
+    kernel = compile_op("fwd", 320, 1216, 128, 4, GroupGemmConfig(128, 192, 4, True, 16, dynamic=True))
+    want = nan_rows(n_total, 1216)
+    compile_op("fwd", 320, 1216, 128, 4, GroupGemmConfig(128, 192, 4, True, 16))(x, wh, ws, cu, want)
+    y = nan_rows(n_total, 1216)
+    kernel(x, wh, ws, cu, y)  # warm (the counter's allocation) before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(x, wh, ws, cu, y)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y.nan_to_num(7.0), want.nan_to_num(7.0))
