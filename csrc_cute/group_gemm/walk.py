@@ -153,10 +153,10 @@ class TileWalk:
     def consume_walked_alternate_tiles(self, p, c, warp_idx, wg, mainloop, tCrA, tCrBs):
         """Pingpong consumers (``consume_alternate_tiles``) over the dynamic walk: warp group ``wg`` reads every
         tile and computes those of its parity of the walk's steps, each with the pipeline state after the stages
-        of every earlier tile. Every mainloop passes the turn (whether a tile follows is not read then: waiting
-        for the next tile's number before a mainloop delayed the work a warp group does before its turn,
-        e.g. the tile's group, into the other's turn); at the walk's end the warp group of the step after the
-        last tile takes that last turn, so the turn barriers end balanced."""
+        of every earlier tile. Every mainloop passes the turn without reading whether a tile follows (session
+        29's first version read the next tile's number before each mainloop for that: docs/design-notes.md);
+        at the walk's end the warp group of the step after the last tile takes that last turn, so the turn
+        barriers end balanced."""
         epi_count = cutlass.Int32(0)
         passed = cutlass.Int32(0)
         step = cutlass.Int32(0)
