@@ -663,11 +663,11 @@ class GroupGemmSm90Base(TileWalk):
         if cutlass.const_expr(self.pingpong):
             if cutlass.const_expr(self.dynamic):
                 if turn != 0:
-                    cute.arch.barrier(barrier_id=2 + turn % 2, number_of_threads=2 * self.threads_per_wg)
+                    cute.arch.barrier(barrier_id=self.turn_barrier_id(turn), number_of_threads=2 * self.threads_per_wg)
             else:
                 bidx, gdim = self.cta_tiles()
                 if turn != bidx:
-                    cute.arch.barrier(barrier_id=self.turn_barrier_id(turn, bidx, gdim),
+                    cute.arch.barrier(barrier_id=self.turn_barrier_id((turn - bidx) // gdim),
                                       number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
@@ -677,17 +677,19 @@ class GroupGemmSm90Base(TileWalk):
         ``walk.TileWalk.consume_walked_alternate_tiles``). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
             if cutlass.const_expr(self.dynamic):
-                cute.arch.barrier_arrive(barrier_id=2 + (turn + 1) % 2, number_of_threads=2 * self.threads_per_wg)
+                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(turn + 1),
+                                         number_of_threads=2 * self.threads_per_wg)
             else:
                 bidx, gdim = self.cta_tiles()
                 if turn + gdim < p.num_tiles:
-                    cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(turn + gdim, bidx, gdim),
+                    cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id((turn + gdim - bidx) // gdim),
                                              number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
-    def turn_barrier_id(self, tile: cutlass.Int32, bidx, gdim):
-        """The named barrier (2 or 3; 1 is the TMA-store epilogue's) the warp group of ``tile`` waits on."""
-        return 2 + ((tile - bidx) // gdim) % 2
+    def turn_barrier_id(self, step: cutlass.Int32):
+        """The named barrier (2 or 3; 1 is the TMA-store epilogue's) the warp group of the CTA's ``step``-th
+        tile waits on."""
+        return 2 + step % 2
 
     @cute.jit
     def consumer_state_at(self, stages: cutlass.Int32):

@@ -86,9 +86,8 @@ def _fake(dtype, shape, align: int = 16, stride_order=None):
 def _compile_for_torch(kernel, *fakes):
     """Compile ``kernel`` for the fake arguments; the result takes torch tensors and runs on torch's
     current stream (tvm-ffi environment stream)."""
-    import cutlass.cute as cute
-
     import cutlass
+    import cutlass.cute as cute
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     counter = _fake(cutlass.Int32, (1,), 4)  # every kernel's last tensor: its walk's tile counter
