@@ -25,8 +25,9 @@ outside the range, under the step of the last kernel with a range): what each GE
 cycles there, against the same family's call alone.
 
 `--source`: also the SourceCounters section (warp states sampled per SASS instruction): ncu's source page of
-every kernel goes to ncu_source.csv.gz and each kernel's instructions with the most samples (``source_hotspots``)
-into the JSON's "source_hotspots": which wait (a barrier, a load, the wgmma) holds its warps.
+every kernel goes to ncu_source.csv.gz, and per launch its samples' shares by stall reason and its instructions
+with the most samples (``source_hotspots``) into the JSON's "source_hotspots": which wait (a barrier, a load, the
+wgmma) holds its warps.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ def profile(opts: dict, argv: list[str]) -> None:
     payload = dict(run_info(), layout="layer step" if opts["layer"] else opts["layout"], clock_control="none",
                    **{k: opts[k] for k in ("H", "F", "E", "P", "rows")}, kernels=summary)
     if hotspots is not None:
-        payload["source_hotspots"] = hotspots  # kernel name -> its instructions with the most warp samples
+        payload["source_hotspots"] = hotspots  # "<n> <kernel name>" -> its stall shares and busiest instructions
     path = write_json("ncu_gemm.json", payload, out)
     print("wrote", path, flush=True)
     try:
@@ -299,26 +300,39 @@ def write_source_page(report: str, path: str) -> str:
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
-def source_hotspots(text: str, top: int = 12) -> dict[str, list[dict]]:
-    """ncu's CSV source page (a ``"Kernel Name","<name>"`` line before each kernel's table of SASS instructions,
-    one row per address) -> per kernel its ``top`` instructions by warp-state samples (all warps, issued or not):
-    address, SASS text, samples and their share of the kernel's."""
-    tables: dict[str, list[dict]] = {}
-    name, header = None, None
+def _count(value: str | None) -> int:
+    return int(float((value or "0").replace(",", "")))  # ncu writes 1,234
+
+
+def source_hotspots(text: str, top: int = 12) -> dict[str, dict]:
+    """ncu's CSV source page (a ``"Kernel Name","<name>"`` line before each launch's table of SASS instructions,
+    one row per address) -> per launch, keyed "<n> <kernel name>" in the page's order (a kernel launched three
+    times is three tables): ``stalls``, the share of its warp-state samples (all warps, issued or not) per stall
+    reason (ncu's ``stall_<reason>`` columns), largest first; ``top``, its ``top`` instructions by samples:
+    address, SASS text, samples, their share of the launch's, and the reason with most of them."""
+    tables: list[tuple[str, list[dict]]] = []
+    header = None
     for row in csv.reader(io.StringIO(text)):
         if len(row) >= 2 and row[0] == "Kernel Name":
-            name, header = row[1], None
-            tables.setdefault(name, [])
-        elif name is not None and row and row[0] == "Address":
+            tables.append((row[1], []))
+            header = None
+        elif tables and row and row[0] == "Address":
             header = row
-        elif name is not None and header is not None and len(row) == len(header):
-            tables[name].append(dict(zip(header, row)))
+        elif tables and header is not None and len(row) == len(header):
+            tables[-1][1].append(dict(zip(header, row)))
     hot = {}
-    for name, rows in tables.items():
-        samples = [(int(float((r.get(SAMPLES) or "0").replace(",", ""))), r) for r in rows]  # ncu writes 1,234
-        total = sum(n for n, _ in samples) or 1
-        hot[name] = [dict(address=r["Address"], sass=r.get("Source", ""), samples=n, share=round(n / total, 4))
-                     for n, r in sorted(samples, key=lambda nr: -nr[0])[:top]]
+    for i, (name, rows) in enumerate(tables):
+        reasons = [c for c in (rows[0] if rows else {}) if c.startswith("stall_") and not c.endswith("(Not Issued)")]
+        total = sum(_count(r.get(SAMPLES)) for r in rows) or 1
+        by_reason = {c.removeprefix("stall_"): sum(_count(r[c]) for r in rows) / total for c in reasons}
+
+        def top_reason(r):
+            return max(reasons, key=lambda c: _count(r[c])).removeprefix("stall_") if reasons else None
+        ranked = sorted(rows, key=lambda r: -_count(r.get(SAMPLES)))[:top]
+        hot[f"{i + 1} {name}"] = dict(
+            stalls={k: round(v, 4) for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1]) if v > 0},
+            top=[dict(address=r["Address"], sass=r.get("Source", ""), samples=_count(r.get(SAMPLES)),
+                      share=round(_count(r.get(SAMPLES)) / total, 4), stall=top_reason(r)) for r in ranked])
     return hot
 
 

@@ -695,22 +695,27 @@ def test_ncu_gemm_summary_of_a_hand_made_details_page():
 
 
 def test_ncu_gemm_source_hotspots_of_a_hand_made_source_page():
-    """`ncu_gemm.py --source`: ncu's CSV source page (a "Kernel Name" line, then the kernel's SASS table) ->
-    per kernel its instructions by warp samples (ncu's thousands separators read), with their share; rows of
-    another width are not instructions."""
+    """`ncu_gemm.py --source`: ncu's CSV source page (a "Kernel Name" line, then the launch's SASS table) -> per
+    launch (one kernel launched twice is two) its stall reasons' shares and its instructions by warp samples
+    (ncu's thousands separators read), with their share and main reason; rows of another width are not
+    instructions."""
     from benchmarks.ncu_gemm import source_hotspots
 
-    head = '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"\n'
-    page = ('"Kernel Name","k_wgrad"\n' + head + '"0x10","SYNCS.PHASECHK.TRANS64 P0, [R2]","6,000","5,800"\n'
-            '"0x20","HGMMA.64x192x16.F32.BF16 R24, gdesc[UR4]","3,000","2"\n"0x30","EXIT","1,000","0"\n'
-            '"a note of another width"\n'
-            '"Kernel Name","k_fwd"\n' + head + '"0x10","BAR.SYNC.DEFER_BLOCKING 0x1, 0x100","0","0"\n'
-            '"0x20","LDG.E.128 R4, desc[UR6][R2.64]","5","5"\n')
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_long_sb",'
+            '"stall_long_sb (Not Issued)"\n')
+    wgrad = ('"Kernel Name","k_wgrad"\n' + head + '"0x10","SYNCS.PHASECHK.TRANS64 P0, [R2]","6,000","0","6,000","5,800"\n'
+             '"0x20","BAR.SYNC.DEFER_BLOCKING R3, 0x100","3,000","3,000","0","0"\n"0x30","EXIT","1,000","0","0","0"\n'
+             '"a note of another width"\n')
+    page = (wgrad + '"Kernel Name","k_fwd"\n' + head + '"0x10","BAR.SYNC.DEFER_BLOCKING 0x1, 0x100","0","0","0","0"\n'
+            '"0x20","LDG.E.128 R4, desc[UR6][R2.64]","5","0","5","5"\n' + wgrad)
     hot = source_hotspots(page, top=2)
-    assert list(hot) == ["k_wgrad", "k_fwd"]
-    assert [(h["address"], h["samples"], h["share"]) for h in hot["k_wgrad"]] == [("0x10", 6000, 0.6), ("0x20", 3000, 0.3)]
-    assert hot["k_wgrad"][0]["sass"].startswith("SYNCS.PHASECHK")
-    assert [(h["address"], h["share"]) for h in hot["k_fwd"]] == [("0x20", 1.0), ("0x10", 0.0)]
+    assert list(hot) == ["1 k_wgrad", "2 k_fwd", "3 k_wgrad"]
+    assert hot["1 k_wgrad"]["stalls"] == {"long_sb": 0.6, "barrier": 0.3} == hot["3 k_wgrad"]["stalls"]
+    assert [(h["address"], h["samples"], h["share"], h["stall"]) for h in hot["1 k_wgrad"]["top"]] == [
+        ("0x10", 6000, 0.6, "long_sb"), ("0x20", 3000, 0.3, "barrier")]
+    assert hot["1 k_wgrad"]["top"][0]["sass"].startswith("SYNCS.PHASECHK")
+    assert [(h["address"], h["share"]) for h in hot["2 k_fwd"]["top"]] == [("0x20", 1.0), ("0x10", 0.0)]
+    assert hot["2 k_fwd"]["stalls"] == {"long_sb": 1.0}
 
 
 def test_ncu_gemm_layer_summary_keeps_every_kernel_and_carries_the_range_to_the_backward():
