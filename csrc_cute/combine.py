@@ -42,7 +42,7 @@ static key):
   pull    one warp per token: lanes < K hold the token's entries, a ballot of the carriers, then per
           segment the carriers' rows are read from the peers in k order (NB at a time) and summed in
           fp32. combine_local's variant (LOCAL): every valid entry is a carrier and its row is read
-          from `rows` itself, 4 rows' loads in flight.
+          from `rows` itself, 4 rows at once (NT, U and NB are _compile_pull's nt, u, nb).
   gather  one thread per (s, k), 4 independent reads in flight per thread.
 """
 
@@ -80,11 +80,14 @@ from .warp import ctz
 _NT_PRESUM = 512   # 16 warps, each with a ring of D slots of U 16-byte chunks per lane in shared memory
 _NT_PULL = 512
 _NT_GATHER = 256
-# U: 16-byte chunks per lane per segment; NB (1, 2 or 4): rows of a chain / carriers read at once
-# (blocks of NB, then of 2, then 1 row; every load of a block is issued before its adds)
+# U: 16-byte chunks per lane per segment; NB (a power of two): rows of a chain / carriers read at once
+# (blocks of NB, then of NB/2, ..., 1 row; every load of a block is issued before its adds)
 _U_PRESUM, _D_PRESUM = 4, 6   # 16 warps * 6 slots * 2 KiB = 192 KiB of shared memory per CTA
 _U_PULL, _NB_PULL = 8, 1
-_NB_LOCAL = 4  # the one-pass combine of one rank reads a token's K rows: 4 rows' loads in flight
+# the one-pass combine of one rank reads a token's K rows, 4 rows' loads issued before their adds (ptxas
+# interleaves them with the adds: in its sm_90a code of the layer shape at most ~5 16-byte loads of a
+# thread are outstanding; benchmarks/bench_combine.py sweeps NT, U and NB through _compile_pull)
+_NB_LOCAL = 4
 _CHAIN_MAX = 32
 _NO_NVS = 2 ** 31 - 64  # row bound when the caller gives no nvs
 
@@ -263,9 +266,10 @@ def _pull_segment(acc: cute.Tensor, src: Int64, car: Int32, ncar: Int32, dst: In
     for _q in cutlass.range(ncar // NB):
         srcs, mm = next_lanes(src, mm, NB)
         acc_add_rows(acc, srcs, offs, dtype, VEC)
-    if cutlass.const_expr(NB >= 4):
-        if cute.arch.popc(mm) >= 2:
-            srcs, mm = next_lanes(src, mm, 2)
+    # the < NB carriers left, in blocks of NB/2, NB/4, ..., 2, then 1 (NB a power of two)
+    for i in cutlass.range_constexpr(1, NB.bit_length() - 1):
+        if cute.arch.popc(mm) >= (NB >> i):
+            srcs, mm = next_lanes(src, mm, NB >> i)
             acc_add_rows(acc, srcs, offs, dtype, VEC)
     if mm != 0:
         srcs, mm = next_lanes(src, mm, 1)
@@ -352,10 +356,10 @@ def _presum_launch(rows: cute.Tensor, row_primary: cute.Tensor, row_next: cute.T
 def _pull_launch(source: cute.Tensor, dst_rank: cute.Tensor, dst_row: cute.Tensor,
                  primary_row: cute.Tensor, out: cute.Tensor, status: cute.Tensor, stream, S: Constexpr[int],
                  K: Constexpr[int], R: Constexpr[int], NVS: Constexpr[int], ROWB: Constexpr[int],
-                 dtype: Constexpr, NCTA: Constexpr[int], LOCAL: Constexpr[bool]):
+                 dtype: Constexpr, NCTA: Constexpr[int], LOCAL: Constexpr[bool], NT: Constexpr[int],
+                 U: Constexpr[int], NB: Constexpr[int]):
     _pull_kernel(source, dst_rank, dst_row, primary_row, out, status, S, K, R, NVS, ROWB, dtype, NCTA,
-                 _NT_PULL, _U_PULL, _NB_LOCAL if LOCAL else _NB_PULL, LOCAL).launch(
-        grid=(NCTA, 1, 1), block=(_NT_PULL, 1, 1), stream=stream)
+                 NT, U, NB, LOCAL).launch(grid=(NCTA, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
 @cute.jit
@@ -385,16 +389,25 @@ def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _
 
 
 @compiler
-def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, local: bool = False):
+def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, local: bool = False,
+                  nt: int = _NT_PULL, u: int = _U_PULL, nb: int | None = None):
+    """nt threads per CTA, u 16-byte chunks per lane per segment, nb (a power of two) rows read at once
+    (default: _NB_LOCAL for the one-pass local variant, else _NB_PULL); the public wrappers take the defaults,
+    benchmarks/bench_combine.py sweeps them."""
     dt = ROW_DTYPES[dtype]
+    nb = (_NB_LOCAL if local else _NB_PULL) if nb is None else nb
+    if nt % 32 or not 32 <= nt <= 1024 or u < 1 or nb < 1 or nb & (nb - 1):
+        raise ValueError(f"combine pull: nt={nt} must be a multiple of 32 in [32, 1024], u={u} >= 1 and "
+                         f"nb={nb} a power of two")
 
     def build():
         source = fake(dt, NVS * H) if local else fake(Int64, R, 8)
         return cute.compile(_pull_launch, source, fake(Int32, S * K, 4),
                             fake(Int32, S * K, 4), fake(Int32, S * K, 4), fake(dt, S * H), fake(Int32, 1, 4),
                             fake_stream(),
-                            S, K, R, NVS, H * dtype.itemsize, dt, ncta, local, options="--enable-tvm-ffi")
-    return _JIT.compiled(("pull", S, H, K, R, NVS, dtype, ncta) + (("local",) if local else ()), build)
+                            S, K, R, NVS, H * dtype.itemsize, dt, ncta, local, nt, u, nb,
+                            options="--enable-tvm-ffi")
+    return _JIT.compiled(("pull", S, H, K, R, NVS, dtype, ncta, nt, u, nb) + (("local",) if local else ()), build)
 
 
 @compiler
