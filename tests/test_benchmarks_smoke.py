@@ -287,6 +287,41 @@ def test_peers_combine_local_bandwidth_finds_the_one_pass_pull():
     assert combine_local_bandwidth(kernels[1:], S, H, K, 2) is None
 
 
+def test_bench_combine_smoke_compiles_every_variant_without_spills(tmp_path_factory):
+    """bench_combine --smoke: each swept (threads per CTA, U, NB) of the one-rank combine, the default among
+    them, compiles for sm_90a at the layer shape and spills nothing (the GPU sweep keeps only such variants)."""
+    from benchmarks.bench_combine import DEFAULT, VARIANTS, variant_list
+    from csrc_cute.compile_check import find_ptxas
+
+    if find_ptxas() is None:
+        pytest.skip("ptxas not found")
+    stdout, d, _ = run_smoke(tmp_path_factory, "bench_combine")
+    assert d["smoke"] and d["device"] == "cpu" and (d["S"], d["H"], d["K"], d["nvs"]) == (8192, 7168, 8, 71680)
+    for key in ("gpu", "command", "commit", "date"):
+        assert key in d
+    assert DEFAULT in variant_list(VARIANTS)
+    assert [(r["nt"], r["u"], r["nb"]) for r in d["results"]] == variant_list(VARIANTS)
+    for r in d["results"]:
+        assert r["registers"] > 0 and r["spill_bytes"] == 0, r
+    assert "wrote" in stdout
+
+
+def test_bench_combine_plan_and_reference():
+    """bench_combine's one-rank plan: distinct rows in range on rank 0, primary_row = dst_row, about the asked
+    fraction absent (-1); its reference (what every variant is checked against) sums a token's present rows in
+    k order in fp32 and rounds once: bf16 1 + 2^-8 + 2^-8 is 1 + 2^-7 (step by step in bf16 it would stay 1)."""
+    from benchmarks.bench_combine import one_rank_plan, reference
+
+    dst_rank, dst_row, primary_row = one_rank_plan(512, 8, 5000, torch.Generator().manual_seed(0), absent=0.25)
+    assert dst_row.dtype == torch.int32 and dst_row.shape == (512, 8) and torch.equal(primary_row, dst_row)
+    assert dst_row.unique().numel() == 512 * 8 and 0 <= int(dst_row.min()) and int(dst_row.max()) < 5000
+    assert set(dst_rank.unique().tolist()) == {-1, 0} and 0.2 < float((dst_rank == -1).float().mean()) < 0.3
+    rows = torch.tensor([[1.0], [2.0 ** -8], [2.0 ** -8], [5.0]], dtype=torch.bfloat16).expand(4, 8).contiguous()
+    got = reference(rows, torch.tensor([[0, 0, 0, -1], [-1, -1, -1, -1]], dtype=torch.int32),
+                    torch.tensor([[0, 1, 2, 3], [3, 3, 3, 3]], dtype=torch.int32))
+    assert got.dtype == torch.bfloat16 and got[0].tolist() == [1.0 + 2.0 ** -7] * 8 and got[1].tolist() == [0.0] * 8
+
+
 def test_busy_union_of_overlapping_items_and_gaps():
     """Items worked by hand (us): a [0, 10], b [4, 6] inside a, c [8, 14] overlapping a's end, then a 6 us gap,
     d [20, 25], a 5 us gap, e [30, 31]: span 31, busy 14 + 5 + 1 = 20, the gaps longest first named by the
