@@ -143,6 +143,21 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
         assert ptx.count("ld.global.f32") == 4
 
 
+@pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_t"])
+def test_cooperative_gathered_wgrads_compile_sm90a_no_spills(tmp_path, op):
+    """The layer's gathered wgrads on their cooperative 128 x 256 tile, which ``select_wgrad_config`` picks on a
+    GPU whose HBM is slower than WGRAD_PINGPONG_MIN_HBM_GBS (an H100): m64n256 wgmma from both consumer warp
+    groups, no named turn barriers."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig, select_wgrad_config
+
+    cfg = select_wgrad_config(128, 7168, 2048, 132, hbm_gbs=3352.0)
+    assert tuple(cfg) == tuple(GroupGemmConfig(128, 256, 132))
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, cfg)
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma and all("m64n256k16" in ln for ln in mma), mma[:1]
+    check_gathered_wgrad_a(ptx, tile_m=128, tile_n=256)
+
+
 def check_sigmoid_one_mufu(ptx: str) -> None:
     """The SwiGLU epilogues' sigmoid is ``base.sigmoid_approx``: one tanh.approx an element, no ex2 + rcp pair."""
     assert "tanh.approx.f32" in ptx, "the sigmoid is not computed through tanh.approx"

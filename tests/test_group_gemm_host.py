@@ -92,10 +92,29 @@ def test_select_wgrad_config():
     assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1, False)  # pingpong
     assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1, False)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
+    # by the device's HBM bandwidth (GB/s): the H100 SXM's takes the cooperative 128 x 256 tile, the H200's (and an
+    # unknown one) pingpong 128 x 192; tiles other than 128 x 256 do not depend on it
+    h100, h200 = 3352.0, 4915.0
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132, h100)) == (128, 256, 132, False, 0, False, 1, False)
+    assert select_wgrad_config(128, 7168, 2048, 132, h200) == select_wgrad_config(128, 7168, 2048, 132)
+    assert tuple(select_wgrad_config(64, 520, 136, 132, h100)) == (128, 128, 132, False, 0, False, 1, False)
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(96, 256, 256)
+
+
+
+def test_hbm_gbs_of_device_properties():
+    from types import SimpleNamespace
+
+    from csrc_cute.group_gemm.host import hbm_gbs_of
+
+    # an H100 SXM 80GB: 2619 MHz, double data rate, over 5120 bits
+    h100 = SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120)
+    assert hbm_gbs_of(h100) == pytest.approx(3352.3, abs=0.1)
+    assert hbm_gbs_of(SimpleNamespace(memory_clock_rate=0, memory_bus_width=5120)) is None
+    assert hbm_gbs_of(SimpleNamespace()) is None  # a torch without these fields
 
 
 @pytest.mark.parametrize(

@@ -162,19 +162,27 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
     return GroupGemmConfig(base.tile_m, tile_n, num_sms, False, *_row_band(f, tile_n, SWIGLU_BWD_BAND))
 
 
-# The wgrad (and the gathered-A wgrad, the layer's gate/up one) at tile_M 128 where Nd >= 256: pingpong
-# 128 x 192 in place of the cooperative 128 x 256. H200 sweeps of session 18 at H = 7168, F = 2048, P = 128
-# (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of
-# the cooperative tile's time (results/bench_tiles_fb51b4d.json, bench_tiles_b179bdb.json), the gathered
-# wgrad 0.93/0.94/0.95 (bench_tiles_b179bdb.json); with the A tiles shared in a cluster the pingpong wgrad
-# was 1.10-1.15x slower. The earlier sweep at 953407e (that commit's kernels) had the wgrad's pingpong
-# 128 x 192 at 0.98/1.02/1.07.
+# The wgrad (and the gathered-A wgrads, the layer's three) at tile_M 128 where Nd >= 256: pingpong 128 x 192 in
+# place of the cooperative 128 x 256 on a GPU whose HBM moves at least WGRAD_PINGPONG_MIN_HBM_GBS (the H200's
+# ~4.8 TB/s) or does not say; the cooperative tile where it moves less (the H100 SXM's ~3.35 TB/s). H200 sweeps
+# of session 18 at H = 7168, F = 2048, P = 128 (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of the cooperative tile's time
+# (results/bench_tiles_fb51b4d.json, bench_tiles_b179bdb.json), the gathered wgrad 0.93/0.94/0.95
+# (bench_tiles_b179bdb.json), and at the power cap 0.95/1.00/0.96 (results/bench_tiles_4a8c9c5_wgrad_gather.json);
+# with the A tiles shared in a cluster the pingpong wgrad was 1.10-1.15x slower. On an H100 80GB HBM3 (session
+# 31, results/bench_tiles_session31_h100.json, at the cap) the pingpong tile took 1.02/0.99/1.35x the
+# cooperative one's time for the wgrad and 1.17/1.30/1.12x for the gathered wgrad; under ncu the pingpong
+# wgrad at 48 skewed groups read L2 at a 42.5% hit rate with DRAM 80% busy (QuACK's 128 x 192 pingpong tile in
+# clusters sharing B: 68%, results/ncu_gemm_session31_h100.json): there the kernel waits on HBM, and the
+# cooperative tile loads 9% fewer bytes per MMA.
 WGRAD_PINGPONG_TILE_N = 192
+WGRAD_PINGPONG_MIN_HBM_GBS = 4000.0
 
 
-def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
+                        hbm_gbs: float | None = None) -> GroupGemmConfig:
     """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd (cooperative; pingpong 128 x
-    WGRAD_PINGPONG_TILE_N where that would be 128 x 256); its k tile (64 rows) must divide P."""
+    WGRAD_PINGPONG_TILE_N where that would be 128 x 256, unless the device's HBM bandwidth ``hbm_gbs`` (GB/s;
+    None: unknown) is below WGRAD_PINGPONG_MIN_HBM_GBS); its k tile (64 rows) must divide P."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     if pad < 64:
@@ -184,6 +192,6 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
         )
     tile_m = 128 if kd > 64 else 64
     tile_n = 256 if nd >= 256 else 128
-    if tile_m == 128 and tile_n == 256:
+    if tile_m == 128 and tile_n == 256 and (hbm_gbs is None or hbm_gbs >= WGRAD_PINGPONG_MIN_HBM_GBS):
         return GroupGemmConfig(128, WGRAD_PINGPONG_TILE_N, num_sms, pingpong=True)
     return GroupGemmConfig(tile_m, tile_n, num_sms)

@@ -429,21 +429,32 @@ def _desc_workspace(device: torch.device, num_rings: int) -> torch.Tensor:
     return ws
 
 
-_DEVICE_INFO: dict[int, tuple[tuple[int, int], int]] = {}
+_DEVICE_INFO: dict[int, tuple[tuple[int, int], int, float | None]] = {}
 # (op, Kd, Nd, P, device index) -> compiled kernel: skips the config/key work on the hot path.
 _LAUNCH_CACHE: dict[tuple, Any] = {}
 
 
-def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
+def hbm_gbs_of(props) -> float | None:
+    """Peak HBM bandwidth (GB/s) of a device from its properties (memory clock in kHz, double data rate, bus
+    width in bits), or None where torch does not report them."""
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9
+
+
+def _device_info(device: torch.device) -> tuple[tuple[int, int], int, float | None]:
+    """(compute capability, SMs, peak HBM GB/s or None) of ``device``, read once."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     info = _DEVICE_INFO.get(idx)
     if info is None:
         props = torch.cuda.get_device_properties(idx)
-        info = _DEVICE_INFO[idx] = ((props.major, props.minor), props.multi_processor_count)
+        info = _DEVICE_INFO[idx] = ((props.major, props.minor), props.multi_processor_count, hbm_gbs_of(props))
     return info
 
 
-def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupGemmConfig | None = None):
+def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupGemmConfig | None = None,
+               hbm_gbs: float | None = None):
     """The kernel of ``op`` ("fwd", "dgrad", "dgrad2", "wgrad", "row_scale", "swiglu", "swiglu_h_only",
     "swiglu_bwd", "swiglu_bwd_smem" (its shared-memory epilogue); "row_scale_remote", "swiglu_remote",
     "swiglu_h_only_remote": with remote groups; "swiglu_gather", "swiglu_gather_h_only", "wgrad_gather",
@@ -452,7 +463,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     (Kd, Nd) (H, F for the SwiGLU ops), padding P and ``num_sms``. ``config`` (forward, dgrad, dgrad2,
     wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward):
     this tile configuration instead of the op's own choice (config.py), e.g. another tile, raster or
-    cluster shape (benchmarks/bench_tiles.py, their tests)."""
+    cluster shape (benchmarks/bench_tiles.py, their tests). ``hbm_gbs``: the device's peak HBM bandwidth (GB/s,
+    None: unknown), which picks the wgrads' tile (``select_wgrad_config``)."""
     if config is not None:
         return _compile_with_config(op, kd, nd, config)
     if op == "fwd":
@@ -462,11 +474,12 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op == "dgrad2":
         return compile_group_gemm_dgrad2(kd, nd, select_wide_rows_config(pad, kd, num_sms))
     if op == "wgrad":
-        return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+        return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms, hbm_gbs))
     if op == "wgrad_gather":
-        return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms))
+        return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms, hbm_gbs))
     if op == "wgrad_gather_t":
-        return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms), dw_m_major=True)
+        return compile_group_gemm_wgrad_gather(kd, nd, select_wgrad_config(pad, kd, nd, num_sms, hbm_gbs),
+                                               dw_m_major=True)
     if op in ("row_scale", "row_scale_remote"):
         remote = op == "row_scale_remote"  # the remote variant keeps the cooperative tile (pingpong untested)
         config = select_config(pad, nd, num_sms) if remote else select_wide_rows_config(pad, nd, num_sms)
@@ -504,12 +517,12 @@ def _launcher(op: str, kd: int, nd: int, pad: int, device: torch.device):
     fast_key = (op, kd, nd, pad, device.index)
     fn = _LAUNCH_CACHE.get(fast_key)
     if fn is None or dry_running():
-        cc, num_sms = _device_info(device)
+        cc, num_sms, hbm_gbs = _device_info(device)
         if cc != (9, 0):
             raise ValueError(
                 f"tensors must be on a Hopper (sm_90) GPU, got compute capability {cc[0]}.{cc[1]}"
             )
-        fn = compile_op(op, kd, nd, pad, num_sms)
+        fn = compile_op(op, kd, nd, pad, num_sms, hbm_gbs=hbm_gbs)
         if not dry_running():  # a dry run's stand-in launches nothing: it must not outlive the dry run
             _LAUNCH_CACHE[fast_key] = fn
     return fn
