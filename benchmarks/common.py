@@ -8,6 +8,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,9 +108,13 @@ def time_round_robin(calls: dict, time_once, repeats: int) -> dict:
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
+# a commit as run_info records it: a full or abbreviated hash, and after a "+" what a device run's tree adds to it
+COMMIT_RE = re.compile(r"[0-9a-f]{7,40}(\+[\w.-]+)?")
+
+
 def run_info() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = os.environ.get("MOONEP_COMMIT", "")  # device runs get a tree copy without git history
+    commit = os.environ.get("MOONEP_COMMIT", "")  # set by a device run's script: the commit its tree is at
     if not commit:
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
@@ -119,7 +124,7 @@ def run_info() -> dict:
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
                 gpus=torch.cuda.device_count(), torch=torch.__version__,
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                commit=commit if len(commit) == 40 else "unknown",
+                commit=commit if COMMIT_RE.fullmatch(commit) else "unknown",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 

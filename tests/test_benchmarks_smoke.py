@@ -796,3 +796,12 @@ def test_ncu_gemm_plot_of_the_committed_h200_profile(tmp_path):
     shutil.copy(os.path.join(ROOT, "benchmarks", "results", path.name), path)
     plot(str(path))
     assert os.path.getsize(str(path).replace(".json", ".png")) > 10_000
+
+
+def test_run_info_records_the_commit_a_device_script_names(monkeypatch):
+    from benchmarks.common import run_info
+
+    for given, recorded in (("d5559c9", "d5559c9"), ("d5559c95b4e8890c94663dc9ff0cce7cab6a1aca",) * 2,
+                            ("72cba59+lsu-prefetch", "72cba59+lsu-prefetch"), ("not a commit", "unknown")):
+        monkeypatch.setenv("MOONEP_COMMIT", given)
+        assert run_info()["commit"] == recorded
