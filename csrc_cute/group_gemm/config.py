@@ -165,8 +165,9 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
 # The wgrad (and the gathered-A wgrads, the layer's three) at tile_M 128 where Nd >= 256: pingpong 128 x 192 in
 # place of the cooperative 128 x 256 on a GPU whose HBM moves at least WGRAD_PINGPONG_MIN_HBM_GBS (the H200's
 # ~4.8 TB/s) or does not say; the cooperative tile where it moves less (the H100 SXM's ~3.35 TB/s). H200 sweeps
-# of session 18 at H = 7168, F = 2048, P = 128 (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of the cooperative tile's time
-# (results/bench_tiles_fb51b4d.json, bench_tiles_b179bdb.json), the gathered wgrad 0.93/0.94/0.95
+# of session 18 at H = 7168, F = 2048, P = 128 (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the
+# wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of the cooperative tile's time (results/bench_tiles_fb51b4d.json,
+# bench_tiles_b179bdb.json), the gathered wgrad 0.93/0.94/0.95
 # (bench_tiles_b179bdb.json), and at the power cap 0.95/1.00/0.96 (results/bench_tiles_4a8c9c5_wgrad_gather.json);
 # with the A tiles shared in a cluster the pingpong wgrad was 1.10-1.15x slower. On an H100 80GB HBM3 (session
 # 31, results/bench_tiles_session31_h100.json, at the cap) the pingpong tile took 1.02/0.99/1.35x the
