@@ -146,7 +146,7 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
 @pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_t"])
 def test_cooperative_gathered_wgrads_compile_sm90a_no_spills(tmp_path, op):
     """The layer's gathered wgrads on their cooperative 128 x 256 tile, which ``select_wgrad_config`` picks on a
-    GPU whose HBM is slower than WGRAD_PINGPONG_MIN_HBM_GBS (an H100): m64n256 wgmma from both consumer warp
+    GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS (an H100): m64n256 wgmma from both consumer warp
     groups, no named turn barriers."""
     from csrc_cute.group_gemm.config import GroupGemmConfig, select_wgrad_config
 
@@ -156,6 +156,22 @@ def test_cooperative_gathered_wgrads_compile_sm90a_no_spills(tmp_path, op):
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma and all("m64n256k16" in ln for ln in mma), mma[:1]
     check_gathered_wgrad_a(ptx, tile_m=128, tile_n=256)
+
+
+def test_slow_hbm_dgrad2_compiles_sm90a_no_spills(tmp_path):
+    """The dgrad2 on the tile ``select_dgrad2_config`` picks on a GPU whose HBM is slower than
+    PINGPONG_MIN_HBM_GBS (an H100): cooperative 128 x 256 (m64n256 wgmma from both consumer warp groups, no
+    named turn barriers) in bands of 64 M tiles; both operand pairs loaded by TMA as on the pingpong tile."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig, select_dgrad2_config
+
+    cfg = select_dgrad2_config(128, 7168, 132, hbm_gbs=3352.0)
+    assert tuple(cfg) == tuple(GroupGemmConfig(128, 256, 132, band_m=64))
+    ptx = compile_one_kernel_no_spills(tmp_path, "dgrad2", 7168, 2048, 128, cfg)
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma and all("m64n256k16" in ln for ln in mma), mma[:1]
+    assert "bar.arrive" not in ptx
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 4
+    assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 4
 
 
 def check_sigmoid_one_mufu(ptx: str) -> None:

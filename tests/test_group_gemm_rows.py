@@ -253,21 +253,23 @@ def test_dgrad2_random_groups_partial_tiles(pad):
 
 
 @gpu
-def test_dgrad2_pingpong_tiles_equal_the_cooperative_kernel():
-    # the pingpong 128 x 192 option (GroupGemmConfig.pingpong: no op chooses it today, bench_tiles measures
-    # it): Kd = 1216 = 6 x 192 + 64, a partial last n tile; 4 CTAs, so each warp group takes many
-    # alternate tiles; rows past the last group. Bitwise the cooperative 128 x 256 kernel: the same k loop
-    # per output element, only the tiling differs
+def test_dgrad2_tiles_are_bitwise_equal():
+    # the dgrad2's tiles: pingpong 128 x 192 in bands of 16 M tiles (its tile on an H200), cooperative 128 x 256
+    # in bands of 64 (on an H100: select_dgrad2_config) and M-major (select_config's). Kd = 1216 = 6 x 192 + 64 =
+    # 4 x 256 + 192: a partial last n tile in each; 4 CTAs, so each warp group takes many tiles; rows past the
+    # last group. Bitwise equal to each other: the same k loop per output element, only the tiling differs
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = random_lengths(128, 6, 3, 9, seed=41)
     pair_a, pair_b, cu = _make_dgrad2(lengths, 6, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=41)
     want = _check_dgrad2(pair_a, pair_b, cu)
-    got = torch.full_like(want, float("nan"))
-    compile_op("dgrad2", 1216, 320, 128, 4, GroupGemmConfig(128, 192, 4, pingpong=True))(*pair_a, *pair_b, cu, got)
-    torch.cuda.synchronize()
-    assert torch.equal(got, want), f"differs in {(got != want).any(1).sum().item()} rows"
+    for config in (GroupGemmConfig(128, 192, 4, True, 16), GroupGemmConfig(128, 256, 4, False, 64),
+                   GroupGemmConfig(128, 256, 4)):
+        got = torch.full_like(want, float("nan"))
+        compile_op("dgrad2", 1216, 320, 128, 4, config)(*pair_a, *pair_b, cu, got)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"{tuple(config)}: differs in {(got != want).any(1).sum().item()} rows"
 
 
 @gpu

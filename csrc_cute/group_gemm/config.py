@@ -92,6 +92,17 @@ def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
     return band if _wide(nd, tile_n) else (0, False)
 
 
+# The peak HBM bandwidth (GB/s) from which the wgrads and the dgrad2 take their pingpong tile: the H200's ~4.8 TB/s
+# does, the H100 SXM's ~3.35 TB/s does not (select_wgrad_config, select_dgrad2_config).
+PINGPONG_MIN_HBM_GBS = 4000.0
+
+
+def _slow_hbm(hbm_gbs: float | None) -> bool:
+    """Whether a device of peak HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS,
+    where the wgrads and the dgrad2 take the cooperative 128 x 256 tile (fewer bytes per MMA) over pingpong."""
+    return hbm_gbs is not None and hbm_gbs < PINGPONG_MIN_HBM_GBS
+
+
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Pick the tile shape: tile_M divides the group padding P (128 if P >= 128, else 64); cooperative
     consumers (the pingpong option at 128 x 128 / 160 / 192 measured no faster for the forward, dgrad,
@@ -122,23 +133,46 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 # M-major pingpong). In the burst timing (the board below its cap) the M-major pingpong tile was 0.5-3% faster
 # than the banded one and 3-6% faster than the cooperative banded tile (as in session 18's sweeps,
 # results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json, which chose it). The dgrad2 (two operand pairs,
-# Kd = H) takes the same tile since session 21: at f5d15ce (results/bench_tiles_f5d15ce.json, after the
-# pingpong turn change and the first-k-block overwrite) it took 0.97/0.97/0.97 of the previous choice's
-# time at the cap (cooperative 128 x 256 in bands of 64 in clusters of two CTAs, sessions 17-18:
-# results/bench_tiles_456724f.json, bench_tiles_b179bdb.json) and 0.97/0.99/0.97 in bursts; QuACK's
-# K = 2F GEMM took 1.017/1.011/1.031x its time at the cap, 1.001/0.977/1.017x in bursts.
+# Kd = H) takes the same tile since session 21 where HBM is fast (select_dgrad2_config): at f5d15ce
+# (results/bench_tiles_f5d15ce.json, after the pingpong turn change and the first-k-block overwrite) it took
+# 0.97/0.97/0.97 of the previous choice's time at the cap (cooperative 128 x 256 in bands of 64 in clusters of
+# two CTAs, sessions 17-18: results/bench_tiles_456724f.json, bench_tiles_b179bdb.json) and 0.97/0.99/0.97 in
+# bursts; QuACK's K = 2F GEMM took 1.017/1.011/1.031x its time at the cap, 1.001/0.977/1.017x in bursts.
 WIDE_ROWS_PINGPONG_TILE_N = 192
 WIDE_ROWS_BAND = (16, False)
 
 
 def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of the dgrad and the dgrad2 (``nd`` = their output's Kd columns) and of the row-scaled forward:
-    ``select_config``'s, or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in WIDE_ROWS_BAND's raster where that has
-    tile_M 128 and more than BANDED_N_TILES n tiles."""
+    """Tile of the dgrad (``nd`` = its output's Kd columns) and of the row-scaled forward: ``select_config``'s,
+    or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in WIDE_ROWS_BAND's raster where that has tile_M 128 and more
+    than BANDED_N_TILES n tiles."""
     base = select_config(pad, nd, num_sms)
     if base.tile_m == 128 and _wide(nd, base.tile_n):
         return GroupGemmConfig(128, WIDE_ROWS_PINGPONG_TILE_N, num_sms, True, *WIDE_ROWS_BAND)
     return base
+
+
+# The dgrad2 (two operand pairs: K = 2F) on a GPU whose HBM moves less than PINGPONG_MIN_HBM_GBS: the cooperative
+# 128 x 256 tile in bands of DGRAD2_SLOW_HBM_BAND M tiles in place of the wide-rows pingpong tile. On an H100 80GB
+# HBM3 (session 32, results/bench_tiles_session32_h100.json; 48 equal / 16 x 4096 / 48 skewed groups) it took
+# 0.94/0.96/0.91x the pingpong tile's time at the power cap and 0.86/0.87/0.94x in bursts, and
+# 0.98/0.96/0.93x QuACK's at the cap (the pingpong tile 1.04/1.00/1.02x), 0.93/0.96/0.98x in bursts; without
+# the band (M-major) 1.4-1.7x its time.
+# With K = 2F a tile's mainloop is twice the dgrad's, so hiding the epilogue under the next tile's mainloop
+# matters half as much, and where HBM is slow the wider tile's fewer bytes per MMA decide (as for the wgrads).
+# On the H200 the pingpong tile stays (session 21: 0.97x the cooperative banded tile's time at the cap).
+DGRAD2_SLOW_HBM_BAND = 64
+
+
+def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS,
+                         hbm_gbs: float | None = None) -> GroupGemmConfig:
+    """Tile of the dgrad2 (``kd`` = its output's columns): ``select_wide_rows_config``'s, or, where that is the
+    pingpong tile and the device's HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is below
+    PINGPONG_MIN_HBM_GBS, the cooperative 128 x 256 tile in bands of DGRAD2_SLOW_HBM_BAND M tiles."""
+    wide = select_wide_rows_config(pad, kd, num_sms)
+    if wide.pingpong and _slow_hbm(hbm_gbs):
+        return GroupGemmConfig(128, 256, num_sms, False, DGRAD2_SLOW_HBM_BAND)
+    return wide
 
 
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -163,7 +197,7 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
 
 
 # The wgrad (and the gathered-A wgrads, the layer's three) at tile_M 128 where Nd >= 256: pingpong 128 x 192 in
-# place of the cooperative 128 x 256 on a GPU whose HBM moves at least WGRAD_PINGPONG_MIN_HBM_GBS (the H200's
+# place of the cooperative 128 x 256 on a GPU whose HBM moves at least PINGPONG_MIN_HBM_GBS (the H200's
 # ~4.8 TB/s) or does not say; the cooperative tile where it moves less (the H100 SXM's ~3.35 TB/s). H200 sweeps
 # of session 18 at H = 7168, F = 2048, P = 128 (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the
 # wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of the cooperative tile's time (results/bench_tiles_fb51b4d.json,
@@ -176,14 +210,13 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
 # clusters sharing B: 68%, results/ncu_gemm_session31_h100.json): there the kernel waits on HBM, and the
 # cooperative tile loads 9% fewer bytes per MMA.
 WGRAD_PINGPONG_TILE_N = 192
-WGRAD_PINGPONG_MIN_HBM_GBS = 4000.0
 
 
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
                         hbm_gbs: float | None = None) -> GroupGemmConfig:
     """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd (cooperative; pingpong 128 x
     WGRAD_PINGPONG_TILE_N where that would be 128 x 256, unless the device's HBM bandwidth ``hbm_gbs`` (GB/s;
-    None: unknown) is below WGRAD_PINGPONG_MIN_HBM_GBS); its k tile (64 rows) must divide P."""
+    None: unknown) is below PINGPONG_MIN_HBM_GBS); its k tile (64 rows) must divide P."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     if pad < 64:
@@ -193,6 +226,6 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
         )
     tile_m = 128 if kd > 64 else 64
     tile_n = 256 if nd >= 256 else 128
-    if tile_m == 128 and tile_n == 256 and (hbm_gbs is None or hbm_gbs >= WGRAD_PINGPONG_MIN_HBM_GBS):
+    if tile_m == 128 and tile_n == 256 and not _slow_hbm(hbm_gbs):
         return GroupGemmConfig(128, WGRAD_PINGPONG_TILE_N, num_sms, pingpong=True)
     return GroupGemmConfig(tile_m, tile_n, num_sms)
