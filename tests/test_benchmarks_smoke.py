@@ -551,7 +551,7 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
     unknown) wins the committed H200 sweeps (``check_tile_choices_win_sweeps``)."""
     from csrc_cute.group_gemm import (
         select_config,
-        select_dgrad2_config,
+        select_hbm_rows_config,
         select_swiglu_bwd_config,
         select_swiglu_config,
         select_wgrad_config,
@@ -568,8 +568,8 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
     for hbm_gbs in (h200, None):
         wgrad = select_wgrad_config(128, 7168, 2048, hbm_gbs=hbm_gbs)
         chosen = dict(fwd=select_config(128, 2048), dgrad=select_wide_rows_config(128, 7168),
-                      row_scale=select_wide_rows_config(128, 7168),
-                      dgrad2=select_dgrad2_config(128, 7168, hbm_gbs=hbm_gbs),
+                      row_scale=select_hbm_rows_config(128, 7168, hbm_gbs=hbm_gbs),
+                      dgrad2=select_hbm_rows_config(128, 7168, hbm_gbs=hbm_gbs),
                       wgrad=wgrad, wgrad_gather=wgrad, wgrad_gather_t=wgrad,
                       swiglu=select_swiglu_config(128, 2048), swiglu_bwd=select_swiglu_bwd_config(128, 2048))
         check_tile_choices_win_sweeps("NVIDIA H200", names, chosen)
@@ -578,13 +578,15 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
 def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
     """On an H100 SXM (HBM bandwidth 3.35 TB/s: the wgrads and the dgrad2 take their cooperative tiles) the
     tiles of the families swept there win those sweeps (``check_tile_choices_win_sweeps``)."""
-    from csrc_cute.group_gemm import select_dgrad2_config, select_wgrad_config, select_wide_rows_config
+    from csrc_cute.group_gemm import select_config, select_hbm_rows_config, select_wgrad_config, select_wide_rows_config
 
     h100 = 3352.0
     wgrad = select_wgrad_config(128, 7168, 2048, hbm_gbs=h100)
-    chosen = dict(dgrad=select_wide_rows_config(128, 7168), dgrad2=select_dgrad2_config(128, 7168, hbm_gbs=h100),
-                  wgrad=wgrad, wgrad_gather=wgrad)
-    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session32_h100.json",
+    rows = select_hbm_rows_config(128, 7168, hbm_gbs=h100)
+    chosen = dict(fwd=select_config(128, 2048), dgrad=select_wide_rows_config(128, 7168), dgrad2=rows,
+                  row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad)
+    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session32_h100_rows.json",
+                                                            "bench_tiles_session32_h100.json",
                                                             "bench_tiles_session31_h100.json"), chosen)
 
 

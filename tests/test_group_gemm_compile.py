@@ -158,20 +158,26 @@ def test_cooperative_gathered_wgrads_compile_sm90a_no_spills(tmp_path, op):
     check_gathered_wgrad_a(ptx, tile_m=128, tile_n=256)
 
 
-def test_slow_hbm_dgrad2_compiles_sm90a_no_spills(tmp_path):
-    """The dgrad2 on the tile ``select_dgrad2_config`` picks on a GPU whose HBM is slower than
-    PINGPONG_MIN_HBM_GBS (an H100): cooperative 128 x 256 (m64n256 wgmma from both consumer warp groups, no
-    named turn barriers) in bands of 64 M tiles; both operand pairs loaded by TMA as on the pingpong tile."""
-    from csrc_cute.group_gemm.config import GroupGemmConfig, select_dgrad2_config
+@pytest.mark.parametrize("op", ["dgrad2", "row_scale"])
+def test_slow_hbm_rows_compile_sm90a_no_spills(tmp_path, op):
+    """The dgrad2 and the row-scaled forward on the tile ``select_hbm_rows_config`` picks on a GPU whose HBM is
+    slower than PINGPONG_MIN_HBM_GBS (an H100): cooperative 128 x 256 (m64n256 wgmma from both consumer warp
+    groups, no named turn barriers) in bands of 64 M tiles; the dgrad2's two operand pairs loaded by TMA as on
+    the pingpong tile, the row scale's two route weights a thread and tile loaded once each."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig, select_hbm_rows_config
 
-    cfg = select_dgrad2_config(128, 7168, 132, hbm_gbs=3352.0)
+    kd, nd = (2048, 7168) if op == "row_scale" else (7168, 2048)  # the output has H = 7168 columns
+    cfg = select_hbm_rows_config(128, 7168, 132, hbm_gbs=3352.0)
     assert tuple(cfg) == tuple(GroupGemmConfig(128, 256, 132, band_m=64))
-    ptx = compile_one_kernel_no_spills(tmp_path, "dgrad2", 7168, 2048, 128, cfg)
+    ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, 128, cfg)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma and all("m64n256k16" in ln for ln in mma), mma[:1]
     assert "bar.arrive" not in ptx
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 4
-    assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 4
+    if op == "dgrad2":
+        assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 4
+        assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == 4
+    else:
+        assert ptx.count("ld.global.f32") == 2
 
 
 def check_sigmoid_one_mufu(ptx: str) -> None:

@@ -16,7 +16,7 @@ from csrc_cute.group_gemm import (
     group_gemm_wgrad_gather,
     group_gemm_wgrad_gather_b,
     select_config,
-    select_dgrad2_config,
+    select_hbm_rows_config,
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
@@ -106,18 +106,18 @@ def test_select_wgrad_config():
 
 
 
-def test_select_dgrad2_config():
-    # the wide-rows pingpong tile (the dgrad's), except on a GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS
-    # (the H100 SXM's): the cooperative 128 x 256 tile in bands of 64 M tiles; outputs of at most BANDED_N_TILES
-    # 256-column tiles and tile_M 64 keep select_config's cooperative tile either way
+def test_select_hbm_rows_config():
+    # the dgrad2's and the row scale's: the wide-rows pingpong tile (the dgrad's), except on a GPU whose HBM is
+    # slower than PINGPONG_MIN_HBM_GBS (the H100 SXM's): the cooperative 128 x 256 tile in bands of 64 M tiles;
+    # outputs of at most BANDED_N_TILES 256-column tiles and tile_M 64 keep select_config's cooperative tile
     h100, h200 = 3352.0, 4915.0
-    assert select_dgrad2_config(128, 7168, 132) == select_wide_rows_config(128, 7168, 132)
-    assert select_dgrad2_config(128, 7168, 132, h200) == select_wide_rows_config(128, 7168, 132)
-    assert tuple(select_dgrad2_config(128, 7168, 132, h100)) == (128, 256, 132, False, 64, False, 1, False)
-    assert select_dgrad2_config(128, 2048, 132, h100) == select_config(128, 2048, 132)
-    assert select_dgrad2_config(64, 7168, 132, h100) == select_config(64, 7168, 132)
+    assert select_hbm_rows_config(128, 7168, 132) == select_wide_rows_config(128, 7168, 132)
+    assert select_hbm_rows_config(128, 7168, 132, h200) == select_wide_rows_config(128, 7168, 132)
+    assert tuple(select_hbm_rows_config(128, 7168, 132, h100)) == (128, 256, 132, False, 64, False, 1, False)
+    assert select_hbm_rows_config(128, 2048, 132, h100) == select_config(128, 2048, 132)
+    assert select_hbm_rows_config(64, 7168, 132, h100) == select_config(64, 7168, 132)
     with pytest.raises(ValueError, match=r"P \(pad\)"):
-        select_dgrad2_config(96, 7168, 132, h100)
+        select_hbm_rows_config(96, 7168, 132, h100)
 
 
 def test_hbm_gbs_of_device_properties():

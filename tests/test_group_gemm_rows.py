@@ -255,7 +255,7 @@ def test_dgrad2_random_groups_partial_tiles(pad):
 @gpu
 def test_dgrad2_tiles_are_bitwise_equal():
     # the dgrad2's tiles: pingpong 128 x 192 in bands of 16 M tiles (its tile on an H200), cooperative 128 x 256
-    # in bands of 64 (on an H100: select_dgrad2_config) and M-major (select_config's). Kd = 1216 = 6 x 192 + 64 =
+    # in bands of 64 (on an H100: select_hbm_rows_config) and M-major (select_config's). Kd = 1216 = 6 x 192 + 64 =
     # 4 x 256 + 192: a partial last n tile in each; 4 CTAs, so each warp group takes many tiles; rows past the
     # last group. Bitwise equal to each other: the same k loop per output element, only the tiling differs
     from csrc_cute.group_gemm.config import GroupGemmConfig

@@ -92,14 +92,15 @@ def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
     return band if _wide(nd, tile_n) else (0, False)
 
 
-# The peak HBM bandwidth (GB/s) from which the wgrads and the dgrad2 take their pingpong tile: the H200's ~4.8 TB/s
-# does, the H100 SXM's ~3.35 TB/s does not (select_wgrad_config, select_dgrad2_config).
+# The peak HBM bandwidth (GB/s) from which the wgrads, the dgrad2 and the row-scaled forward take pingpong tiles:
+# the H200's ~4.8 TB/s does, the H100 SXM's ~3.35 TB/s does not (select_wgrad_config, select_hbm_rows_config).
 PINGPONG_MIN_HBM_GBS = 4000.0
 
 
 def _slow_hbm(hbm_gbs: float | None) -> bool:
     """Whether a device of peak HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS,
-    where the wgrads and the dgrad2 take the cooperative 128 x 256 tile (fewer bytes per MMA) over pingpong."""
+    where the wgrads, the dgrad2 and the row-scaled forward take cooperative 128 x 256 tiles (fewer bytes per
+    MMA) over pingpong."""
     return hbm_gbs is not None and hbm_gbs < PINGPONG_MIN_HBM_GBS
 
 
@@ -133,7 +134,7 @@ def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupG
 # M-major pingpong). In the burst timing (the board below its cap) the M-major pingpong tile was 0.5-3% faster
 # than the banded one and 3-6% faster than the cooperative banded tile (as in session 18's sweeps,
 # results/bench_tiles_3abd0d1.json, bench_tiles_fb51b4d.json, which chose it). The dgrad2 (two operand pairs,
-# Kd = H) takes the same tile since session 21 where HBM is fast (select_dgrad2_config): at f5d15ce
+# Kd = H) takes the same tile since session 21 where HBM is fast (select_hbm_rows_config): at f5d15ce
 # (results/bench_tiles_f5d15ce.json, after the pingpong turn change and the first-k-block overwrite) it took
 # 0.97/0.97/0.97 of the previous choice's time at the cap (cooperative 128 x 256 in bands of 64 in clusters of
 # two CTAs, sessions 17-18: results/bench_tiles_456724f.json, bench_tiles_b179bdb.json) and 0.97/0.99/0.97 in
@@ -152,26 +153,28 @@ def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS)
     return base
 
 
-# The dgrad2 (two operand pairs: K = 2F) on a GPU whose HBM moves less than PINGPONG_MIN_HBM_GBS: the cooperative
-# 128 x 256 tile in bands of DGRAD2_SLOW_HBM_BAND M tiles in place of the wide-rows pingpong tile. On an H100 80GB
-# HBM3 (session 32, results/bench_tiles_session32_h100.json; 48 equal / 16 x 4096 / 48 skewed groups) it took
-# 0.94/0.96/0.91x the pingpong tile's time at the power cap and 0.86/0.87/0.94x in bursts, and
-# 0.98/0.96/0.93x QuACK's at the cap (the pingpong tile 1.04/1.00/1.02x), 0.93/0.96/0.98x in bursts; without
-# the band (M-major) 1.4-1.7x its time.
-# With K = 2F a tile's mainloop is twice the dgrad's, so hiding the epilogue under the next tile's mainloop
-# matters half as much, and where HBM is slow the wider tile's fewer bytes per MMA decide (as for the wgrads).
-# On the H200 the pingpong tile stays (session 21: 0.97x the cooperative banded tile's time at the cap).
-DGRAD2_SLOW_HBM_BAND = 64
+# The dgrad2 (two operand pairs: K = 2F) and the row-scaled forward on a GPU whose HBM moves less than
+# PINGPONG_MIN_HBM_GBS: the cooperative 128 x 256 tile in bands of SLOW_HBM_ROWS_BAND M tiles in place of the
+# wide-rows pingpong tile. On an H100 80GB HBM3 (session 32; 48 equal / 16 x 4096 / 48 skewed groups), each
+# time over the pingpong tile's at the power cap (in bursts): the dgrad2 0.94/0.96/0.91x (0.86/0.87/0.94x),
+# and 0.98/0.96/0.93x QuACK's K = 2F GEMM at the cap where the pingpong tile took 1.04/1.00/1.02x
+# (results/bench_tiles_session32_h100.json); without the band (M-major) 1.4-1.7x. The row-scaled forward
+# 0.98/0.96/0.97x (1.01/1.00/1.07x; results/bench_tiles_session32_h100_rows.json). The dgrad keeps the pingpong
+# tile there: 1.01/0.99/0.98x at the cap, 1.02/1.06/1.01x in bursts. With K = 2F a tile's mainloop is twice
+# the dgrad's, so hiding the epilogue under the next tile's matters half as much, and where HBM is slow the
+# wider tile's fewer bytes per MMA decide (as for the wgrads). On the H200 the pingpong tile stays (the dgrad2
+# in session 21: 0.97x the cooperative banded tile's time at the cap).
+SLOW_HBM_ROWS_BAND = 64
 
 
-def select_dgrad2_config(pad: int, kd: int, num_sms: int = H100_H200_NUM_SMS,
-                         hbm_gbs: float | None = None) -> GroupGemmConfig:
-    """Tile of the dgrad2 (``kd`` = its output's columns): ``select_wide_rows_config``'s, or, where that is the
-    pingpong tile and the device's HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is below
-    PINGPONG_MIN_HBM_GBS, the cooperative 128 x 256 tile in bands of DGRAD2_SLOW_HBM_BAND M tiles."""
-    wide = select_wide_rows_config(pad, kd, num_sms)
+def select_hbm_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
+                           hbm_gbs: float | None = None) -> GroupGemmConfig:
+    """Tile of the dgrad2 and the row-scaled forward (``nd`` = the output's columns): ``select_wide_rows_config``'s,
+    or, where that is the pingpong tile and the device's HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is
+    below PINGPONG_MIN_HBM_GBS, the cooperative 128 x 256 tile in bands of SLOW_HBM_ROWS_BAND M tiles."""
+    wide = select_wide_rows_config(pad, nd, num_sms)
     if wide.pingpong and _slow_hbm(hbm_gbs):
-        return GroupGemmConfig(128, 256, num_sms, False, DGRAD2_SLOW_HBM_BAND)
+        return GroupGemmConfig(128, 256, num_sms, False, SLOW_HBM_ROWS_BAND)
     return wide
 
 

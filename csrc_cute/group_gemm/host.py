@@ -22,7 +22,7 @@ from .config import (
     H100_H200_NUM_SMS,
     GroupGemmConfig,
     select_config,
-    select_dgrad2_config,
+    select_hbm_rows_config,
     select_swiglu_bwd_config,
     select_swiglu_config,
     select_wgrad_config,
@@ -465,7 +465,8 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward):
     this tile configuration instead of the op's own choice (config.py), e.g. another tile, raster or
     cluster shape (benchmarks/bench_tiles.py, their tests). ``hbm_gbs``: the device's peak HBM bandwidth (GB/s,
-    None: unknown), which picks the wgrads' and the dgrad2's tiles (``select_wgrad_config``, ``select_dgrad2_config``)."""
+    None: unknown), which picks the tiles of the wgrads, the dgrad2 and the row scale (``select_wgrad_config``,
+    ``select_hbm_rows_config``)."""
     if config is not None:
         return _compile_with_config(op, kd, nd, config)
     if op == "fwd":
@@ -473,7 +474,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op == "dgrad":
         return compile_group_gemm_dgrad(kd, nd, select_wide_rows_config(pad, kd, num_sms))
     if op == "dgrad2":
-        return compile_group_gemm_dgrad2(kd, nd, select_dgrad2_config(pad, kd, num_sms, hbm_gbs))
+        return compile_group_gemm_dgrad2(kd, nd, select_hbm_rows_config(pad, kd, num_sms, hbm_gbs))
     if op == "wgrad":
         return compile_group_gemm_wgrad(kd, nd, select_wgrad_config(pad, kd, nd, num_sms, hbm_gbs))
     if op == "wgrad_gather":
@@ -483,7 +484,7 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
                                                dw_m_major=True)
     if op in ("row_scale", "row_scale_remote"):
         remote = op == "row_scale_remote"  # the remote variant keeps the cooperative tile (pingpong untested)
-        config = select_config(pad, nd, num_sms) if remote else select_wide_rows_config(pad, nd, num_sms)
+        config = select_config(pad, nd, num_sms) if remote else select_hbm_rows_config(pad, nd, num_sms, hbm_gbs)
         return compile_group_gemm_row_scale(kd, nd, config, remote)
     if op in ("swiglu", "swiglu_h_only", "swiglu_remote", "swiglu_h_only_remote"):
         return compile_group_gemm_swiglu(kd, nd, select_swiglu_config(pad, nd, num_sms),
