@@ -114,7 +114,9 @@ COMMIT_RE = re.compile(r"[0-9a-f]{7,40}(\+[\w.-]+)?")
 
 def run_info() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = os.environ.get("MOONEP_COMMIT", "")  # set by a device run's script: the commit its tree is at
+    # set by a device run's script: the commit its tree is at (the device copy's git can name an older one: in
+    # session 32 it named the session's first commit after two more had landed)
+    commit = os.environ.get("MOONEP_COMMIT", "")
     if not commit:
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
