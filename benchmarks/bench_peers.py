@@ -51,7 +51,13 @@ imported after ours and torch have run: importing quack makes CuTe DSL compiles 
 
 Timing: CUDA events (wall clock on the CPU), median over --repeats of the mean of --iters calls after --warmup;
 the GEMM families' implementations in rotated rounds, one round timing each once, so that ours and QuACK share
-the GPU's clock and power state (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
+the GPU's clock and power state. ``--sustained-s S`` (GEMM section): each implementation of each family and layout
+also launched back to back for about S seconds after ``--idle-s`` idle (common.run_sustained, the order rotated
+per row), its time per call at the board's power cap (`*_sustained_ms`, with clock, power and energy per call)
+beside the burst: the burst's 5 x 3 calls run near the boost clock, where kernels that did not change moved by up
+to 15% between runs (the wgrad at 48 equal groups: ours 0.87x QuACK's speed in session 32's burst,
+results/bench_peers_session32_h100_gemm.json, and 1.00x in session 31's bench_tiles burst); a training step runs
+at the cap (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
 the same QuACK dgrad at 16 x 4096 took 2.50 ms there and 2.81 ms in a bench_tiles run of the same session on
 another machine, 1 H200: results/bench_peers_4cde1fc_h200.log, bench_tiles_session18_h200.log). The layer's
 implementations are timed each in a block of its own (fwd, inference, fwd + backward), not in rotated rounds:
@@ -86,8 +92,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (Bench, apply_smoke_defaults, combine_pull_bytes, gpu_idle,  # noqa: E402
-                               kernel_breakdown, names_option, run_info, short_error, symmetric_bytes,
-                               time_round_robin, write_json)
+                               kernel_breakdown, names_option, rotated, run_info, run_sustained, short_error,
+                               sustained_text, symmetric_bytes, time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
 from moonep_ops.routing import route  # noqa: E402
 
@@ -100,7 +106,7 @@ GATHERED = {"swiglu_gather": ("x", "x_tok"), "wgrad_gather": ("x", "x_tok"), "sw
 IMPLS = ("ours", "ours_rows", "torch", "torch_compiled", "sonicmoe", "quack")
 PICKED_TOP, PICKED_STEP, OTHER_LOGIT = 0.5, 0.0625, -8.0  # designed router logits (see the module docstring)
 SMOKE = dict(S=64, H=64, F=32, E=8, K=2, P=16, gemm_rows=512, iters=2, repeats=1, warmup=1,
-             compile_backend="aot_eager")
+             compile_backend="aot_eager", sustained_s=0.005, idle_s=0.0)
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -645,6 +651,13 @@ def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool 
                     row.update({f"{impl}_ms": ms, f"{impl}_tflops": row["flops"] / ms / 1e9})
                     b.log(f"gemm {fam:10s} {lname:12s} {impl:6s} {ms:8.3f} ms {row[f'{impl}_tflops']:7.1f} TF/s "
                           f"err {row[f'{impl}_err']:.2e}")
+                if o["sustained_s"] > 0:
+                    order = rotated(list(calls), len(st["rows"]))
+                    runs = run_sustained({i: calls[i] for i in order}, {i: row[f"{i}_ms"] for i in order},
+                                         o["sustained_s"], o["idle_s"], cuda=b.cuda)
+                    for impl, cell in runs.items():
+                        row.update({f"{impl}_{k}": v for k, v in cell.items()})
+                        b.log(f"gemm {fam:10s} {lname:12s} {impl:6s} {sustained_text(cell)}")
             del calls
             del ref
         del d
@@ -670,16 +683,20 @@ def layer_ratios(rows: dict, fwd_flops: float) -> None:
 
 
 def gemm_ratios(rows: dict) -> None:
-    """rows[*]["ours_over_<impl>"] = impl's time / ours' (equivalently ours' TFLOP/s / impl's)."""
+    """rows[*]["ours_over_<impl>"] = impl's time / ours' (equivalently ours' TFLOP/s / impl's), in the burst; and
+    where the row was run sustained (--sustained-s), rows[*]["ours_over_<impl>_sustained"] at the power cap."""
     for r in rows.values():
         for impl in ("quack", "torch"):
             r[f"ours_over_{impl}"] = speedup(r.get("ours_ms"), r.get(f"{impl}_ms"))
+            if "ours_sustained_ms" in r:
+                r[f"ours_over_{impl}_sustained"] = speedup(r["ours_sustained_ms"], r.get(f"{impl}_sustained_ms"))
 
 
 def issue_targets(layer: dict, gemm: dict) -> dict:
     """The one-GPU targets (issue 13) from one run's rows: name -> dict(value, target, met), met None when a
     side did not run. Times as ours / SonicMoE (<= target), peak as ours / SonicMoE's, GEMMs as the lowest
-    ours-over-QuACK speed of a family over its layouts (>= 1.0), the profiled step's non-GEMM GPU ms."""
+    ours-over-QuACK speed of a family over its layouts (>= 1.0; in the burst, and at the power cap where the rows
+    were run with --sustained-s), the profiled step's non-GEMM GPU ms."""
     def target(value, goal, at_most=True):
         met = None if value is None else (value <= goal if at_most else value >= goal)
         return dict(value=value, target=goal, met=met)
@@ -698,9 +715,13 @@ def issue_targets(layer: dict, gemm: dict) -> dict:
     non_gemm = ours.get("non_gemm_gpu_ms")
     out["non-GEMM GPU ms of a step"] = target(non_gemm if isinstance(non_gemm, float) else None, 3.0)
     for fam in dict.fromkeys(r["family"] for r in gemm.values()):
-        speeds = [r.get("ours_over_quack") for r in gemm.values() if r["family"] == fam]
-        worst = None if not speeds or None in speeds else min(speeds)
-        out[f"{fam} / quack (worst layout)"] = target(worst, 1.0, at_most=False)
+        rows = [r for r in gemm.values() if r["family"] == fam]
+        for key, label in (("ours_over_quack", ""), ("ours_over_quack_sustained", " at the power cap")):
+            if label and not any(key in r for r in rows):
+                continue  # not run sustained (gemm_ratios sets the key, None where QuACK did not run)
+            speeds = [r.get(key) for r in rows]
+            worst = None if not speeds or None in speeds else min(speeds)
+            out[f"{fam} / quack{label} (worst layout)"] = target(worst, 1.0, at_most=False)
     return out
 
 
@@ -761,6 +782,12 @@ def table(payload: dict) -> list[str]:
         for name, r in gemm.items():
             lines.append(f"{name:>31} | " + " ".join(cell(r, i, "tflops", 9, 1) for i in impls) + " | "
                          + " ".join(fmt(r.get(f"ours_over_{i}"), 11, 3) for i in impls if i != "ours"))
+        if any("ours_sustained_ms" in r for r in gemm.values()):
+            lines.append(f"GEMM ms per call at the power cap (--sustained-s {payload.get('sustained_s')}; "
+                         "ours/x = x's time / ours)")
+            for name, r in gemm.items():
+                lines.append(f"{name:>31} | " + " ".join(cell(r, i, "sustained_ms", 9, 3) for i in impls) + " | "
+                             + " ".join(fmt(r.get(f"ours_over_{i}_sustained"), 11, 3) for i in impls if i != "ours"))
         errs = [f"  {n} {i}: {r[f'{i}_error']}" for n, r in gemm.items() for i in impls if f"{i}_error" in r]
         lines += errs
     targets = payload.get("targets") or {}
@@ -827,6 +854,7 @@ def run(opts: dict) -> dict:
     info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], section_errors=errors,
                 device=opts["device"],
                 smoke=opts["smoke"], tol=opts["tol"], iters=opts["iters"], repeats=opts["repeats"],
+                sustained_s=opts["sustained_s"], idle_s=opts["idle_s"],
                 warmup=opts["warmup"], compile_backend=opts["compile_backend"], dtype="bfloat16", R=1,
                 comm_sms=opts["comm_sms"],
                 **{k: opts[k] for k in ("S", "H", "F", "E", "K", "P", "gemm_rows")})
@@ -850,6 +878,10 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="warm-up calls (compiles and autotuning happen here)")
     ap.add_argument("--tol", type=float, default=3e-2, help="max |got - ref| / max |ref| against fp32")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (inductor; smoke: aot_eager)")
+    ap.add_argument("--sustained-s", dest="sustained_s", type=float, default=0.0,
+                    help="GEMM section: each implementation also launched back to back for about S seconds, its "
+                         "time per call at the power cap (common.run_sustained); 0: off")
+    ap.add_argument("--idle-s", dest="idle_s", type=float, default=1.0, help="idle seconds before each sustained run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated implementations ({', '.join(IMPLS)})")
     ap.add_argument("--comm-sms", type=int, default=None, help="CTAs of our communication kernels (EPGroup.comm_sms; "

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -41,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_peers import (gathered_operand, gemm_call, gemm_flops, gemm_operands, gemm_reference,  # noqa: E402
                                     group_layouts, rel_err)
 from benchmarks.common import (  # noqa: E402
-    ClockSampler, cuda_time_ms, rotated, run_info, short_error, time_round_robin, window_means, write_json)
+    cuda_time_ms, rotated, run_info, run_sustained, short_error, sustained_text, time_round_robin, write_json)
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
@@ -178,36 +176,16 @@ def measure(rows: dict, key: str, calls: dict, opts) -> None:
 
 
 def measure_sustained(rows: dict, key: str, calls: dict, opts, turn: int) -> None:
-    """``--sustained-s`` S > 0: each timed call of sweep row `key` launched back to back for about S seconds (the
-    row's candidates in turn, the order rotated by `turn`, each after ``--idle-s`` idle), with nvidia-smi sampling
-    the SM clock and the power: per candidate its time per call over the whole run and, over the run's second half
-    (where a kernel that draws the board's cap has settled at it), the mean clock, power and energy per call
-    (power x time). Why: the burst timing above runs near the boost clock, but a training step holds the board
-    at its power cap, where a kernel's time follows its energy (results/bench_sustained.json)."""
-    row, names = rows[key], [n for n in calls if "ms" in rows[key][n]]
-    names = rotated(names, turn)
-    sampler, runs = ClockSampler(), {}
-    for name in names:
-        time.sleep(opts.idle_s)
-        n = max(1, math.ceil(opts.sustained_s * 1e3 / row[name]["ms"]))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.time()
-        start.record()
-        for _ in range(n):
-            calls[name]()
-        end.record()
-        end.synchronize()
-        runs[name] = (t0, time.time(), start.elapsed_time(end) / n)
-    samples = sampler.samples()
-    for name, (t0, t1, ms) in runs.items():
-        late = window_means(samples, t0 + 0.5 * (t1 - t0), t1)
-        row[name].update(sustained_ms=ms)
-        if late is not None:
-            row[name].update(sustained_clock_mhz=late["clock_mhz"], sustained_power_w=late["power_w"],
-                             sustained_mj=late["power_w"] * ms, sustained_reasons=late["reasons"])
-        print(f"{key:24s} {name:30s} sustained {ms:7.3f} ms"
-              + (f" {late['clock_mhz']:6.0f} MHz {late['power_w']:5.0f} W {late['power_w'] * ms:7.1f} mJ"
-                 if late is not None else " (no clock samples)"), flush=True)
+    """``--sustained-s`` S > 0: each timed call of sweep row `key` launched back to back for about S seconds, the
+    row's candidates in turn, the order rotated by `turn`, each after ``--idle-s`` idle (``run_sustained``: its
+    time per call, and the clock, power and energy per call where the board has settled)."""
+    row = rows[key]
+    names = rotated([n for n in calls if "ms" in row[n]], turn)
+    runs = run_sustained({n: calls[n] for n in names}, {n: row[n]["ms"] for n in names}, opts.sustained_s,
+                         opts.idle_s)
+    for name, cell in runs.items():
+        row[name].update(cell)
+        print(f"{key:24s} {name:30s} {sustained_text(cell)}", flush=True)
 
 
 def run(opts) -> dict:

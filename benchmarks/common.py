@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import math
 import os
 import re
 import signal
@@ -66,6 +67,51 @@ def window_means(samples: list[tuple[float, float, float, str]], t0: float, t1: 
         return None
     return dict(clock_mhz=sum(s[1] for s in late) / len(late), power_w=sum(s[2] for s in late) / len(late),
                 reasons=sorted({s[3] for s in late}))
+
+
+def run_sustained(calls: dict, burst_ms: dict, seconds: float, idle_s: float, cuda: bool = True) -> dict:
+    """Each of ``calls`` (name -> zero-argument call, in that order) launched back to back for about ``seconds``
+    (``seconds`` / its burst time ``burst_ms[name]`` calls, rounded up), each run after ``idle_s`` idle, with
+    nvidia-smi sampling the SM clock and the power (``ClockSampler``): name -> its time per call over the whole
+    run (``sustained_ms``; CUDA events, or the wall clock where ``cuda`` is False) and, over the run's second half
+    (where a kernel that draws the board's cap has settled at it), the mean clock, power, energy per call (power x
+    time) and clock-limit reasons (none without samples). Why: a burst runs near the boost clock, but a training
+    step holds the board at its power cap, where a kernel's time follows its energy (results/bench_sustained.json)."""
+    sampler, runs = ClockSampler(), {}
+    for name, call in calls.items():
+        time.sleep(idle_s)
+        n = max(1, math.ceil(seconds * 1e3 / burst_ms[name]))
+        t0 = time.time()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                call()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / n
+        else:
+            for _ in range(n):
+                call()
+            ms = (time.time() - t0) * 1e3 / n
+        runs[name] = (t0, time.time(), ms)
+    samples = sampler.samples()
+    out = {}
+    for name, (t0, t1, ms) in runs.items():
+        late = window_means(samples, t0 + 0.5 * (t1 - t0), t1)
+        out[name] = dict(sustained_ms=ms)
+        if late is not None:
+            out[name].update(sustained_clock_mhz=late["clock_mhz"], sustained_power_w=late["power_w"],
+                             sustained_mj=late["power_w"] * ms, sustained_reasons=late["reasons"])
+    return out
+
+
+def sustained_text(cell: dict) -> str:
+    """One ``run_sustained`` result as a log line's tail."""
+    if "sustained_clock_mhz" not in cell:
+        return f"sustained {cell['sustained_ms']:7.3f} ms (no clock samples)"
+    return (f"sustained {cell['sustained_ms']:7.3f} ms {cell['sustained_clock_mhz']:6.0f} MHz "
+            f"{cell['sustained_power_w']:5.0f} W {cell['sustained_mj']:7.1f} mJ")
 
 
 def cuda_time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:

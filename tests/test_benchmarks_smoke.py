@@ -224,9 +224,14 @@ def test_bench_peers_smoke_without_peers(peers_smoke):
     for name, r in d["gemm"].items():
         assert r["ours_ok"] and r["torch_ok"], (name, r)
         assert r["ours_tflops"] > 0 and r["ours_over_torch"] > 0 and r["ours_over_quack"] is None
+        # --sustained-s (the smoke's 5 ms, wall clock on the CPU): each implementation's time per call, no clock
+        assert r["ours_sustained_ms"] > 0 and r["torch_sustained_ms"] > 0 and "ours_sustained_clock_mhz" not in r
+        assert r["ours_over_torch_sustained"] == r["torch_sustained_ms"] / r["ours_sustained_ms"]
+    assert d["sustained_s"] == 0.005 and d["targets"]["fwd / quack at the power cap (worst layout)"]["met"] is None
     lines = stdout.strip().splitlines()
     assert lines[-1].startswith("peers: quack missing") and any(ln.startswith("MoE layer") for ln in lines)
     assert any(ln.startswith("GEMM TFLOP/s") for ln in lines)
+    assert any(ln.startswith("GEMM ms per call at the power cap") for ln in lines)
 
 
 @pytest.mark.parametrize("smoke, plot", [pytest.param(smoke, plot, marks=on_smoke(smoke)) for smoke, plot in (
@@ -612,7 +617,8 @@ def test_bench_tiles_times_the_candidates_round_robin():
 
 def test_bench_peers_issue_targets_from_hand_made_rows():
     """bench_peers' target summary: ratios to SonicMoE (at most the target), the worst layout of each GEMM
-    family against QuACK (at least 1.0), and 'not measured' where a side did not run."""
+    family against QuACK (at least 1.0; also at the power cap where the rows were run sustained), and 'not measured'
+    where a side did not run."""
     from benchmarks.bench_peers import issue_targets
 
     layer = dict(ours=dict(fwd_ms=9.0, fwd_bwd_ms=28.0, peak_gb=14.0, non_gemm_gpu_ms=1.5),
@@ -629,6 +635,13 @@ def test_bench_peers_issue_targets_from_hand_made_rows():
     assert t["non-GEMM GPU ms of a step"] == dict(value=1.5, target=3.0, met=True)
     assert t["fwd / quack (worst layout)"] == dict(value=0.97, target=1.0, met=False)
     assert t["wgrad / quack (worst layout)"]["met"] is None  # QuACK missing at one layout
+    assert not any("power cap" in k for k in t)  # no row run sustained: no such target
+    # rows run sustained (--sustained-s): each family's worst layout at the cap too, beside the burst's
+    gemm["fwd | a"]["ours_over_quack_sustained"] = 1.01
+    gemm["fwd | b"]["ours_over_quack_sustained"] = 1.03
+    t = issue_targets(layer, gemm)
+    assert t["fwd / quack at the power cap (worst layout)"] == dict(value=1.01, target=1.0, met=True)
+    assert t["fwd / quack (worst layout)"]["met"] is False and "wgrad / quack at the power cap (worst layout)" not in t
     none = issue_targets(dict(ours=layer["ours"]), {})
     assert none["layer fwd / sonicmoe"]["met"] is None and "layer fwd+bwd / sonicmoe (rows)" not in none
 
@@ -657,7 +670,7 @@ def test_bench_tiles_sustained_runs_each_timed_candidate_and_reports_its_energy(
     import time
     import types
 
-    from benchmarks import bench_tiles
+    from benchmarks import bench_tiles, common
 
     class Event:  # each run's end event reports 2 ms per call made since its start event
         def __init__(self, enable_timing):
@@ -681,7 +694,7 @@ def test_bench_tiles_sustained_runs_each_timed_candidate_and_reports_its_energy(
             return [(self.t0 + i / 1e3, 1500.0, 600.0, "0x4") for i in range(int((t1 - self.t0) * 1e3) + 2)]
 
     monkeypatch.setattr(bench_tiles.torch.cuda, "Event", Event)
-    monkeypatch.setattr(bench_tiles, "ClockSampler", Sampler)
+    monkeypatch.setattr(common, "ClockSampler", Sampler)
     order = []
     calls = {name: (lambda name=name: (order.append(name), time.sleep(1e-3))) for name in ("a", "b", "c")}
     rows = {"k": dict(a=dict(ms=1.0), b=dict(ms=4.0), c=dict(error="failed its check"))}
