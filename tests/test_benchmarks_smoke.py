@@ -581,8 +581,8 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
 
 
 def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
-    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the wgrads and the dgrad2 take their cooperative tiles) the
-    tiles of the families swept there win those sweeps (``check_tile_choices_win_sweeps``)."""
+    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the wgrads, the dgrad2 and the row scale take cooperative tiles)
+    the tiles of the families swept there win those sweeps (``check_tile_choices_win_sweeps``)."""
     from csrc_cute.group_gemm import select_config, select_hbm_rows_config, select_wgrad_config, select_wide_rows_config
 
     h100 = 3352.0

@@ -144,9 +144,9 @@ WIDE_ROWS_BAND = (16, False)
 
 
 def select_wide_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
-    """Tile of the dgrad (``nd`` = its output's Kd columns) and of the row-scaled forward: ``select_config``'s,
-    or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in WIDE_ROWS_BAND's raster where that has tile_M 128 and more
-    than BANDED_N_TILES n tiles."""
+    """Tile of the dgrad (``nd`` = its output's Kd columns), and of the dgrad2 and the row-scaled forward where
+    HBM is fast (``select_hbm_rows_config``): ``select_config``'s, or pingpong 128 x WIDE_ROWS_PINGPONG_TILE_N in
+    WIDE_ROWS_BAND's raster where that has tile_M 128 and more than BANDED_N_TILES n tiles."""
     base = select_config(pad, nd, num_sms)
     if base.tile_m == 128 and _wide(nd, base.tile_n):
         return GroupGemmConfig(128, WIDE_ROWS_PINGPONG_TILE_N, num_sms, True, *WIDE_ROWS_BAND)
