@@ -12,8 +12,9 @@ QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is impo
 have compiled: importing it makes CuTe DSL compiles single-threaded).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
 the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), the banded one also
-in clusters of two CTAs sharing the A tiles by TMA multicast (``GroupGemmConfig.cluster_n``), and pingpong
-128 x 192 (QuACK's default tile) M-major or in bands of 64 or 16 M tiles; the same for the row-scaled
+in clusters of two CTAs sharing the A tiles (``GroupGemmConfig.cluster_n``) or the B tiles
+(``GroupGemmConfig.cluster_m``) by TMA multicast, and pingpong 128 x 192 (QuACK's default tile) M-major or in
+bands of 64 or 16 M tiles, the M-major and band-16 ones also sharing B in clusters; the same for the row-scaled
 forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at
 128 x 192, each with and without clusters, and its two gathered variants (ours only) at those two tiles without
 clusters; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in
@@ -43,9 +44,10 @@ from benchmarks.common import (  # noqa: E402
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
-# (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n[, dynamic]]) per family; ``dynamic``: the tiles taken
-# in order from a global counter (GroupGemmConfig.dynamic, csrc_cute/group_gemm/walk.py; session 29), next to
-# the same tile with the static walk. Dropped after earlier sweeps (kept
+# (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n[, dynamic[, cluster_m]]]) per family; ``dynamic``: the
+# tiles taken in order from a global counter (GroupGemmConfig.dynamic, csrc_cute/group_gemm/walk.py; session 29),
+# next to the same tile with the static walk; ``cluster_m`` = 2: pairs of M tiles sharing each weight tile by TMA
+# multicast where they lie in one group (session 33; its bands count M tiles over all rows). Dropped after earlier sweeps (kept
 # in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their cooperative
 # bands of 16 and the short-groups-only raster (config.py's comment), their M-major and pingpong tiles in
 # clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
@@ -58,8 +60,10 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # bench_peers.token_rows; until session 24 a random permutation of x's M rows) against QuACK's gather_A.
 QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "wgrad_gather")
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
+                  (128, 256, False, 64, False, 1, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False),
-                  (128, 192, True, 16, False, 1, True))
+                  (128, 192, True, 16, False, 1, True), (128, 192, True, 0, False, 1, False, 2),
+                  (128, 192, True, 16, False, 1, False, 2))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
                   wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
                          (128, 192, True, 0, False, 2)),
@@ -73,10 +77,10 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
 
 
 def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False,
-                cluster_n: int = 1, dynamic: bool = False) -> str:
+                cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1) -> str:
     return (f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
             f"{' short groups' if tall_m_major else ''}{f' cluster 1x{cluster_n}' if cluster_n > 1 else ''}"
-            f"{' dynamic' if dynamic else ''}")
+            f"{f' cluster {cluster_m}x1' if cluster_m > 1 else ''}{' dynamic' if dynamic else ''}")
 
 
 def shared_empty(d: dict, fam: str, index: int, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:

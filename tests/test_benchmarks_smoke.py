@@ -541,7 +541,8 @@ def check_tile_choices_win_sweeps(gpu: str, names: tuple[str, ...], chosen: dict
         rows = next(rs for rs in ([r for r in sw["rows"].values() if r["family"] == fam] for sw in sweeps) if rs)
         assert len(rows) == 3, fam
         pingpong = cfg.pingpong or fam == "swiglu_bwd"  # the SwiGLU backward is always pingpong
-        name = config_name(cfg.tile_m, cfg.tile_n, pingpong, cfg.band_m, cfg.tall_m_major, cfg.cluster_n, cfg.dynamic)
+        name = config_name(cfg.tile_m, cfg.tile_n, pingpong, cfg.band_m, cfg.tall_m_major, cfg.cluster_n, cfg.dynamic,
+                           cfg.cluster_m)
         wins = 0
         for r in rows:
             field = "sustained_ms" if any(isinstance(c, dict) and "sustained_ms" in c for c in r.values()) else "ms"

@@ -26,18 +26,18 @@ from group_gemm_cases import zero_inputs, zero_swiglu_inputs
 
 
 def test_select_config_rejects_small_pad():
-    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False)  # cooperative, M-major
-    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False)
-    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1, False)  # M-major too
+    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False, 1)  # cooperative, M-major
+    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False, 1)
+    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1, False, 1)  # M-major too
     # the dgrad's, the dgrad2's and the down projection's at H = 7168 (28 tiles of 256): pingpong 128 x 192 in
     # bands of 16 M tiles (WIDE_ROWS_BAND)
-    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1, False)
+    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1, False, 1)
     assert select_wide_rows_config(128, 2048, 132) == select_config(128, 2048, 132)  # 8 tiles: cooperative
     assert select_wide_rows_config(128, 2049, 132).pingpong and select_wide_rows_config(128, 2049, 132).band_m == 16
     assert select_wide_rows_config(64, 7168, 132) == select_config(64, 7168, 132)  # tile_M 64: cooperative
     # the fused SwiGLU: every group in bands of 16 M tiles (SWIGLU_BAND); M-major at 8 n tiles
-    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1, False)
-    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1, False)
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1, False, 1)
+    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1, False, 1)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):
@@ -49,8 +49,8 @@ def test_select_config_rejects_small_pad():
 
 def test_select_swiglu_bwd_config():
     # 160 columns where they pad F by at most 5%, else 128; tile_M as the forward's
-    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False, 1, False)
-    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False, 1, False)
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False, 1, False, 1)
+    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False, 1, False, 1)
     assert select_swiglu_bwd_config(128, 1024).band_m == 0  # 8 n tiles
     assert select_swiglu_bwd_config(128, 1024).tile_n == 128  # 1120 columns: 9% more
     assert select_swiglu_bwd_config(128, 200).tile_n == 128
@@ -89,16 +89,41 @@ def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
             cls(GroupGemmConfig(128, 128, 132, cluster_n=2))
 
 
+def test_config_cluster_m_is_1_or_2_and_only_the_row_kernels_take_2():
+    from csrc_cute.group_gemm import GroupGemmConfig
+    from csrc_cute.group_gemm.rows import GroupGemmDgrad2Sm90, GroupGemmRowScaleRemoteSm90, GroupGemmSm90
+    from csrc_cute.group_gemm.swiglu import GroupGemmSwigluSm90
+    from csrc_cute.group_gemm.swiglu_bwd import GroupGemmSwigluBwdSm90
+    from csrc_cute.group_gemm.wgrad import GroupGemmWgradSm90
+
+    assert GroupGemmConfig(128, 256, 132).cluster_m == 1
+    cluster = GroupGemmConfig(128, 192, 132, True, 16, cluster_m=2)
+    assert (cluster.cluster_m, cluster.cluster_n, cluster.band_m) == (2, 1, 16)
+    for bad in (0, 3, True, 1.5):
+        with pytest.raises(ValueError, match="cluster_m must be 1 or 2"):
+            GroupGemmConfig(128, 256, 132, cluster_m=bad)
+    for other in (dict(cluster_n=2), dict(dynamic=True), dict(band_m=16, tall_m_major=True), dict(num_sms=1)):
+        with pytest.raises(ValueError, match="cluster_m = 2 needs cluster_n = 1, a static walk, no tall_m_major"):
+            GroupGemmConfig(**{**dict(tile_m=128, tile_n=256, num_sms=132, cluster_m=2), **other})
+    with pytest.raises(ValueError, match="cluster_m = 2 needs an even band_m"):
+        GroupGemmConfig(128, 256, 132, band_m=3, cluster_m=2)
+    for kernel in (GroupGemmSm90(cluster), GroupGemmSm90(cluster, b_k_major=True), GroupGemmDgrad2Sm90(cluster)):
+        assert (kernel.cluster_m, kernel.cluster_size) == (2, 2)
+    for cls in (GroupGemmRowScaleRemoteSm90, GroupGemmSwigluSm90, GroupGemmSwigluBwdSm90, GroupGemmWgradSm90):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: GroupGemmConfig.cluster_m must be 1"):
+            cls(GroupGemmConfig(128, 128, 132, cluster_m=2))
+
+
 def test_select_wgrad_config():
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1, False)  # pingpong
-    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1, False)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1, False, 1)  # pingpong
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1, False, 1)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     # by the device's HBM bandwidth (GB/s): the H100 SXM's takes the cooperative 128 x 256 tile, the H200's (and an
     # unknown one) pingpong 128 x 192; tiles other than 128 x 256 do not depend on it
     h100, h200 = 3352.0, 4915.0
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132, h100)) == (128, 256, 132, False, 0, False, 1, False)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132, h100)) == (128, 256, 132, False, 0, False, 1, False, 1)
     assert select_wgrad_config(128, 7168, 2048, 132, h200) == select_wgrad_config(128, 7168, 2048, 132)
-    assert tuple(select_wgrad_config(64, 520, 136, 132, h100)) == (128, 128, 132, False, 0, False, 1, False)
+    assert tuple(select_wgrad_config(64, 520, 136, 132, h100)) == (128, 128, 132, False, 0, False, 1, False, 1)
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)
     with pytest.raises(ValueError, match=r"P \(pad\)"):
@@ -113,7 +138,7 @@ def test_select_hbm_rows_config():
     h100, h200 = 3352.0, 4915.0
     assert select_hbm_rows_config(128, 7168, 132) == select_wide_rows_config(128, 7168, 132)
     assert select_hbm_rows_config(128, 7168, 132, h200) == select_wide_rows_config(128, 7168, 132)
-    assert tuple(select_hbm_rows_config(128, 7168, 132, h100)) == (128, 256, 132, False, 64, False, 1, False)
+    assert tuple(select_hbm_rows_config(128, 7168, 132, h100)) == (128, 256, 132, False, 64, False, 1, False, 1)
     assert select_hbm_rows_config(128, 2048, 132, h100) == select_config(128, 2048, 132)
     assert select_hbm_rows_config(64, 7168, 132, h100) == select_config(64, 7168, 132)
     with pytest.raises(ValueError, match=r"P \(pad\)"):

@@ -373,18 +373,41 @@ def test_banded_raster_tiles_equal_the_m_major_raster(pingpong, band_m, tall_m_m
                                                          (False, 3, True)])
 def test_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m, tall_m_major):
     # GroupGemmConfig.cluster_n = 2: clusters of two CTAs computing one M tile at two neighbouring n tiles,
-    # each loading half of every A tile into both by TMA multicast. On 4 CTAs (2 clusters, many tiles each),
-    # with empty home and slot groups, groups of 1 to 9 M tiles, rows past the last group and an odd number
-    # of n tiles (1216 columns: 5 tiles of 256 or 7 of 192, the last pair's second tile past the output, a
-    # partial tile before it), the forward, row-scaled forward, dgrad and dgrad2 are bitwise the kernels
-    # without clusters (each output element has the same k loop), which match the reference
+    # each loading half of every A tile into both by TMA multicast. With an odd number of n tiles (1216
+    # columns: 5 tiles of 256 or 7 of 192, the last pair's second tile past the output, a partial tile
+    # before it)
     from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    tile_n = 192 if pingpong else 256
+    _check_cluster_kernels_equal_single_cta(GroupGemmConfig(128, tile_n, 4, pingpong, band_m, tall_m_major),
+                                            GroupGemmConfig(128, tile_n, 4, pingpong, band_m, tall_m_major,
+                                                            cluster_n=2))
+
+
+@gpu
+@pytest.mark.parametrize("pingpong,band_m", [(False, 0), (True, 0), (True, 2), (False, 4)])
+def test_weight_sharing_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m):
+    # GroupGemmConfig.cluster_m = 2: clusters of two CTAs computing M tiles 2q and 2q + 1 at one n tile, each
+    # loading half of every B tile into both by TMA multicast where both tiles lie in one group, else its own
+    # whole B tile. The groups (3, 0, 1, 9, 2, 0, 5, 1 M tiles: 21) put pairs across group ends (tiles 2 and
+    # 3, 12 and 13, ...) and in one group; the 200 rows past the last group make 23 M tiles, so pair (20, 21)
+    # has its second tile past the last group (that CTA loads zeros for A) and pair (22, 23) its second past
+    # A's end; bands of 1 and 2 pairs (band_m 2, 4) with a partial last band
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    tile_n = 192 if pingpong else 256
+    _check_cluster_kernels_equal_single_cta(GroupGemmConfig(128, tile_n, 4, pingpong, band_m),
+                                            GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=2))
+
+
+def _check_cluster_kernels_equal_single_cta(single, cluster):
+    """On 4 CTAs (2 clusters, many tiles each), with empty home and slot groups, groups of 1 to 9 M tiles and
+    rows past the last group, the forward, row-scaled forward, dgrad and dgrad2 compiled with ``cluster`` are
+    bitwise the kernels compiled with ``single`` (each output element has the same k loop), which match the
+    reference."""
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
-    tile_n = 192 if pingpong else 256
-    single = GroupGemmConfig(128, tile_n, 4, pingpong, band_m, tall_m_major)
-    cluster = GroupGemmConfig(128, tile_n, 4, pingpong, band_m, tall_m_major, cluster_n=2)
 
     def both(op, kd, nd, args, out):
         got = {}
@@ -411,5 +434,5 @@ def test_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m, tall_m_maj
     pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=73)
     want = _check_dgrad2(pair_a, pair_b, cu)
     got = both("dgrad2", 1216, 320, (*pair_a, *pair_b, cu), torch.empty_like(want))
-    if not pingpong and not band_m:  # the op's own kernel (the dgrad2's raster is banded only past 8 n tiles)
+    if not single.pingpong and not single.band_m:  # the op's own kernel (banded only past 8 n tiles)
         assert torch.equal(got, want)

@@ -42,6 +42,9 @@ class GroupGemmSm90Base(TileWalk):
     # whether the kernel may run in clusters of two CTAs sharing each A tile (``GroupGemmConfig.cluster_n``):
     # the families whose A is loaded by TMA and whose tile walk ``cta_tiles`` / the scheduler drive set it
     multicast_a = False
+    # whether the kernel may run in clusters of two CTAs sharing each B tile (``GroupGemmConfig.cluster_m``): the
+    # row kernels whose B loads go through ``load_expert_tile`` with the atoms' own descriptors
+    multicast_b = False
     # whether the kernel may take its tiles from the dynamic walk (``GroupGemmConfig.dynamic``)
     dynamic_walk = True
 
@@ -50,13 +53,20 @@ class GroupGemmSm90Base(TileWalk):
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.num_sms = config.num_sms
         self.band_m, self.tall_m_major = config.band_m, config.tall_m_major
-        self.cluster_n = config.cluster_n
+        self.cluster_n, self.cluster_m = config.cluster_n, config.cluster_m
+        self.cluster_size = self.cluster_n * self.cluster_m
         self.dynamic = config.dynamic
         if self.cluster_n > 1 and not self.multicast_a:
             raise ValueError(
                 f"{type(self).__name__}: GroupGemmConfig.cluster_n must be 1 for this kernel (got "
                 f"{self.cluster_n}): only the forward, dgrad, dgrad2, row-scale and wgrad kernels run in clusters "
                 f"(their A tiles shared by TMA multicast)"
+            )
+        if self.cluster_m > 1 and not self.multicast_b:
+            raise ValueError(
+                f"{type(self).__name__}: GroupGemmConfig.cluster_m must be 1 for this kernel (got "
+                f"{self.cluster_m}): only the forward, dgrad, dgrad2 and row-scale kernels share their B tiles "
+                f"in clusters (TMA multicast)"
             )
         if self.dynamic and not self.dynamic_walk:
             raise ValueError(f"{type(self).__name__}: GroupGemmConfig.dynamic must be False for this kernel (its "
@@ -153,10 +163,13 @@ class GroupGemmSm90Base(TileWalk):
         )
 
     def _tma_load_b(self, b):
-        """TMA atom (and its tensor) loading (tile_n, tile_k) tiles of ``b`` into one B stage."""
+        """TMA atom (and its tensor) loading (tile_n, tile_k) tiles of ``b`` into one B stage; in a cluster
+        sharing B (``cluster_m`` = 2) in halves, each multicast to the CTAs its mask names
+        (``partition_b_loads``, ``load_k_tiles``)."""
+        op = cpasync.CopyBulkTensorTileG2SOp() if self.cluster_m == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
         return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(self.b_load_staged, (None, None, 0)),
-            (self.tile_n, self.tile_k),
+            op, b, cute.slice_(self.b_load_staged, (None, None, 0)), (self.tile_n, self.tile_k),
+            num_multicast=self.cluster_m,
         )
 
     def _tma_load_weights(self, w_home, w_slot):
@@ -175,8 +188,8 @@ class GroupGemmSm90Base(TileWalk):
     def _row_tiles(self, a, c):
         """(#n tiles, #tiles) of the output ``c`` of a row-grouped kernel with A operand ``a``, counted in
         the tiles the persistent walk hands out: with ``cluster_n`` = 2 a tile is a pair of neighbouring n
-        tiles (the cluster's, ``cta_tiles``)."""
-        num_m_tiles = cute.ceil_div(cute.size(a, mode=[0]), self.tile_m)
+        tiles, with ``cluster_m`` = 2 a pair of neighbouring M tiles (the cluster's, ``cta_tiles``)."""
+        num_m_tiles = cute.ceil_div(cute.size(a, mode=[0]), self.tile_m * self.cluster_m)
         num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), self.tile_n * self.cluster_n)
         return num_n_tiles, num_m_tiles * num_n_tiles
 
@@ -202,12 +215,13 @@ class GroupGemmSm90Base(TileWalk):
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _launch_persistent(self, kernel, num_tiles, stream):
-        """Launch ``kernel`` (a ``self.kernel(...)`` call) on min(#tiles, #SMs) persistent CTAs, or with
-        ``cluster_n`` = 2 on min(#tiles, #SMs / 2) clusters of two CTAs (#tiles counts the clusters' tiles)."""
-        units = cutlass.min(num_tiles, self.num_sms // self.cluster_n)  # CTAs, or clusters of cluster_n CTAs
-        clustered = {} if self.cluster_n == 1 else dict(cluster=[self.cluster_n, 1, 1])
+        """Launch ``kernel`` (a ``self.kernel(...)`` call) on min(#tiles, #SMs) persistent CTAs, or in clusters
+        (``cluster_n`` or ``cluster_m`` = 2) on min(#tiles, #SMs / 2) clusters of two CTAs (#tiles counts the
+        clusters' tiles)."""
+        units = cutlass.min(num_tiles, self.num_sms // self.cluster_size)  # CTAs, or clusters of two CTAs
+        clustered = {} if self.cluster_size == 1 else dict(cluster=[self.cluster_size, 1, 1])
         kernel.launch(
-            grid=[units if self.cluster_n == 1 else units * self.cluster_n, 1, 1],
+            grid=[units if self.cluster_size == 1 else units * self.cluster_size, 1, 1],
             block=[self.num_threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -227,19 +241,20 @@ class GroupGemmSm90Base(TileWalk):
     @cute.jit
     def cta_tiles(self):
         """(first tile, tile stride) of this CTA's persistent walk over the kernel's tiles: its block index
-        and the grid size, or with ``cluster_n`` = 2 its cluster's index and the number of clusters (both
-        CTAs of a cluster walk the same tiles, each computing its own n tile of the pair: ``cluster_rank``)."""
+        and the grid size, or in clusters its cluster's index and the number of clusters (both CTAs of a
+        cluster walk the same tiles, each computing its own n tile, or M tile, of the pair: ``cluster_rank``)."""
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        if cutlass.const_expr(self.cluster_n > 1):
-            bidx, gdim = bidx // self.cluster_n, gdim // self.cluster_n
+        if cutlass.const_expr(self.cluster_size > 1):
+            bidx, gdim = bidx // self.cluster_size, gdim // self.cluster_size
         return bidx, gdim
 
     @cute.jit
     def cluster_rank(self):
-        """This CTA's index in its cluster (0 without clusters): its n tile within the cluster's pair."""
+        """This CTA's index in its cluster (0 without clusters): its n tile (``cluster_n``) or M tile
+        (``cluster_m``) within the cluster's pair."""
         rank = 0
-        if cutlass.const_expr(self.cluster_n > 1):
+        if cutlass.const_expr(self.cluster_size > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         return rank
 
@@ -261,7 +276,7 @@ class GroupGemmSm90Base(TileWalk):
             storage.mbar.data_ptr(), a_smem_staged, b_smem_staged, len(b_buffers)
         )
         walk = self.make_walk(storage)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, self.cluster_n), is_relaxed=True)
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sBs = [getattr(storage, name).get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
                for name in b_buffers]
@@ -298,15 +313,30 @@ class GroupGemmSm90Base(TileWalk):
     @cute.jit
     def partition_b_loads(self, b_operands):
         """Per B operand (atom, tensor, shared ring): the (atom, (TMA, RestN, RestK[, E]), (TMA, stage))
-        that ``load_k_tiles`` takes."""
+        that ``load_k_tiles`` takes; in a cluster sharing B (``cluster_m`` = 2) the two views are tuples of
+        both halves' views (half h: what the cluster's CTA h loads for both where they share the tile)."""
         b_loads = []
         for tma_b, mB, sB in b_operands:
-            gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
+            gB = cute.group_modes(cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB)), 0, 2)
+            halves = [cpasync.tma_partition(tma_b, h, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), gB)
+                      for h in range(self.cluster_m)]
+            if cutlass.const_expr(self.cluster_m == 1):
+                tBsB, tBgB = halves[0]
+            else:
+                tBsB, tBgB = tuple(h[0] for h in halves), tuple(h[1] for h in halves)
             b_loads.append((tma_b, tBgB, tBsB))
         return b_loads
+
+    def b_view(self, tBgB, coord):
+        """``tBgB[coord]`` of a ``partition_b_loads`` view, or of each half's in a cluster sharing B."""
+        if self.cluster_m == 1:
+            return tBgB[coord]
+        return tuple(half[coord] for half in tBgB)
+
+    def num_b_experts(self, b_load) -> int:
+        """The experts (mode 3) of a ``partition_b_loads`` weight view (atom, tensor, ring)."""
+        tBgB = b_load[1] if self.cluster_m == 1 else b_load[1][0]
+        return cute.size(tBgB, mode=[3])
 
     @cute.jit
     def mma_operands(self, tiled_mma: cute.TiledMma, tidx, wg_idx, sA: cute.Tensor, sBs):
@@ -432,16 +462,17 @@ class GroupGemmSm90Base(TileWalk):
             self.ab_dtype, b_smem
         )
         # A stage is free once the consumers of every CTA that loads into it released it: one arrival per
-        # consumer warp of each CTA of the cluster (each CTA's A loads fill the stage in all of them)
+        # consumer warp of each CTA of the cluster (each CTA's A loads, or B halves, fill the stage in all of
+        # them; with cluster_m the CTAs release each other's stages even for a pair that loads its own B tiles)
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=mbar_ptr,
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.tile_mma_threads // 32 * self.cluster_n
+                pipeline.Agent.Thread, self.tile_mma_threads // 32 * self.cluster_size
             ),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
             defer_sync=True,
         )
 
@@ -457,35 +488,50 @@ class GroupGemmSm90Base(TileWalk):
         k_start: cutlass.Int32,
         k_count: cutlass.Int32,
         b_descs=None,  # None, or per B ring the global-memory descriptor its loads use instead of the atom's
+        share_b=None,  # cluster_m = 2: whether both CTAs' tiles read this B tile (Boolean), else None
     ):
         """Producer: TMA k tiles [k_start, k_start + k_count) of A and of every B into the ring, one
-        mbarrier per stage for all of them."""
+        mbarrier per stage for all of them. In a cluster sharing B (``cluster_m`` = 2) each CTA loads, where
+        ``share_b``, its half of the B tile into both CTAs (the partner loads the other half), else both halves
+        into its own stage only: the stage's bytes, and so its mbarrier's count, are the same either way."""
         if cutlass.const_expr(b_descs is None):
             b_descs = [None] * len(b_loads)
         # in a cluster each CTA's A loads fill the stage in every CTA of it
         multicast = {} if self.cluster_n == 1 else dict(mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
+        if cutlass.const_expr(self.cluster_m > 1):
+            rank = self.cluster_rank()
+            b_mask = cutlass.Int32(1) << rank
+            if share_b:
+                b_mask = cutlass.Int32((1 << self.cluster_m) - 1)
         for k in cutlass.range(k_count, unroll=1):
             mainloop.producer_acquire(prod_state)
             bar = mainloop.producer_get_barrier(prod_state)
             cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
                       **multicast)
             for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
-                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
-                          tma_desc_ptr=desc)
+                if cutlass.const_expr(self.cluster_m == 1):
+                    cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
+                              tma_desc_ptr=desc)
+                else:
+                    for h in cutlass.range_constexpr(self.cluster_m):
+                        if (rank == h) | (b_mask != (1 << self.cluster_m) - 1):
+                            cute.copy(tma_b, tBgB[h][(None, k_start + k)], tBsB[h][(None, prod_state.index)],
+                                      tma_bar_ptr=bar, mcast_mask=cutlass.Int16(b_mask))
             mainloop.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
 
     @cute.jit
     def load_expert_tile(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
-                         m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None):
+                         m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None, share_b=None):
         """Producer: every k tile of output tile (m_idx, n_idx), with B from expert ``expert`` of the
         weights in ``rings`` (per B ring: TMA atom, (TMA, RestN, RestK, experts), (TMA, stage)),
-        through ``descs`` (descriptors in global memory, one per ring) when given."""
+        through ``descs`` (descriptors in global memory, one per ring) when given; ``share_b`` as
+        ``load_k_tiles``'."""
         return self.load_k_tiles(
             mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-            [(tma, tBgB[(None, n_idx, None, expert)], tBsB) for tma, tBgB, tBsB in rings],
-            0, k_tiles, descs,
+            [(tma, self.b_view(tBgB, (None, n_idx, None, expert)), tBsB) for tma, tBgB, tBsB in rings],
+            0, k_tiles, descs, share_b,
         )
 
 
@@ -609,7 +655,7 @@ class GroupGemmSm90Base(TileWalk):
         p.first_mma = p.tiled_mma.with_()
         p.first_mma.set(warpgroup.Field.ACCUMULATE, False)
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, self.cluster_n))
 
         if wg_idx == 0:
             self.produce(warp_idx, mainloop, p, tAgA, tAsA, b_loads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 class GroupGemmConfig(tuple):
     """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n,
-    dynamic).
+    dynamic, cluster_m).
     ``pingpong``: the kernels whose consumers are cooperative by default (the row kernels: forward, dgrad,
     dgrad2, row scale; the wgrad; the fused SwiGLU) run two consumer warp groups that take alternate whole
     tiles instead, each one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong).
@@ -23,10 +23,15 @@ class GroupGemmConfig(tuple):
     (clusters of one CTA): the persistent CTAs take the tiles in order from one global counter instead of
     every #CTAs-th tile from their block index (``walk.TileWalk``), so an SM that runs its tiles slower does
     not finish the launch last with a fixed share of them; no op chooses it yet (docs/design-notes.md,
-    session 29: the pingpong kernels ran more cycles with it)."""
+    session 29: the pingpong kernels ran more cycles with it). ``cluster_m`` (1 or 2; the forward, dgrad,
+    dgrad2 and row-scale kernels, not with ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two
+    CTAs that compute two neighbouring M tiles (2p, 2p + 1) at the same N tile; where both lie in one group
+    each CTA loads half of every B (weight) tile by TMA multicast into both, so the pair reads each weight
+    tile from L2 once, and where they do not each loads its own whole B tile (``RowTileScheduler.pair_tile``;
+    ``band_m`` then counts bands of M tiles over all rows, not within a group)."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
-                tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False):
+                tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1):
         if isinstance(band_m, bool) or int(band_m) < 0:
             raise ValueError(f"GroupGemmConfig: band_m must be an int >= 0, got {band_m!r}")
         if tall_m_major and not band_m:
@@ -38,8 +43,17 @@ class GroupGemmConfig(tuple):
         if dynamic and cluster_n != 1:
             raise ValueError("GroupGemmConfig: dynamic needs cluster_n = 1 (a cluster's CTAs would have to take "
                              "their tiles together)")
+        if isinstance(cluster_m, bool) or cluster_m not in (1, 2):
+            raise ValueError(f"GroupGemmConfig: cluster_m must be 1 or 2, got {cluster_m!r}")
+        if cluster_m == 2 and (cluster_n != 1 or dynamic or tall_m_major or int(num_sms) < 2):
+            raise ValueError("GroupGemmConfig: cluster_m = 2 needs cluster_n = 1, a static walk, no tall_m_major "
+                             f"and num_sms >= 2 (got cluster_n={cluster_n!r}, dynamic={dynamic!r}, "
+                             f"tall_m_major={tall_m_major!r}, num_sms={num_sms!r})")
+        if cluster_m == 2 and int(band_m) % 2:
+            raise ValueError(f"GroupGemmConfig: cluster_m = 2 needs an even band_m (bands of whole M-tile pairs), "
+                             f"got {band_m!r}")
         return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m),
-                                     bool(tall_m_major), int(cluster_n), bool(dynamic)))
+                                     bool(tall_m_major), int(cluster_n), bool(dynamic), int(cluster_m)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -52,6 +66,7 @@ class GroupGemmConfig(tuple):
     tall_m_major = property(lambda self: self[5])
     cluster_n = property(lambda self: self[6])
     dynamic = property(lambda self: self[7])
+    cluster_m = property(lambda self: self[8])
 
 
 H100_H200_NUM_SMS = 132

@@ -42,6 +42,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
     """
 
     multicast_a = True  # GroupGemmConfig.cluster_n = 2: two n tiles of one M tile share its A (rows) tiles
+    multicast_b = True  # GroupGemmConfig.cluster_m = 2: two M tiles of one group share its B (weight) tiles
 
     def __init__(self, config: GroupGemmConfig, b_k_major: bool = False, row_scale: bool = False):
         self.b_k_major = bool(b_k_major)

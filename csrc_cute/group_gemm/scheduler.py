@@ -5,7 +5,8 @@ padding P and tile_M divides P, so each M tile of the output lies in exactly one
 raster, or N-major within bands of a group's M tiles: ``GroupGemmConfig.band_m``) are strided over
 min(#tiles, #SMs) CTAs and a tile's group is the number of group ends ``cu[g] <= m0`` (``m0`` = first
 row of the tile), counted by one warp with a ballot over ``cu_seqlens`` 32 entries at a time (no host
-sync). A tile whose group reaches G lies past the last group: no loads, no MMA, zeros.
+sync). A tile whose group reaches G lies past the last group: no loads, no MMA, zeros. In clusters sharing B
+(``GroupGemmConfig.cluster_m`` = 2) the walk hands out pairs of M tiles (``pair_tile``).
 
 ``GroupTileScheduler`` (wgrad): work items (group, m tile, n tile), group-major, strided over the CTAs;
 an item's k tiles are its group's rows / tile_k, read from ``cu_seqlens`` on the device.
@@ -51,6 +52,30 @@ class RowTileScheduler:
         return m_idx, n_idx, g
 
     @cute.jit
+    def pair_tile(self, p, tile: cutlass.Int32):
+        """``cluster_m`` = 2: tile ``tile`` of the walk, a pair of M tiles (2q, 2q + 1) at one n tile, -> (this
+        CTA's M tile 2q + ``cluster_rank``, n tile, the groups of M tiles 2q and 2q + 1). M-major over the
+        pairs, or with ``band_m`` = b in bands of b / 2 pairs over all rows (a band may span groups), N-major
+        within a band, so the clusters that run at once read the same weight tiles. The pair shares its B
+        tiles where both groups are one (< G); a pair whose second tile lies past the last group and its
+        first not still runs both CTAs' k loops (each releases the other's stages), the second's A read
+        past A's end (TMA zero fill: its accumulators stay zero)."""
+        num_n_tiles = p.num_n_tiles
+        pair = tile // num_n_tiles
+        n_idx = tile - pair * num_n_tiles
+        if cutlass.const_expr(self.band_m > 0):
+            band_pairs = self.band_m // 2
+            band = tile // (band_pairs * num_n_tiles)
+            first = band * band_pairs
+            height = cutlass.min(band_pairs, p.num_tiles // num_n_tiles - first)
+            in_band = tile - band * band_pairs * num_n_tiles
+            n_idx = in_band // height
+            pair = first + in_band - n_idx * height
+        g_first = self.tile_group(p.cu_seqlens, 2 * pair * self.tile_m)
+        g_second = self.tile_group(p.cu_seqlens, (2 * pair + 1) * self.tile_m)
+        return 2 * pair + self.cluster_rank(), n_idx, g_first, g_second
+
+    @cute.jit
     def band_tile(self, cu_seqlens: cute.Tensor, g, first, local, num_n_tiles: cutlass.Int32):
         """Tile ``local`` of group ``g`` (whose first M tile is ``first``) walked in bands of ``band_m`` M
         tiles, N-major within a band -> (m tile, n tile)."""
@@ -84,8 +109,11 @@ class RowTileScheduler:
     @cute.jit
     def row_work(self, p, tile: cutlass.Int32):
         """Consumers: tile ``tile`` -> (m tile, n tile, number of k tiles); a tile past the last group
-        has none (its accumulators stay zero)."""
-        m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        has none (its accumulators stay zero), in clusters sharing B unless its pair's first tile has."""
+        if cutlass.const_expr(self.cluster_m > 1):
+            m_idx, n_idx, g, _ = self.pair_tile(p, tile)  # the pair's first tile's group
+        else:
+            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
         k_count = p.k_tiles if g < p.num_groups else 0
         return m_idx, n_idx, k_count
 
@@ -96,19 +124,40 @@ class RowTileScheduler:
         return self.row_work(p, tile)[2]
 
     @cute.jit
+    def tile_loads(self, p, tile: cutlass.Int32, tAgA):
+        """Producer: tile ``tile`` -> (the M tile of A it loads, n tile, the group whose weights B reads (>= G:
+        no loads), ``load_expert_tile``'s ``share_b`` keyword where ``cluster_m`` = 2 (whether the cluster
+        shares the B tiles; else no keyword: the gathered kernels' loads take none)). In a pair whose
+        second tile lies past the last group and whose first does not, the second CTA loads the first's
+        weights unshared and the M tile of A past its last (``tAgA``: A's (TMA, RestM, RestK) view; TMA zero
+        fill), so that its stages fill and its rows stay zero."""
+        share = {}
+        if cutlass.const_expr(self.cluster_m > 1):
+            m_idx, n_idx, g, g_second = self.pair_tile(p, tile)
+            share = dict(share_b=g == g_second)
+            a_idx = m_idx
+            if self.cluster_rank() == 1:
+                if g_second < p.num_groups:
+                    g = g_second
+                else:
+                    a_idx = cutlass.Int32(cute.size(tAgA, mode=[1]))
+        else:
+            a_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        return a_idx, n_idx, g, share
+
+    @cute.jit
     def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, tile: cutlass.Int32):
         """Producer warp (``load_tiles``' step): all k tiles of A and of the B operand(s) of tile ``tile``'s
         group; a tile past the last group loads nothing."""
         b_home = [b_loads[i] for i in p.home_rings]
         b_slot = [b_loads[i] for i in p.slot_rings]
-        num_groups = cute.size(p.cu_seqlens, mode=[0])
-        num_home = cute.size(b_home[0][1], mode=[3])
-        m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
-        load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, m_idx, n_idx, p.k_tiles)
+        num_home = self.num_b_experts(b_home[0])
+        a_idx, n_idx, g, share = self.tile_loads(p, tile, tAgA)
+        load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, a_idx, n_idx, p.k_tiles)
         if g < num_home:
-            prod_state = self.load_expert_tile(*load, b_home, g)
-        elif g < num_groups:
-            prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
+            prod_state = self.load_expert_tile(*load, b_home, g, **share)
+        elif g < p.num_groups:
+            prod_state = self.load_expert_tile(*load, b_slot, g - num_home, **share)
         return prod_state
 
 

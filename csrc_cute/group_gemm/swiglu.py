@@ -48,7 +48,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
         self._init_common(
             GroupGemmConfig(config.tile_m, 2 * config.tile_n, config.num_sms, config.pingpong, config.band_m,
-                            config.tall_m_major, config.cluster_n, config.dynamic),
+                            config.tall_m_major, config.cluster_n, config.dynamic, config.cluster_m),
             LayoutEnum.ROW_MAJOR,  # A = x [N, H]: K-major
             LayoutEnum.COL_MAJOR,  # B = W viewed (F, H): N-major
             self._init_tma_store_epilogue(config.tile_m, config.pingpong),
