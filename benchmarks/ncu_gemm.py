@@ -49,7 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_peers import (FAMILIES, OursLayer, SonicLayer, gemm_call, gemm_operands,  # noqa: E402
                                     group_layouts, layer_inputs, load_peers, ours_group)
+from benchmarks.bench_tiles import CANDIDATES, config_name, ours_call  # noqa: E402
 from benchmarks.common import names_option, run_info, write_json  # noqa: E402
+from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
             "SchedulerStats", "WarpStateStats")
@@ -57,19 +59,23 @@ SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis",
 # sets the kernel's time; avg against "Elapsed Cycles" alone mixes that spread with the launch and the tail)
 EXTRA_METRICS = ("regex:sm__pipe_tensor_op_.*cycles_active\\.avg\\.pct_of_peak_sustained_active",
                  "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio",
-                 "sm__cycles_active.min", "sm__cycles_active.max", "sm__cycles_active.avg")
+                 "sm__cycles_active.min", "sm__cycles_active.max", "sm__cycles_active.avg",
+                 "dram__bytes_read.sum", "lts__t_bytes.sum")
 # (table heading, ncu metric name as the details page names it): what the table and the JSON keep
 SUMMARY = (("ms", "Duration"), ("SM MHz", "SM Frequency"), ("SM %", "Compute (SM) Throughput"),
            ("DRAM %", "DRAM Throughput"), ("L2 hit %", "L2 Hit Rate"), ("L1 %", "L1/TEX Cache Throughput"),
            ("L2 %", "L2 Cache Throughput"), ("issue %", "Issue Slots Busy"), ("regs", "Registers Per Thread"),
            ("smem KB", "Dynamic Shared Memory Per Block"), ("grid", "Grid Size"), ("warp cyc/inst",
-                                                                               "Warp Cycles Per Issued Instruction"))
+                                                                               "Warp Cycles Per Issued Instruction"),
+           ("DRAM rd MB", "dram__bytes_read.sum"), ("L2 MB", "lts__t_bytes.sum"))
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 TENSOR_ACTIVE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"  # wgmma included
 # metrics whose unit is converted: to ms, MHz, KiB
 UNITS = {"Duration": {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0},
          "SM Frequency": {"hz": 1e-6, "cycle/second": 1e-6, "khz": 1e-3, "mhz": 1.0, "ghz": 1e3,
                           "cycle/usecond": 1.0, "cycle/nsecond": 1e3},
+         **{m: {"byte": 1e-6, "kbyte": 1e-3, "mbyte": 1.0, "gbyte": 1e3} for m in ("dram__bytes_read.sum",
+                                                                                   "lts__t_bytes.sum")},
          "Dynamic Shared Memory Per Block": {"byte": 1 / 1024, "byte/block": 1 / 1024, "kbyte": 1000 / 1024,
                                              "kibyte": 1.0}}
 SMOKE = dict(H=64, F=32, E=8, S=64, K=2, P=16, rows=512)
@@ -91,13 +97,27 @@ def profiled_calls(opts: dict, device: torch.device) -> list[tuple[str, object]]
                 raise SystemExit(f"ncu_gemm: quack {status['quack']}")
             qgi = importlib.import_module("quack.gemm_interface")
         for fam in opts["families"]:
-            call, _ = gemm_call(impl, fam, d, opts["P"], qgi)
-            for _ in range(3):
-                call()
-            calls.append((f"{impl} {fam}", call))
+            for name, call in impl_calls(impl, fam, d, opts, qgi, device):
+                for _ in range(3):
+                    call()
+                calls.append((f"{name} {fam}", call))
     if device.type == "cuda":
         torch.cuda.synchronize()
     return calls
+
+
+def impl_calls(impl: str, fam: str, d: dict, opts: dict, qgi, device: torch.device) -> list[tuple[str, object]]:
+    """(name, zero-argument call) of `impl`'s `fam`: bench_peers' call, or for ours with `--tiles` one call per
+    bench_tiles candidate named there ("ours[<candidate>]", its kernel compiled with that config)."""
+    if impl != "ours" or not opts.get("tiles"):
+        return [(impl, gemm_call(impl, fam, d, opts["P"], qgi)[0])]
+    candidates = {config_name(*c): c for c in CANDIDATES.get(fam, ())}
+    unknown = [t for t in opts["tiles"] if t not in candidates]
+    if unknown:
+        raise SystemExit(f"ncu_gemm: --tiles {unknown} are not bench_tiles candidates of {fam}: {sorted(candidates)}")
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return [(f"ours[{t}]", ours_call(fam, d, opts["P"], GroupGemmConfig(c[0], c[1], num_sms, *c[2:]))[0])
+            for t, c in ((t, candidates[t]) for t in opts["tiles"])]
 
 
 def layer_steps(impls: list[str], device: torch.device) -> list[tuple[str, object]]:
@@ -350,6 +370,9 @@ def main(argv=None) -> None:
                     "layer training step of each instead of the families")
     ap.add_argument("--source", action="store_true", help="also sample each kernel's warps per SASS instruction "
                     "(the SourceCounters section) and write ncu's source page (ncu_source.csv.gz)")
+    ap.add_argument("--tiles", default="", help="semicolon-separated bench_tiles candidate names (e.g. '128x192 "
+                    "pingpong band 16;128x192 pingpong band 16 cluster 2x1'): ours compiled with each instead of "
+                    "the op's choice")
     ap.add_argument("--child", action="store_true", help="(internal) the profiled process")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, ours and torch, each call run once")
     args = ap.parse_args(argv)
@@ -357,6 +380,7 @@ def main(argv=None) -> None:
     opts["families"] = names_option(ap, "--families", args.families, FAMILIES)
     opts["impls"] = names_option(ap, "--impls", args.impls, ("ours", "quack", "torch"))
     opts["layer"] = names_option(ap, "--layer", args.layer, ("ours", "sonicmoe")) if args.layer else []
+    opts["tiles"] = [t.strip() for t in args.tiles.split(";") if t.strip()]
     if args.smoke:
         opts.update(SMOKE, device="cpu", impls=[i for i in opts["impls"] if i != "quack"], layout="16 x 32")
         run_profiled(opts)

@@ -55,35 +55,44 @@ class RowTileScheduler:
     def pair_tile(self, p, tile: cutlass.Int32):
         """``cluster_m`` = 2: tile ``tile`` of the walk, a pair of M tiles (2q, 2q + 1) at one n tile, -> (this
         CTA's M tile 2q + ``cluster_rank``, n tile, the groups of M tiles 2q and 2q + 1). M-major over the
-        pairs, or with ``band_m`` = b in bands of b / 2 pairs over all rows (a band may span groups), N-major
-        within a band, so the clusters that run at once read the same weight tiles. The pair shares its B
-        tiles where both groups are one (< G); a pair whose second tile lies past the last group and its
-        first not still runs both CTAs' k loops (each releases the other's stages), the second's A read
-        past A's end (TMA zero fill: its accumulators stay zero)."""
+        pairs (tile = q x #n tiles + n), so a group's pairs (those whose first tile it holds) are one range of
+        tile numbers, which ``band_m`` = b walks as ``row_tile`` walks a group's M tiles: in bands of up to
+        b / 2 pairs, N-major within a band, so the clusters that run at once read one group's weight tiles (a
+        band across groups read each group's weights once more from DRAM: 2.1x the bytes under ncu, session
+        33). The pair shares its B tiles where both tiles lie in one group (< G), else each CTA loads its own;
+        a pair whose second tile lies past the last group and its first not still runs both CTAs' k loops
+        (each releases the other's stages), the second's A read past A's end (TMA zero fill: its
+        accumulators stay zero)."""
         num_n_tiles = p.num_n_tiles
         pair = tile // num_n_tiles
         n_idx = tile - pair * num_n_tiles
-        if cutlass.const_expr(self.band_m > 0):
-            band_pairs = self.band_m // 2
-            band = tile // (band_pairs * num_n_tiles)
-            first = band * band_pairs
-            height = cutlass.min(band_pairs, p.num_tiles // num_n_tiles - first)
-            in_band = tile - band * band_pairs * num_n_tiles
-            n_idx = in_band // height
-            pair = first + in_band - n_idx * height
         g_first = self.tile_group(p.cu_seqlens, 2 * pair * self.tile_m)
+        if cutlass.const_expr(self.band_m > 0):
+            if g_first < p.num_groups:
+                start = cutlass.Int32(0)
+                if g_first > 0:
+                    start = p.cu_seqlens[g_first - 1] // self.tile_m
+                first = (start + 1) // 2  # the group's pairs: those whose first (even) M tile it holds
+                pair, n_idx = self.band_tile(p.cu_seqlens, g_first, first, tile - first * num_n_tiles, num_n_tiles,
+                                             tiles_per_row=2)
         g_second = self.tile_group(p.cu_seqlens, (2 * pair + 1) * self.tile_m)
         return 2 * pair + self.cluster_rank(), n_idx, g_first, g_second
 
     @cute.jit
-    def band_tile(self, cu_seqlens: cute.Tensor, g, first, local, num_n_tiles: cutlass.Int32):
-        """Tile ``local`` of group ``g`` (whose first M tile is ``first``) walked in bands of ``band_m`` M
-        tiles, N-major within a band -> (m tile, n tile)."""
-        band = local // (self.band_m * num_n_tiles)
-        band_first = first + band * self.band_m
-        # the band's M tiles: band_m, or what is left of the group (>= 1: it holds the tile)
-        height = cutlass.min(self.band_m, cu_seqlens[g] // self.tile_m - band_first)
-        in_band = local - band * self.band_m * num_n_tiles
+    def band_tile(self, cu_seqlens: cute.Tensor, g, first, local, num_n_tiles: cutlass.Int32,
+                  tiles_per_row: cutlass.Constexpr = 1):
+        """Tile ``local`` of group ``g`` whose first row of tiles is ``first`` (a row: an M tile, or with
+        ``tiles_per_row`` = 2 ``pair_tile``'s pair of M tiles, the group's rows those whose first M tile it
+        holds) walked in bands of ``band_m`` M tiles, N-major within a band -> (row, n tile)."""
+        band_rows = self.band_m // tiles_per_row
+        band = local // (band_rows * num_n_tiles)
+        band_first = first + band * band_rows
+        end = cu_seqlens[g] // self.tile_m
+        if cutlass.const_expr(tiles_per_row > 1):
+            end = (end + tiles_per_row - 1) // tiles_per_row
+        # the band's rows: band_rows, or what is left of the group (>= 1: it holds the tile)
+        height = cutlass.min(band_rows, end - band_first)
+        in_band = local - band * band_rows * num_n_tiles
         n_idx = in_band // height
         return band_first + (in_band - n_idx * height), n_idx
 
