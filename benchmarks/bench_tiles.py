@@ -46,8 +46,8 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
 # (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n[, dynamic[, cluster_m]]]) per family; ``dynamic``: the
 # tiles taken in order from a global counter (GroupGemmConfig.dynamic, csrc_cute/group_gemm/walk.py; session 29),
-# next to the same tile with the static walk; ``cluster_m`` = 2: pairs of M tiles sharing each weight tile by TMA
-# multicast where they lie in one group (session 33; its bands count M tiles over all rows). Dropped after earlier sweeps (kept
+# next to the same tile with the static walk; ``cluster_m`` = 2: pairs of M tiles of one group sharing each weight
+# tile by TMA multicast (session 33). Dropped after earlier sweeps (kept
 # in results/bench_tiles_*.json): the row kernels' bands of 8 (no faster at any layout), their cooperative
 # bands of 16 and the short-groups-only raster (config.py's comment), their M-major and pingpong tiles in
 # clusters (slower at the power cap than the banded tile: results/bench_tiles_ec8e04b.json), the SwiGLU
@@ -74,6 +74,18 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                           (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
                   swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True),
                               (128, 160, True, 16, False, 1, True)))
+
+
+def swept(fam: str, opts) -> list[tuple]:
+    """The candidates of `fam` this run sweeps: all, or those named in ``--candidates``."""
+    if not opts.candidates:
+        return list(CANDIDATES[fam])
+    names = [n.strip() for n in opts.candidates.split(";") if n.strip()]
+    known = {config_name(*c) for c in CANDIDATES[fam]}
+    if set(names) - known:
+        raise SystemExit(f"bench_tiles: --candidates {sorted(set(names) - known)} are not candidates of {fam}: "
+                         f"{sorted(known)}")
+    return [c for c in CANDIDATES[fam] if config_name(*c) in names]
 
 
 def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False,
@@ -214,7 +226,7 @@ def run(opts) -> dict:
                 ref = family_reference(fam, d)
                 if phase == "ours":
                     candidates = {config_name(*c): ours_call(fam, d, P, GroupGemmConfig(c[0], c[1], num_sms, *c[2:]))
-                                  for c in CANDIDATES[fam]}
+                                  for c in swept(fam, opts)}
                 else:
                     candidates = {"quack": gemm_call("quack", fam, d, P, qgi)}
                 checked = {name: call for name, (call, outputs) in candidates.items()
@@ -233,7 +245,7 @@ def run(opts) -> dict:
     return dict(run_info(), H=H, F=F, P=P, E=opts.E, rows_total=opts.rows,
                 iters=opts.iters, repeats=opts.repeats, warmup=opts.warmup, tol=opts.tol,
                 sustained_s=opts.sustained_s, idle_s=opts.idle_s,
-                candidates={f: [config_name(*c) for c in CANDIDATES[f]] for f in families}, rows=rows)
+                candidates={f: [config_name(*c) for c in swept(f, opts)] for f in families}, rows=rows)
 
 
 def plot(payload: dict, path: str) -> None:
@@ -279,6 +291,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sustained-s", dest="sustained_s", type=float, default=0.0,
                     help="also launch each candidate back to back for this many seconds with the clock and power "
                          "sampled (measure_sustained); 0: off")
+    ap.add_argument("--candidates", default="", help="semicolon-separated candidate names (config_name) to sweep "
+                    "instead of all of each family's")
     ap.add_argument("--idle-s", dest="idle_s", type=float, default=1.0, help="idle seconds before each sustained run")
     opts = ap.parse_args(argv)
     payload = run(opts)

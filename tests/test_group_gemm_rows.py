@@ -387,13 +387,12 @@ def test_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m, tall_m_maj
 @gpu
 @pytest.mark.parametrize("pingpong,band_m", [(False, 0), (True, 0), (True, 2), (False, 4)])
 def test_weight_sharing_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m):
-    # GroupGemmConfig.cluster_m = 2: clusters of two CTAs computing M tiles 2q and 2q + 1 at one n tile, each
-    # loading half of every B tile into both by TMA multicast where both tiles lie in one group, else its own
-    # whole B tile. The groups (3, 0, 1, 9, 2, 0, 5, 1 M tiles: 21) put pairs across group ends (tiles 2 and
-    # 3, 12 and 13, ...), a group without a pair of its own (tile 3, the second of pair (2, 3)) and pairs in
-    # one group; the 200 rows past the last group make 23 M tiles, so pair (20, 21) has its second tile past
-    # the last group (that CTA loads zeros for A) and pair (22, 23) its second past A's end; each group's
-    # pairs in bands of 1 and 2 pairs (band_m 2, 4), partial bands at group ends
+    # GroupGemmConfig.cluster_m = 2: clusters of two CTAs computing two M tiles of one group at one n tile, each
+    # loading half of every B tile into both by TMA multicast. The groups (3, 0, 1, 9, 2, 0, 5, 1 M tiles: 21)
+    # have lone last tiles (tiles 2, 3, 12, 19, 20: the pair's second CTA loads zeros for A and stores
+    # nothing), empty groups and even ones; the 200 rows past the last group make M tiles 21 and 22 (one
+    # pair, no loads, zeros); the walk counts (23 + 8 + 1) / 2 = 16 pairs, 14 used; each group's pairs in bands
+    # of 1 and 2 pairs (band_m 2, 4), partial bands at group ends
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
     tile_n = 192 if pingpong else 256

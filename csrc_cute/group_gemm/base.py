@@ -164,8 +164,7 @@ class GroupGemmSm90Base(TileWalk):
 
     def _tma_load_b(self, b):
         """TMA atom (and its tensor) loading (tile_n, tile_k) tiles of ``b`` into one B stage; in a cluster
-        sharing B (``cluster_m`` = 2) in halves, each multicast to the CTAs its mask names
-        (``partition_b_loads``, ``load_k_tiles``)."""
+        sharing B (``cluster_m`` = 2) each CTA loads its share of the tile's columns into every CTA of it."""
         op = cpasync.CopyBulkTensorTileG2SOp() if self.cluster_m == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
         return cpasync.make_tiled_tma_atom(
             op, b, cute.slice_(self.b_load_staged, (None, None, 0)), (self.tile_n, self.tile_k),
@@ -185,11 +184,14 @@ class GroupGemmSm90Base(TileWalk):
             self.epi_tile,
         )
 
-    def _row_tiles(self, a, c):
+    def _row_tiles(self, a, c, cu_seqlens=None):
         """(#n tiles, #tiles) of the output ``c`` of a row-grouped kernel with A operand ``a``, counted in
         the tiles the persistent walk hands out: with ``cluster_n`` = 2 a tile is a pair of neighbouring n
-        tiles, with ``cluster_m`` = 2 a pair of neighbouring M tiles (the cluster's, ``cta_tiles``)."""
-        num_m_tiles = cute.ceil_div(cute.size(a, mode=[0]), self.tile_m * self.cluster_m)
+        tiles (the cluster's, ``cta_tiles``); with ``cluster_m`` = 2 the M tiles come in pairs of one group
+        (``RowTileScheduler.pair_tile``), at most (#M tiles + G + 1) / 2 of them with G = len(``cu_seqlens``)."""
+        num_m_tiles = cute.ceil_div(cute.size(a, mode=[0]), self.tile_m)
+        if self.cluster_m > 1:
+            num_m_tiles = (num_m_tiles + cute.size(cu_seqlens, mode=[0]) + 1) // 2
         num_n_tiles = cute.ceil_div(cute.size(c, mode=[1]), self.tile_n * self.cluster_n)
         return num_n_tiles, num_m_tiles * num_n_tiles
 
@@ -313,30 +315,19 @@ class GroupGemmSm90Base(TileWalk):
     @cute.jit
     def partition_b_loads(self, b_operands):
         """Per B operand (atom, tensor, shared ring): the (atom, (TMA, RestN, RestK[, E]), (TMA, stage))
-        that ``load_k_tiles`` takes; in a cluster sharing B (``cluster_m`` = 2) the two views are tuples of
-        both halves' views (half h: what the cluster's CTA h loads for both where they share the tile)."""
+        that ``load_k_tiles`` takes (in a cluster sharing B: this CTA's share of each tile, multicast to the
+        cluster by ``load_k_tiles``)."""
         b_loads = []
+        share = 0
+        if cutlass.const_expr(self.cluster_m > 1):
+            share = self.cluster_rank()
         for tma_b, mB, sB in b_operands:
-            gB = cute.group_modes(cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB)), 0, 2)
-            halves = [cpasync.tma_partition(tma_b, h, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), gB)
-                      for h in range(self.cluster_m)]
-            if cutlass.const_expr(self.cluster_m == 1):
-                tBsB, tBgB = halves[0]
-            else:
-                tBsB, tBgB = tuple(h[0] for h in halves), tuple(h[1] for h in halves)
+            gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, share, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
             b_loads.append((tma_b, tBgB, tBsB))
         return b_loads
-
-    def b_view(self, tBgB, coord):
-        """``tBgB[coord]`` of a ``partition_b_loads`` view, or of each half's in a cluster sharing B."""
-        if self.cluster_m == 1:
-            return tBgB[coord]
-        return tuple(half[coord] for half in tBgB)
-
-    def num_b_experts(self, b_load) -> int:
-        """The experts (mode 3) of a ``partition_b_loads`` weight view (atom, tensor, ring)."""
-        tBgB = b_load[1] if self.cluster_m == 1 else b_load[1][0]
-        return cute.size(tBgB, mode=[3])
 
     @cute.jit
     def mma_operands(self, tiled_mma: cute.TiledMma, tidx, wg_idx, sA: cute.Tensor, sBs):
@@ -462,8 +453,7 @@ class GroupGemmSm90Base(TileWalk):
             self.ab_dtype, b_smem
         )
         # A stage is free once the consumers of every CTA that loads into it released it: one arrival per
-        # consumer warp of each CTA of the cluster (each CTA's A loads, or B halves, fill the stage in all of
-        # them; with cluster_m the CTAs release each other's stages even for a pair that loads its own B tiles)
+        # consumer warp of each CTA of the cluster (each CTA's A loads, or B loads, fill the stage in all of them)
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=mbar_ptr,
             num_stages=self.ab_stage,
@@ -488,50 +478,39 @@ class GroupGemmSm90Base(TileWalk):
         k_start: cutlass.Int32,
         k_count: cutlass.Int32,
         b_descs=None,  # None, or per B ring the global-memory descriptor its loads use instead of the atom's
-        share_b=None,  # cluster_m = 2: whether both CTAs' tiles read this B tile (Boolean), else None
     ):
         """Producer: TMA k tiles [k_start, k_start + k_count) of A and of every B into the ring, one
-        mbarrier per stage for all of them. In a cluster sharing B (``cluster_m`` = 2) each CTA loads, where
-        ``share_b``, its half of the B tile into both CTAs (the partner loads the other half), else both halves
-        into its own stage only: the stage's bytes, and so its mbarrier's count, are the same either way."""
+        mbarrier per stage for all of them."""
         if cutlass.const_expr(b_descs is None):
             b_descs = [None] * len(b_loads)
-        # in a cluster each CTA's A loads fill the stage in every CTA of it
-        multicast = {} if self.cluster_n == 1 else dict(mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
+        # in a cluster each CTA's A loads (cluster_n) or B loads (cluster_m) fill the stage in every CTA of it
+        a_multicast, b_multicast = {}, {}
+        if cutlass.const_expr(self.cluster_n > 1):
+            a_multicast = dict(mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
         if cutlass.const_expr(self.cluster_m > 1):
-            rank = self.cluster_rank()
-            b_mask = cutlass.Int32(1) << rank
-            if share_b:
-                b_mask = cutlass.Int32((1 << self.cluster_m) - 1)
+            b_multicast = dict(mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1))
         for k in cutlass.range(k_count, unroll=1):
             mainloop.producer_acquire(prod_state)
             bar = mainloop.producer_get_barrier(prod_state)
             cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
-                      **multicast)
+                      **a_multicast)
             for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
-                if cutlass.const_expr(self.cluster_m == 1):
-                    cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
-                              tma_desc_ptr=desc)
-                else:
-                    for h in cutlass.range_constexpr(self.cluster_m):
-                        if (rank == h) | (b_mask != (1 << self.cluster_m) - 1):
-                            cute.copy(tma_b, tBgB[h][(None, k_start + k)], tBsB[h][(None, prod_state.index)],
-                                      tma_bar_ptr=bar, mcast_mask=cutlass.Int16(b_mask))
+                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
+                          tma_desc_ptr=desc, **b_multicast)
             mainloop.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
 
     @cute.jit
     def load_expert_tile(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
-                         m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None, share_b=None):
+                         m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None):
         """Producer: every k tile of output tile (m_idx, n_idx), with B from expert ``expert`` of the
         weights in ``rings`` (per B ring: TMA atom, (TMA, RestN, RestK, experts), (TMA, stage)),
-        through ``descs`` (descriptors in global memory, one per ring) when given; ``share_b`` as
-        ``load_k_tiles``'."""
+        through ``descs`` (descriptors in global memory, one per ring) when given."""
         return self.load_k_tiles(
             mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-            [(tma, self.b_view(tBgB, (None, n_idx, None, expert)), tBsB) for tma, tBgB, tBsB in rings],
-            0, k_tiles, descs, share_b,
+            [(tma, tBgB[(None, n_idx, None, expert)], tBsB) for tma, tBgB, tBsB in rings],
+            0, k_tiles, descs,
         )
 
 

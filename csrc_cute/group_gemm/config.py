@@ -25,10 +25,9 @@ class GroupGemmConfig(tuple):
     not finish the launch last with a fixed share of them; no op chooses it yet (docs/design-notes.md,
     session 29: the pingpong kernels ran more cycles with it). ``cluster_m`` (1 or 2; the forward, dgrad,
     dgrad2 and row-scale kernels, not with ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two
-    CTAs that compute two neighbouring M tiles (2p, 2p + 1) at the same N tile; where both lie in one group
-    each CTA loads half of every B (weight) tile by TMA multicast into both, so the pair reads each weight
-    tile from L2 once, and where they do not each loads its own whole B tile (``RowTileScheduler.pair_tile``;
-    ``band_m`` then counts bands of M tiles over all rows, not within a group)."""
+    CTAs that compute two M tiles of one group at the same N tile (a group's tiles in pairs, its odd last one
+    with an idle partner: ``RowTileScheduler.pair_tile``), each loading half of every B (weight) tile by TMA
+    multicast into both, so the pair reads each weight tile from L2 once."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
                 tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1):

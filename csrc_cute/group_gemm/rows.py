@@ -81,7 +81,7 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         tma_a, mA = self._tma_load_a(x)
         bh_view, tma_bh, mBh, tma_bs, mBs = self._tma_load_weights(w_home, w_slot)
         tma_c, mC = self._tma_store_c(y)
-        num_n_tiles, num_tiles = self._row_tiles(x, y)
+        num_n_tiles, num_tiles = self._row_tiles(x, y, cu_seqlens)
         self._make_shared_storage(with_c=True)
         if cutlass.const_expr(remote_experts is None):
             bh_view = None
@@ -249,7 +249,7 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
         _, tma_ah, mBah, tma_as, mBas = self._tma_load_weights(wa_home, wa_slot)
         _, tma_bh, mBbh, tma_bs, mBbs = self._tma_load_weights(wb_home, wb_slot)
         tma_c, mC = self._tma_store_c(dx)
-        num_n_tiles, num_tiles = self._row_tiles(dy_a, dx)
+        num_n_tiles, num_tiles = self._row_tiles(dy_a, dx, cu_seqlens)
         self._make_shared_storage(with_c=True)
         self._launch_persistent(
             self.kernel(

@@ -17,6 +17,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from ..warp import warp_incl_scan, warp_sum
+
 
 class RowTileScheduler:
     """Mixin of the row-grouped kernels (with ``GroupGemmSm90Base``). Its ``load_tile`` reads the
@@ -53,43 +55,72 @@ class RowTileScheduler:
 
     @cute.jit
     def pair_tile(self, p, tile: cutlass.Int32):
-        """``cluster_m`` = 2: tile ``tile`` of the walk, a pair of M tiles (2q, 2q + 1) at one n tile, -> (this
-        CTA's M tile 2q + ``cluster_rank``, n tile, the groups of M tiles 2q and 2q + 1). M-major over the
-        pairs (tile = q x #n tiles + n), so a group's pairs (those whose first tile it holds) are one range of
-        tile numbers, which ``band_m`` = b walks as ``row_tile`` walks a group's M tiles: in bands of up to
-        b / 2 pairs, N-major within a band, so the clusters that run at once read one group's weight tiles (a
-        band across groups read each group's weights once more from DRAM: 2.1x the bytes under ncu, session
-        33). The pair shares its B tiles where both tiles lie in one group (< G), else each CTA loads its own;
-        a pair whose second tile lies past the last group and its first not still runs both CTAs' k loops
-        (each releases the other's stages), the second's A read past A's end (TMA zero fill: its
-        accumulators stay zero)."""
+        """``cluster_m`` = 2: tile ``tile`` of the walk -> (this CTA's M tile, n tile, group; G past the last
+        group). The walk's tiles are pairs of M tiles of one group at one n tile: group g's M tiles in pairs
+        (its first two, its next two, ...; the last one alone where it has an odd number), the groups' pairs
+        one after another (``pair_group``), then the rows past the last group in pairs, numbered M-major
+        (tile = pair x #n tiles + n), so a group's pairs are one range of tile numbers, which ``band_m`` = b
+        walks as ``row_tile`` walks a group's M tiles: in bands of up to b / 2 pairs, N-major within a band.
+        Both CTAs of a pair read one weight tile (each loads half of it into both); the second CTA of a
+        group's lone last tile, and either CTA past the last pair, gets the M tile past the output's last
+        (``_row_tiles`` counts up to (#M tiles + G + 1) / 2 pairs): its A loads read past A's end (TMA zero
+        fill) and its stores are dropped. Why not pair M tiles 2q, 2q + 1 of the whole output: a pair across
+        a group end loads two weight tiles out of either group's band, and at 48 skewed groups (22 odd ones)
+        that read 15% more from DRAM than without clusters (ncu, session 33)."""
         num_n_tiles = p.num_n_tiles
         pair = tile // num_n_tiles
         n_idx = tile - pair * num_n_tiles
-        g_first = self.tile_group(p.cu_seqlens, 2 * pair * self.tile_m)
-        if cutlass.const_expr(self.band_m > 0):
-            if g_first < p.num_groups:
-                start = cutlass.Int32(0)
-                if g_first > 0:
-                    start = p.cu_seqlens[g_first - 1] // self.tile_m
-                first = (start + 1) // 2  # the group's pairs: those whose first (even) M tile it holds
-                pair, n_idx = self.band_tile(p.cu_seqlens, g_first, first, tile - first * num_n_tiles, num_n_tiles,
-                                             tiles_per_row=2)
-        g_second = self.tile_group(p.cu_seqlens, (2 * pair + 1) * self.tile_m)
-        return 2 * pair + self.cluster_rank(), n_idx, g_first, g_second
+        g, first_tile, first_pair = self.pair_group(p.cu_seqlens, pair)
+        num_m_tiles = cutlass.Int32(cute.ceil_div(cute.size(p.mC, mode=[0]), self.tile_m))
+        end_tile = num_m_tiles  # past the last group: the rows to the output's end
+        if g < p.num_groups:
+            end_tile = p.cu_seqlens[g] // self.tile_m
+            if cutlass.const_expr(self.band_m > 0):
+                pair, n_idx = self.band_tile(p.cu_seqlens, g, first_pair, tile - first_pair * num_n_tiles,
+                                             num_n_tiles, 2, first_pair + (end_tile - first_tile + 1) // 2)
+        m_idx = first_tile + 2 * (pair - first_pair) + self.cluster_rank()
+        if m_idx >= end_tile:
+            m_idx = num_m_tiles
+        return m_idx, n_idx, g
+
+    @cute.jit
+    def pair_group(self, cu_seqlens: cute.Tensor, pair: cutlass.Int32):
+        """``pair_tile``'s pair ``pair`` -> (its group, G past the last group; the group's first M tile; the
+        group's first pair). Group h holds ceil(t_h / 2) pairs of its t_h M tiles, so the pairs of groups 0..h
+        number (e_h + o_h) / 2, e_h its end in M tiles and o_h the odd t among groups 0..h (a warp scan);
+        the group of ``pair`` is the number of groups whose pairs end at or before it. One warp."""
+        lane = cute.arch.lane_idx()
+        num_groups = cute.size(cu_seqlens, mode=[0])
+        g = cutlass.Int32(0)
+        odd_before = cutlass.Int32(0)  # odd groups before g
+        odd_total = cutlass.Int32(0)  # odd groups before this chunk of 32
+        for base in cutlass.range(0, num_groups, 32, unroll=1):
+            idx = base + lane
+            valid = idx < num_groups
+            at = cutlass.min(idx, num_groups - 1)
+            end = cu_seqlens[at] // self.tile_m
+            start = cutlass.select_(at > 0, cu_seqlens[cutlass.max(at - 1, 0)] // self.tile_m, 0)
+            odd = cutlass.select_(valid, (end - start) & 1, 0)
+            before = (end + odd_total + warp_incl_scan(odd, lane)) // 2 <= pair
+            g = g + cute.arch.popc(cute.arch.vote_ballot_sync(valid & before))
+            odd_before = odd_before + cute.arch.popc(cute.arch.vote_ballot_sync(valid & before & (odd == 1)))
+            odd_total = odd_total + warp_sum(odd)
+        first_tile = cutlass.Int32(0)
+        if g > 0:
+            first_tile = cu_seqlens[g - 1] // self.tile_m
+        return g, first_tile, (first_tile + odd_before) // 2
 
     @cute.jit
     def band_tile(self, cu_seqlens: cute.Tensor, g, first, local, num_n_tiles: cutlass.Int32,
-                  tiles_per_row: cutlass.Constexpr = 1):
-        """Tile ``local`` of group ``g`` whose first row of tiles is ``first`` (a row: an M tile, or with
-        ``tiles_per_row`` = 2 ``pair_tile``'s pair of M tiles, the group's rows those whose first M tile it
-        holds) walked in bands of ``band_m`` M tiles, N-major within a band -> (row, n tile)."""
+                  tiles_per_row: cutlass.Constexpr = 1, end=None):
+        """Tile ``local`` of group ``g`` whose rows of tiles are [``first``, ``end``) (a row: an M tile, the
+        group's end in M tiles when ``end`` is None; with ``tiles_per_row`` = 2 ``pair_tile``'s pairs of M
+        tiles) walked in bands of ``band_m`` M tiles, N-major within a band -> (row, n tile)."""
         band_rows = self.band_m // tiles_per_row
         band = local // (band_rows * num_n_tiles)
         band_first = first + band * band_rows
-        end = cu_seqlens[g] // self.tile_m
-        if cutlass.const_expr(tiles_per_row > 1):
-            end = (end + tiles_per_row - 1) // tiles_per_row
+        if cutlass.const_expr(end is None):
+            end = cu_seqlens[g] // self.tile_m
         # the band's rows: band_rows, or what is left of the group (>= 1: it holds the tile)
         height = cutlass.min(band_rows, end - band_first)
         in_band = local - band * band_rows * num_n_tiles
@@ -118,13 +149,20 @@ class RowTileScheduler:
     @cute.jit
     def row_work(self, p, tile: cutlass.Int32):
         """Consumers: tile ``tile`` -> (m tile, n tile, number of k tiles); a tile past the last group
-        has none (its accumulators stay zero), in clusters sharing B unless its pair's first tile has."""
-        if cutlass.const_expr(self.cluster_m > 1):
-            m_idx, n_idx, g, _ = self.pair_tile(p, tile)  # the pair's first tile's group
-        else:
-            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        has none (its accumulators stay zero)."""
+        m_idx, n_idx, g = self.walk_tile(p, tile)
         k_count = p.k_tiles if g < p.num_groups else 0
         return m_idx, n_idx, k_count
+
+    @cute.jit
+    def walk_tile(self, p, tile: cutlass.Int32):
+        """Tile ``tile`` of the walk -> (m tile, n tile, group): ``row_tile``, or ``pair_tile`` in clusters
+        sharing B."""
+        if cutlass.const_expr(self.cluster_m > 1):
+            m_idx, n_idx, g = self.pair_tile(p, tile)
+        else:
+            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        return m_idx, n_idx, g
 
     @cute.jit
     def tile_stages(self, p, tile: cutlass.Int32):
@@ -133,40 +171,18 @@ class RowTileScheduler:
         return self.row_work(p, tile)[2]
 
     @cute.jit
-    def tile_loads(self, p, tile: cutlass.Int32, tAgA):
-        """Producer: tile ``tile`` -> (the M tile of A it loads, n tile, the group whose weights B reads (>= G:
-        no loads), ``load_expert_tile``'s ``share_b`` keyword where ``cluster_m`` = 2 (whether the cluster
-        shares the B tiles; else no keyword: the gathered kernels' loads take none)). In a pair whose
-        second tile lies past the last group and whose first does not, the second CTA loads the first's
-        weights unshared and the M tile of A past its last (``tAgA``: A's (TMA, RestM, RestK) view; TMA zero
-        fill), so that its stages fill and its rows stay zero."""
-        share = {}
-        if cutlass.const_expr(self.cluster_m > 1):
-            m_idx, n_idx, g, g_second = self.pair_tile(p, tile)
-            share = dict(share_b=g == g_second)
-            a_idx = m_idx
-            if self.cluster_rank() == 1:
-                if g_second < p.num_groups:
-                    g = g_second
-                else:
-                    a_idx = cutlass.Int32(cute.size(tAgA, mode=[1]))
-        else:
-            a_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
-        return a_idx, n_idx, g, share
-
-    @cute.jit
     def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, tile: cutlass.Int32):
         """Producer warp (``load_tiles``' step): all k tiles of A and of the B operand(s) of tile ``tile``'s
         group; a tile past the last group loads nothing."""
         b_home = [b_loads[i] for i in p.home_rings]
         b_slot = [b_loads[i] for i in p.slot_rings]
-        num_home = self.num_b_experts(b_home[0])
-        a_idx, n_idx, g, share = self.tile_loads(p, tile, tAgA)
-        load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, a_idx, n_idx, p.k_tiles)
+        num_home = cute.size(b_home[0][1], mode=[3])
+        m_idx, n_idx, g = self.walk_tile(p, tile)
+        load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, m_idx, n_idx, p.k_tiles)
         if g < num_home:
-            prod_state = self.load_expert_tile(*load, b_home, g, **share)
+            prod_state = self.load_expert_tile(*load, b_home, g)
         elif g < p.num_groups:
-            prod_state = self.load_expert_tile(*load, b_slot, g - num_home, **share)
+            prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
         return prod_state
 
 
