@@ -557,11 +557,11 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
     unknown) wins the committed H200 sweeps (``check_tile_choices_win_sweeps``)."""
     from csrc_cute.group_gemm import (
         select_config,
+        select_dgrad_config,
         select_hbm_rows_config,
         select_swiglu_bwd_config,
         select_swiglu_config,
         select_wgrad_config,
-        select_wide_rows_config,
     )
 
     # (bench_tiles_a5c0867.json is left out: its kernels had the 64-column epilogue sub-tiles, since reverted)
@@ -573,7 +573,7 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
     h200 = 4915.0
     for hbm_gbs in (h200, None):
         wgrad = select_wgrad_config(128, 7168, 2048, hbm_gbs=hbm_gbs)
-        chosen = dict(fwd=select_config(128, 2048), dgrad=select_wide_rows_config(128, 7168),
+        chosen = dict(fwd=select_config(128, 2048), dgrad=select_dgrad_config(128, 7168, hbm_gbs=hbm_gbs),
                       row_scale=select_hbm_rows_config(128, 7168, hbm_gbs=hbm_gbs),
                       dgrad2=select_hbm_rows_config(128, 7168, hbm_gbs=hbm_gbs),
                       wgrad=wgrad, wgrad_gather=wgrad, wgrad_gather_t=wgrad,
@@ -582,16 +582,18 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
 
 
 def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
-    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the wgrads, the dgrad2 and the row scale take cooperative tiles)
-    the tiles of the families swept there win those sweeps (``check_tile_choices_win_sweeps``)."""
-    from csrc_cute.group_gemm import select_config, select_hbm_rows_config, select_wgrad_config, select_wide_rows_config
+    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the wgrads, the dgrad2 and the row scale take cooperative tiles,
+    the dgrad clusters sharing B) the tiles of the families swept there win those sweeps
+    (``check_tile_choices_win_sweeps``)."""
+    from csrc_cute.group_gemm import select_config, select_dgrad_config, select_hbm_rows_config, select_wgrad_config
 
     h100 = 3352.0
     wgrad = select_wgrad_config(128, 7168, 2048, hbm_gbs=h100)
     rows = select_hbm_rows_config(128, 7168, hbm_gbs=h100)
-    chosen = dict(fwd=select_config(128, 2048), dgrad=select_wide_rows_config(128, 7168), dgrad2=rows,
+    chosen = dict(fwd=select_config(128, 2048), dgrad=select_dgrad_config(128, 7168, hbm_gbs=h100), dgrad2=rows,
                   row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad)
-    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session32_h100_rows.json",
+    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session33_h100.json",
+                                                            "bench_tiles_session32_h100_rows.json",
                                                             "bench_tiles_session32_h100.json",
                                                             "bench_tiles_session31_h100.json"), chosen)
 

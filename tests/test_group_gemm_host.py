@@ -145,6 +145,24 @@ def test_select_hbm_rows_config():
         select_hbm_rows_config(96, 7168, 132, h100)
 
 
+def test_select_dgrad_config():
+    # the dgrad's: the wide-rows pingpong tile, on a GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS (the H100
+    # SXM's, where it was swept) in clusters of two CTAs sharing the weight tiles (cluster_m = 2, same raster);
+    # the H200's and an unknown device's unclustered; outputs of at most BANDED_N_TILES 256-column tiles and
+    # tile_M 64 keep select_config's cooperative tile
+    from csrc_cute.group_gemm import select_dgrad_config
+
+    h100, h200 = 3352.0, 4915.0
+    assert select_dgrad_config(128, 7168, 132) == select_wide_rows_config(128, 7168, 132)
+    assert select_dgrad_config(128, 7168, 132, h200) == select_wide_rows_config(128, 7168, 132)
+    assert tuple(select_dgrad_config(128, 7168, 132, h100)) == (128, 192, 132, True, 16, False, 1, False, 2)
+    assert select_dgrad_config(128, 2048, 132, h100) == select_config(128, 2048, 132)
+    assert select_dgrad_config(64, 7168, 132, h100) == select_config(64, 7168, 132)
+    assert select_dgrad_config(128, 7168, 1, h100).cluster_m == 1  # one SM: no cluster of two
+    with pytest.raises(ValueError, match=r"P \(pad\)"):
+        select_dgrad_config(96, 7168, 132, h100)
+
+
 def test_hbm_gbs_of_device_properties():
     from types import SimpleNamespace
 

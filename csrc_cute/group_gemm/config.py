@@ -192,6 +192,30 @@ def select_hbm_rows_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
     return wide
 
 
+# The dgrad on a GPU whose HBM moves less than PINGPONG_MIN_HBM_GBS: the wide-rows pingpong tile in clusters of two
+# CTAs sharing each weight tile (GroupGemmConfig.cluster_m = 2: two M tiles of one group at one n tile, each CTA
+# loading half of the weight tile into both). Measured on an H100 80GB HBM3 only (session 33; the gate stands for
+# the boards swept, not for a bandwidth argument: the H200 keeps the tile its sweeps chose until it is swept
+# with clusters, as A-sharing clusters there made the pingpong kernels 0.99-1.15x slower). 48 equal / 16 x 4096
+# / 48 skewed groups, bench_tiles --sustained-s 1.5 at 8f342f5 (results/bench_tiles_session33_h100.json): at the
+# power cap 0.98/0.95/0.98x the unclustered tile's time and 1.01/0.99/1.02x QuACK's (unclustered 1.03/1.04/1.05x),
+# in bursts 1.00/0.96/1.00x. Under ncu with clocks free (48 equal groups, the version that paired M tiles 2q,
+# 2q + 1 of the whole output, results/ncu_gemm_session33_h100_equal.json) the clustered kernel kept the tensor
+# pipe busy 97.7% of its cycles (unclustered 95.5%, QuACK 99.1%) and its SMs' busy cycles within 1.4% of each
+# other (3.4%); pairs across group ends read 15% more from DRAM at 48 skewed groups (_skewed.json), hence
+# pairs within a group (RowTileScheduler.pair_tile). The dgrad2 keeps its cooperative tile there (clustered:
+# 1.01/0.99/1.03x its time at the cap), and the row scale was not swept with clusters.
+def select_dgrad_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
+                        hbm_gbs: float | None = None) -> GroupGemmConfig:
+    """Tile of the dgrad (``nd`` = its output's Kd columns): ``select_wide_rows_config``'s, in clusters of two
+    CTAs sharing the weight tiles where that is the pingpong tile and the device's HBM bandwidth ``hbm_gbs``
+    (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS."""
+    wide = select_wide_rows_config(pad, nd, num_sms)
+    if wide.pingpong and _slow_hbm(hbm_gbs) and num_sms >= 2:
+        return GroupGemmConfig(wide.tile_m, wide.tile_n, num_sms, True, wide.band_m, cluster_m=2)
+    return wide
+
+
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile
     computes 128 columns of gate *and* of up (one 64 x 256 fp32 accumulator per consumer warp group,

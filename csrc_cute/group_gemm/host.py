@@ -22,6 +22,7 @@ from .config import (
     H100_H200_NUM_SMS,
     GroupGemmConfig,
     select_config,
+    select_dgrad_config,
     select_hbm_rows_config,
     select_swiglu_bwd_config,
     select_swiglu_config,
@@ -465,14 +466,14 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward):
     this tile configuration instead of the op's own choice (config.py), e.g. another tile, raster or
     cluster shape (benchmarks/bench_tiles.py, their tests). ``hbm_gbs``: the device's peak HBM bandwidth (GB/s,
-    None: unknown), which picks the tiles of the wgrads, the dgrad2 and the row scale (``select_wgrad_config``,
-    ``select_hbm_rows_config``)."""
+    None: unknown), which picks the tiles of the wgrads, the dgrad, the dgrad2 and the row scale
+    (``select_wgrad_config``, ``select_dgrad_config``, ``select_hbm_rows_config``)."""
     if config is not None:
         return _compile_with_config(op, kd, nd, config)
     if op == "fwd":
         return compile_group_gemm(kd, nd, select_config(pad, nd, num_sms))
     if op == "dgrad":
-        return compile_group_gemm_dgrad(kd, nd, select_wide_rows_config(pad, kd, num_sms))
+        return compile_group_gemm_dgrad(kd, nd, select_dgrad_config(pad, kd, num_sms, hbm_gbs))
     if op == "dgrad2":
         return compile_group_gemm_dgrad2(kd, nd, select_hbm_rows_config(pad, kd, num_sms, hbm_gbs))
     if op == "wgrad":
