@@ -32,7 +32,7 @@ class RemoteWeightsMixin(RowTileScheduler):
     ``class GroupGemmRowScaleRemoteSm90(RemoteWeightsMixin, GroupGemmRowScaleSm90)``."""
 
     multicast_a = False  # each CTA's remote descriptors are its own; clusters are not tested with them
-    multicast_b = False
+    multicast_b = False  # likewise: the remote groups' B loads go through this CTA's own descriptors
     dynamic_walk = False  # the descriptors are built at the CTA's first remote tile of its static walk
 
     @cute.jit

@@ -87,7 +87,7 @@ class RowTileScheduler:
     def pair_group(self, cu_seqlens: cute.Tensor, pair: cutlass.Int32):
         """``pair_tile``'s pair ``pair`` -> (its group, G past the last group; the group's first M tile; the
         group's first pair). Group h holds ceil(t_h / 2) pairs of its t_h M tiles, so the pairs of groups 0..h
-        number (e_h + o_h) / 2, e_h its end in M tiles and o_h the odd t among groups 0..h (a warp scan);
+        number (e_h + o_h) / 2, e_h its end in M tiles and o_h how many of groups 0..h have an odd t (a warp scan);
         the group of ``pair`` is the number of groups whose pairs end at or before it. One warp."""
         lane = cute.arch.lane_idx()
         num_groups = cute.size(cu_seqlens, mode=[0])
