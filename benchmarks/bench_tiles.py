@@ -1,7 +1,7 @@
 """Tile sweep: our grouped-GEMM kernels at each candidate tile configuration against QuACK (1 GPU, one run).
 
     python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,row_scale,wgrad,swiglu,swiglu_bwd] [--out DIR]
-                                     [--sustained-s 3]
+                                     [--sustained-s 3] [--candidates "NAME;NAME"]
 
 The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer schedule each family
 runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48

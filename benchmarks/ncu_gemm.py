@@ -24,6 +24,9 @@ grouped GEMMs, QuACK's inside SonicMoE; the router's cuBLAS GEMMs are not), each
 outside the range, under the step of the last kernel with a range): what each GEMM of the layer costs in
 cycles there, against the same family's call alone.
 
+`--tiles "NAME;NAME"`: ours compiled with each named bench_tiles candidate (``bench_tiles.config_name``) instead of
+the op's tile, each profiled as "ours[NAME] <family>": where a candidate's cycles, DRAM and L2 bytes go.
+
 `--source`: also the SourceCounters section (warp states sampled per SASS instruction): ncu's source page of
 every kernel goes to ncu_source.csv.gz, and per launch its samples' shares by stall reason and its instructions
 with the most samples (``source_hotspots``) into the JSON's "source_hotspots": which wait (a barrier, a load, the
@@ -70,7 +73,7 @@ SUMMARY = (("ms", "Duration"), ("SM MHz", "SM Frequency"), ("SM %", "Compute (SM
            ("DRAM rd MB", "dram__bytes_read.sum"), ("L2 MB", "lts__t_bytes.sum"))
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 TENSOR_ACTIVE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"  # wgmma included
-# metrics whose unit is converted: to ms, MHz, KiB
+# metrics whose unit is converted: to ms, MHz, MB (the DRAM and L2 bytes), KiB
 UNITS = {"Duration": {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0},
          "SM Frequency": {"hz": 1e-6, "cycle/second": 1e-6, "khz": 1e-3, "mhz": 1.0, "ghz": 1e3,
                           "cycle/usecond": 1.0, "cycle/nsecond": 1e3},
