@@ -106,15 +106,16 @@ def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
     return band if _wide(nd, tile_n) else (0, False)
 
 
-# The peak HBM bandwidth (GB/s) from which the wgrads, the dgrad2 and the row-scaled forward take pingpong tiles:
-# the H200's ~4.8 TB/s does, the H100 SXM's ~3.35 TB/s does not (select_wgrad_config, select_hbm_rows_config).
+# The peak HBM bandwidth (GB/s) from which the wgrads, the dgrad2 and the row-scaled forward take pingpong tiles
+# and the dgrad runs without weight-sharing clusters: the H200's ~4.8 TB/s does, the H100 SXM's ~3.35 TB/s does
+# not (select_wgrad_config, select_hbm_rows_config, select_dgrad_config).
 PINGPONG_MIN_HBM_GBS = 4000.0
 
 
 def _slow_hbm(hbm_gbs: float | None) -> bool:
     """Whether a device of peak HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS,
     where the wgrads, the dgrad2 and the row-scaled forward take cooperative 128 x 256 tiles (fewer bytes per
-    MMA) over pingpong."""
+    MMA) over pingpong and the dgrad shares its weight tiles in clusters."""
     return hbm_gbs is not None and hbm_gbs < PINGPONG_MIN_HBM_GBS
 
 
