@@ -1,6 +1,6 @@
 """Tile sweep: our grouped-GEMM kernels at each candidate tile configuration against QuACK (1 GPU, one run).
 
-    python benchmarks/bench_tiles.py [--families fwd,dgrad,dgrad2,row_scale,wgrad,swiglu,swiglu_bwd] [--out DIR]
+    python benchmarks/bench_tiles.py [--families fwd,dgrad,...,swiglu_bwd,swiglu_bwd_gather] [--out DIR]
                                      [--sustained-s 3] [--candidates "NAME;NAME"]
 
 The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer schedule each family
@@ -16,10 +16,11 @@ in clusters of two CTAs sharing the A tiles (``GroupGemmConfig.cluster_n``) or t
 (``GroupGemmConfig.cluster_m``) by TMA multicast, and pingpong 128 x 192 (QuACK's default tile) M-major or in
 bands of 64 or 16 M tiles, the M-major and band-16 ones also sharing B in clusters; the same for the row-scaled
 forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at
-128 x 192, each with and without clusters, and its two gathered variants (ours only) at those two tiles without
-clusters; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in
-bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands of 16), and the
-SwiGLU backward (always pingpong, shared-memory epilogue) at 128 x 160 in those three rasters.
+128 x 192, each without clusters, sharing A (``cluster_n``) or sharing B (``cluster_m``), and its two gathered
+variants at those two tiles without clusters or sharing B; the fused SwiGLU cooperative at 128 x 128 (columns of
+h; M-major, in bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands
+of 16), and the SwiGLU backward (always pingpong, shared-memory epilogue) and its gathered variant at 128 x 160 in those three
+rasters, the M-major and band-16 ones also sharing B.
 ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
 nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
 beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).
@@ -58,22 +59,25 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # ``wgrad_gather_b`` in the older sweeps) are ours only (QuACK has no GEMM with a row scale; the transposed
 # store is ours). ``wgrad_gather`` (the layer's gate/up wgrad at R = 1: the tokens' rows read by row_src,
 # bench_peers.token_rows; until session 24 a random permutation of x's M rows) against QuACK's gather_A.
-QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "wgrad_gather")
+QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "wgrad_gather", "swiglu_bwd_gather")
+# the wgrads and the SwiGLU backward also in clusters of two CTAs sharing each B tile (``cluster_m`` = 2, session 34)
+WGRAD_CANDIDATES = ((128, 256, False, 0, False), (128, 192, True, 0, False), (128, 256, False, 0, False, 1, False, 2),
+                    (128, 192, True, 0, False, 1, False, 2))
+SWIGLU_BWD_CANDIDATES = ((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True),
+                         (128, 160, True, 16, False, 1, True), (128, 160, True, 0, False, 1, False, 2),
+                         (128, 160, True, 16, False, 1, False, 2))
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
                   (128, 256, False, 64, False, 1, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False),
                   (128, 192, True, 16, False, 1, True), (128, 192, True, 0, False, 1, False, 2),
                   (128, 192, True, 16, False, 1, False, 2))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
-                  wgrad=((128, 256, False, 0, False), (128, 256, False, 0, False, 2), (128, 192, True, 0, False),
-                         (128, 192, True, 0, False, 2)),
-                  wgrad_gather=((128, 256, False, 0, False), (128, 192, True, 0, False),
-                                (128, 192, True, 0, False, 1, True)),
-                  wgrad_gather_t=((128, 192, True, 0, False), (128, 256, False, 0, False)),
+                  wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2)),
+                  wgrad_gather=WGRAD_CANDIDATES + ((128, 192, True, 0, False, 1, True),),
+                  wgrad_gather_t=WGRAD_CANDIDATES,
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
-                  swiglu_bwd=((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True),
-                              (128, 160, True, 16, False, 1, True)))
+                  swiglu_bwd=SWIGLU_BWD_CANDIDATES, swiglu_bwd_gather=SWIGLU_BWD_CANDIDATES)
 
 
 def swept(fam: str, opts) -> list[tuple]:
@@ -139,11 +143,12 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         fn = host.compile_op("swiglu", H, F, P, cfg.num_sms, cfg)
         h, gate, up = (shared_empty(d, fam, i, M, F) for i in range(3))
         return (lambda: fn(x, w, w, w_up, w_up, ends, h, gate, up)), (lambda _: (h,))
-    if fam == "swiglu_bwd":
-        fn = host.compile_op("swiglu_bwd_smem", H, F, P, cfg.num_sms, cfg)
+    if fam in ("swiglu_bwd", "swiglu_bwd_gather"):  # the gathered one's A: g_tok's rows by row_src
+        fn = host.compile_op("swiglu_bwd_smem" if fam == "swiglu_bwd" else fam, H, F, P, cfg.num_sms, cfg)
         outs = [shared_empty(d, fam, i, M, F) for i in range(3)]
         part = shared_empty(d, fam, 3, M, -(-F // cfg.tile_n), dtype=torch.float32)
-        return ((lambda: fn(g_y, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
+        a = (g_y,) if fam == "swiglu_bwd" else (d["g_tok"], d["row_src"])
+        return ((lambda: fn(*a, w_down, w_down, ends, d["row_w"], d["gate"], d["up"], *outs, part)),
                 (lambda _: (*outs, part.sum(1))))
     raise ValueError(f"bench_tiles: unknown family {fam!r}")
 

@@ -243,20 +243,31 @@ def test_cluster_option_compiles_sm90a_no_spills(tmp_path, op):
     assert "mapa.shared::cluster" in ptx and "mbarrier.arrive.release.cta.shared::cluster" in ptx
 
 
-@pytest.mark.parametrize("op, pingpong, band_m", [("dgrad", True, 16), ("dgrad2", False, 64), ("row_scale", True, 0)])
-def test_weight_sharing_cluster_option_compiles_sm90a_no_spills(tmp_path, op, pingpong, band_m):
+@pytest.mark.parametrize("op, pingpong, band_m, tile_n", [
+    ("dgrad", True, 16, 192), ("dgrad2", False, 64, 256), ("row_scale", True, 0, 192),
+    ("swiglu_bwd_smem", True, 16, 160), ("swiglu_bwd_gather", True, 0, 160),
+    ("wgrad", False, 0, 256), ("wgrad", True, 0, 192), ("wgrad_gather", False, 0, 256),
+    ("wgrad_gather_t", True, 0, 192),
+])
+def test_weight_sharing_cluster_option_compiles_sm90a_no_spills(tmp_path, op, pingpong, band_m, tile_n):
     """``GroupGemmConfig.cluster_m`` = 2: clusters of two CTAs at two M tiles of one group and one n tile, each
-    B (weight) load a multicast one (the CTA's half of the tile into both CTAs), every A load the CTA's own;
-    the stages released in both CTAs (mapa + a remote mbarrier arrive)."""
+    B load (the weights; the wgrads' dy^T) a multicast one (the CTA's half of the tile into both CTAs), every A
+    load the CTA's own (TMA, or the gathered rows' cp.async); the stages released in both CTAs (mapa + a remote
+    mbarrier arrive)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
-    config = GroupGemmConfig(128, 192 if pingpong else 256, 132, pingpong, band_m, cluster_m=2)
+    config = GroupGemmConfig(128, tile_n, 132, pingpong, band_m, cluster_m=2)
     ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, config)
     loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln and ".global.tile.mbarrier" in ln]
     multicast = [ln for ln in loads if ".multicast::cluster" in ln]
-    # B (the weights) is 3-D, A (the rows) 2-D: each B load multicast (home and slot weights), no A load
-    assert multicast == [ln for ln in loads if ".3d." in ln] and multicast and len(multicast) % 2 == 0
-    assert len(loads) > len(multicast)
+    if op.startswith("wgrad"):  # A = x^T and B = dy^T both 2-D
+        assert multicast and all(".2d." in ln for ln in multicast)
+    else:  # B (the weights) is 3-D, A (the rows) 2-D: each B load multicast (home and slot weights), no A load
+        assert multicast == [ln for ln in loads if ".3d." in ln] and len(multicast) % 2 == 0
+    if "gather" in op:  # A gathered by each CTA's cp.async
+        assert "cp.async.ca.shared.global" in ptx or "cp.async.cg.shared.global" in ptx
+    else:  # A's loads are each CTA's own
+        assert len(loads) > len(multicast)
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert "mapa.shared::cluster" in ptx and "mbarrier.arrive.release.cta.shared::cluster" in ptx
 

@@ -89,12 +89,12 @@ def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
             cls(GroupGemmConfig(128, 128, 132, cluster_n=2))
 
 
-def test_config_cluster_m_is_1_or_2_and_only_the_row_kernels_take_2():
+def test_config_cluster_m_is_1_or_2_and_only_the_kernels_sharing_b_take_2():
     from csrc_cute.group_gemm import GroupGemmConfig
     from csrc_cute.group_gemm.rows import GroupGemmDgrad2Sm90, GroupGemmRowScaleRemoteSm90, GroupGemmSm90
-    from csrc_cute.group_gemm.swiglu import GroupGemmSwigluSm90
-    from csrc_cute.group_gemm.swiglu_bwd import GroupGemmSwigluBwdSm90
-    from csrc_cute.group_gemm.wgrad import GroupGemmWgradSm90
+    from csrc_cute.group_gemm.swiglu import GroupGemmSwigluGatherSm90, GroupGemmSwigluSm90
+    from csrc_cute.group_gemm.swiglu_bwd import GroupGemmSwigluBwdGatherSm90, GroupGemmSwigluBwdSm90
+    from csrc_cute.group_gemm.wgrad import GroupGemmWgradGatherSm90, GroupGemmWgradSm90
 
     assert GroupGemmConfig(128, 256, 132).cluster_m == 1
     cluster = GroupGemmConfig(128, 192, 132, True, 16, cluster_m=2)
@@ -107,9 +107,12 @@ def test_config_cluster_m_is_1_or_2_and_only_the_row_kernels_take_2():
             GroupGemmConfig(**{**dict(tile_m=128, tile_n=256, num_sms=132, cluster_m=2), **other})
     with pytest.raises(ValueError, match="cluster_m = 2 needs an even band_m"):
         GroupGemmConfig(128, 256, 132, band_m=3, cluster_m=2)
-    for kernel in (GroupGemmSm90(cluster), GroupGemmSm90(cluster, b_k_major=True), GroupGemmDgrad2Sm90(cluster)):
+    for kernel in (GroupGemmSm90(cluster), GroupGemmSm90(cluster, b_k_major=True), GroupGemmDgrad2Sm90(cluster),
+                   GroupGemmSwigluBwdSm90(cluster), GroupGemmSwigluBwdSm90(cluster, "smem"),
+                   GroupGemmSwigluBwdGatherSm90(cluster), GroupGemmWgradSm90(cluster),
+                   GroupGemmWgradGatherSm90(cluster), GroupGemmWgradGatherSm90(cluster, dw_m_major=True)):
         assert (kernel.cluster_m, kernel.cluster_size) == (2, 2)
-    for cls in (GroupGemmRowScaleRemoteSm90, GroupGemmSwigluSm90, GroupGemmSwigluBwdSm90, GroupGemmWgradSm90):
+    for cls in (GroupGemmRowScaleRemoteSm90, GroupGemmSwigluSm90, GroupGemmSwigluGatherSm90):
         with pytest.raises(ValueError, match=f"{cls.__name__}: GroupGemmConfig.cluster_m must be 1"):
             cls(GroupGemmConfig(128, 128, 132, cluster_m=2))
 

@@ -497,3 +497,37 @@ def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m, tall_m_ma
         for i, (a, b) in enumerate(zip(outs[0], outs[band_m])):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{op} output {i} differs"
         assert not outs[0][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"
+
+
+@gpu
+@pytest.mark.parametrize("band_m", [0, 4])
+def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(band_m):
+    # GroupGemmConfig.cluster_m = 2 of the SwiGLU backward (both epilogues) and its gathered variant: clusters of
+    # two CTAs computing two M tiles of one group at one n tile, each loading half of every W_down tile into both
+    # by TMA multicast. Groups of 3, 0, 1, 9, 2, 0, 5, 1 M tiles (lone last tiles: the pair's second CTA reads
+    # zero rows of gate, up and g_y and stores nothing), the 200 rows past the last group, F = 600 (a partial
+    # last n tile), bands of 2 pairs with partial bands at group ends; 4 CTAs (2 clusters, many pairs each):
+    # bitwise the kernels without clusters, every output
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_group_gemm_swiglu_bwd, compile_op
+
+    lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
+    n_total = sum(lengths) + 200
+    g_y, *rest = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=66)
+    g_out = random_tokens(1000, 320, seed=67)
+    row_src = random_row_src(rest[2], n_total, g_out.shape[0], 68, all_padding=(2,))
+    widths = (600, 600, 600, -(-600 // 160))
+    kernels = (("registers", lambda cfg: compile_group_gemm_swiglu_bwd(320, 600, cfg, "registers"), (g_y,)),
+               ("smem", lambda cfg: compile_op("swiglu_bwd_smem", 320, 600, 128, 4, cfg), (g_y,)),
+               ("gather", lambda cfg: compile_op("swiglu_bwd_gather", 320, 600, 128, 4, cfg), (g_out, row_src)))
+    for name, compiled, a in kernels:
+        outs = {}
+        for cluster_m in (1, 2):
+            bufs = [torch.full((n_total, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16,
+                               device="cuda") for i, w in enumerate(widths)]
+            compiled(GroupGemmConfig(128, 160, 4, True, band_m, cluster_m=cluster_m))(*a, *rest, *bufs)
+            torch.cuda.synchronize()
+            outs[cluster_m] = bufs
+        for i, (want, got) in enumerate(zip(outs[1], outs[2])):
+            assert torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0)), f"{name} output {i} differs"
+        assert not outs[2][0][:sum(lengths)].isnan().any(), f"{name}: rows of the groups unwritten"

@@ -464,3 +464,32 @@ def test_wgrad_gather_b_cuda_graph_replay():
     row_src = torch.full((n,), -1, dtype=torch.int32, device="cuda")
     replay_gathered_wgrad(lambda h, w: group_gemm_wgrad_gather_b(x, g_out, row_src, cu, h, w),
                           lambda: (x, gathered_rows(g_out, row_src)), cu, row_src, epn, kd, nd, s)
+
+
+@gpu
+@pytest.mark.parametrize("op", ["wgrad", "wgrad_gather", "wgrad_gather_t"])
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_weight_sharing_cluster_wgrads_equal_the_wgrad(op, pingpong):
+    # GroupGemmConfig.cluster_m = 2: the two CTAs of a cluster compute two m tiles of one (group, n tile),
+    # each loading half of every B tile (dy^T; wgrad_gather_t: the rows by TMA) into both by TMA multicast.
+    # M = 520: 5 m tiles (a partial one, then the last pair's second tile past dW: zero A, the gathered
+    # chunks predicated off, the stores dropped); Nd = 1000 (a partial last n tile); home and slot items,
+    # padding rows; 4 CTAs (2 clusters, many items each). Bitwise the wgrad on the (gathered) rows
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    epn, m, n_cols = 5, 520, 1000
+    lengths = random_lengths(128, epn, 3, 7, seed=15)
+    x, dy, _, _, cu = random_bwd_problem(lengths, epn, kd=m, nd=n_cols, n_total=sum(lengths) + 128, seed=15)
+    kernel = compile_op(op, m, n_cols, 128, 4, GroupGemmConfig(128, 192 if pingpong else 256, 4, pingpong,
+                                                               cluster_m=2))
+    tokens = random_tokens(301, m, seed=16)
+    row_src = random_row_src(cu, dy.shape[0], tokens.shape[0], 17)
+    if op == "wgrad":
+        check_gathered_wgrad(lambda h, s: kernel(x, dy, cu, h, s), x, dy, cu, epn, 128, 15)
+    elif op == "wgrad_gather":  # A = the tokens' rows gathered, B = dy
+        check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, dy, cu, h, s), gathered_rows(tokens, row_src), dy,
+                             cu, epn, 128, 15)
+    else:  # dW^T: A = the tokens' rows gathered, B = dy's rows by TMA, stored into the transposes of dW
+        check_gathered_wgrad(lambda h, s: kernel(tokens, row_src, dy, cu, h.transpose(1, 2), s.transpose(1, 2)),
+                             dy, gathered_rows(tokens, row_src), cu, epn, 128, 15)

@@ -43,7 +43,8 @@ class GroupGemmSm90Base(TileWalk):
     # the families whose A is loaded by TMA and whose tile walk ``cta_tiles`` / the scheduler drive set it
     multicast_a = False
     # whether the kernel may run in clusters of two CTAs sharing each B tile (``GroupGemmConfig.cluster_m``): the
-    # row kernels whose B loads go through ``load_expert_tile`` with the atoms' own descriptors
+    # families whose B loads use the atoms' own descriptors (not a remote group's) and whose two CTAs of a
+    # cluster walk tiles of one group and one n tile (the row kernels' ``pair_tile``, the wgrads' ``work_item``)
     multicast_b = False
     # whether the kernel may take its tiles from the dynamic walk (``GroupGemmConfig.dynamic``)
     dynamic_walk = True
@@ -65,8 +66,8 @@ class GroupGemmSm90Base(TileWalk):
         if self.cluster_m > 1 and not self.multicast_b:
             raise ValueError(
                 f"{type(self).__name__}: GroupGemmConfig.cluster_m must be 1 for this kernel (got "
-                f"{self.cluster_m}): only the forward, dgrad, dgrad2 and row-scale kernels share their B tiles "
-                f"in clusters (TMA multicast)"
+                f"{self.cluster_m}): only the forward, dgrad, dgrad2, row-scale, SwiGLU-backward and wgrad "
+                f"kernels share their B tiles in clusters (TMA multicast)"
             )
         if self.dynamic and not self.dynamic_walk:
             raise ValueError(f"{type(self).__name__}: GroupGemmConfig.dynamic must be False for this kernel (its "
@@ -484,11 +485,9 @@ class GroupGemmSm90Base(TileWalk):
         if cutlass.const_expr(b_descs is None):
             b_descs = [None] * len(b_loads)
         # in a cluster each CTA's A loads (cluster_n) or B loads (cluster_m) fill the stage in every CTA of it
-        a_multicast, b_multicast = {}, {}
+        a_multicast, b_multicast = {}, self.b_multicast()
         if cutlass.const_expr(self.cluster_n > 1):
             a_multicast = dict(mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
-        if cutlass.const_expr(self.cluster_m > 1):
-            b_multicast = dict(mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1))
         for k in cutlass.range(k_count, unroll=1):
             mainloop.producer_acquire(prod_state)
             bar = mainloop.producer_get_barrier(prod_state)
@@ -500,6 +499,13 @@ class GroupGemmSm90Base(TileWalk):
             mainloop.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
+
+    def b_multicast(self):
+        """The keyword arguments of a B tile's TMA copy: in clusters sharing B (``cluster_m`` = 2) the mask of
+        the CTAs its share of the tile is multicast into (all of them), else none."""
+        if self.cluster_m > 1:
+            return dict(mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1))
+        return {}
 
     @cute.jit
     def load_expert_tile(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,

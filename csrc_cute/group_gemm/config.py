@@ -24,10 +24,12 @@ class GroupGemmConfig(tuple):
     every #CTAs-th tile from their block index (``walk.TileWalk``), so an SM that runs its tiles slower does
     not finish the launch last with a fixed share of them; no op chooses it yet (docs/design-notes.md,
     session 29: the pingpong kernels ran more cycles with it). ``cluster_m`` (1 or 2; the forward, dgrad,
-    dgrad2 and row-scale kernels, not with ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two
-    CTAs that compute two M tiles of one group at the same N tile (a group's tiles in pairs, its odd last one
-    with an idle partner: ``RowTileScheduler.pair_tile``), each loading half of every B (weight) tile by TMA
-    multicast into both, so the pair reads each weight tile from L2 once."""
+    dgrad2, row-scale and SwiGLU-backward kernels and the wgrads, gathered ones included, not with
+    ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two CTAs that compute two M tiles of one group
+    at the same N tile (the row kernels: a group's tiles in pairs, its odd last one with an idle partner,
+    ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each
+    loading half of every B tile (the weights; the wgrads' dy^T) by TMA multicast into both, so the pair
+    reads each B tile from L2 once."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
                 tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1):

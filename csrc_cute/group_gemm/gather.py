@@ -94,7 +94,7 @@ class GatherOperandMixin:
     int32) as its tensor. ``gather_m_major``: the gathered stage is M-major (the wgrad's ``rows^T``)."""
 
     gather_m_major = False
-    multicast_a = False  # the gathered operand is not loaded by TMA, nor is its pipeline a cluster's
+    multicast_a = False  # the gathered operand is not loaded by TMA (B may be shared: ``cluster_m``)
     walk_producer_readers = GATHER_THREADS // 32 - 1  # every producer warp walks the tiles; warp 0 writes the walk
 
     def _init_gather(self):
@@ -107,17 +107,18 @@ class GatherOperandMixin:
 
     @cute.jit
     def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
-        # the transaction bytes: B's tiles of a stage
+        # the transaction bytes: B's tiles of a stage (in clusters sharing B: each CTA's half and its peer's)
         tx_bytes = num_b_rings * cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
         return TmaCpAsyncPipeline.create(
             barrier_storage=mbar_ptr,
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + GATHER_THREADS),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.tile_mma_threads // 32  # one arrival per consumer warp
+                # one arrival per consumer warp of each CTA whose B loads fill the stage (cluster_m)
+                pipeline.Agent.Thread, self.tile_mma_threads // 32 * self.cluster_m
             ),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
             defer_sync=True,
         )
 
@@ -176,7 +177,8 @@ class GatherRowsMixin(GatherOperandMixin):
         thread's rows are read once (rows >= N or with a negative index: zero rows, the address clamped to
         row 0); per k tile warp 0 issues the B loads (per ring (atom, (TMA, RestK), (TMA, stage))) and
         every thread its A chunks, one 16-byte cp.async per row, predicated off (zero fill) for rows
-        without a source and chunks past K."""
+        without a source and chunks past K. In clusters sharing B (``cluster_m`` = 2) warp 0 loads its CTA's
+        half of each B tile into both CTAs (a pair's M tile past N: zero rows)."""
         if cutlass.const_expr(b_descs is None):
             b_descs = [None] * len(b_loads)
         thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
@@ -200,7 +202,8 @@ class GatherRowsMixin(GatherOperandMixin):
             if is_tma_warp:
                 bar = mainloop.producer_get_barrier(prod_state)
                 for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
-                    cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, stage)], tma_bar_ptr=bar, tma_desc_ptr=desc)
+                    cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, stage)], tma_bar_ptr=bar, tma_desc_ptr=desc,
+                              **self.b_multicast())
             in_k = cutlass.Boolean(True)
             if cutlass.const_expr(k_extent % self.tile_k != 0):  # a partial last k tile: chunks past K
                 in_k = k * self.tile_k + tAcA[(0, 0, 0)][1] < k_extent
@@ -290,14 +293,18 @@ class GatherKRowsMixin(GatherOperandMixin):
         load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every thread its chunks of the
         gathered A's tile ``m_idx`` (tile_m columns of x from ``m_idx * tile_m``, into ``tAsA``), one 16-byte
         cp.async per k row from the row's token of x (8 consecutive columns), predicated off (zero fill) for
-        rows without a token and, in a partial last tile, columns past x's (the address clamped to token 0)."""
+        rows without a token and columns past x's (a partial last tile, or a cluster's tile past the last; the
+        address clamped to token 0). In clusters sharing B (``cluster_m`` = 2) warp 0 loads its CTA's half of B's
+        tile into both CTAs."""
         tma_b, tBgB, tBsB = tma_load
         thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
         k_rows = cute.size(tAcA, mode=[2])
         m_extent = cute.size(x, mode=[1])
         is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         in_m = cutlass.Boolean(True)
-        if cutlass.const_expr(m_extent % self.tile_m != 0):  # a partial last tile: chunks past x's columns
+        # a partial last tile, or in clusters sharing B the tile past the last of an odd number: chunks past x's
+        # columns
+        if cutlass.const_expr(m_extent % self.tile_m != 0 or self.cluster_m > 1):
             in_m = m_idx * self.tile_m + tAcA[(0, 0, 0)][0] < m_extent
         src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
         next_src = cute.make_rmem_tensor(k_rows, cutlass.Int32)
@@ -311,7 +318,7 @@ class GatherKRowsMixin(GatherOperandMixin):
             stage = prod_state.index
             if is_tma_warp:
                 cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, stage)],
-                          tma_bar_ptr=mainloop.producer_get_barrier(prod_state))
+                          tma_bar_ptr=mainloop.producer_get_barrier(prod_state), **self.b_multicast())
             for j in cutlass.range_constexpr(k_rows):
                 # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
                 # partition then picks this thread's chunk of it (same column offsets as the stage)

@@ -71,7 +71,7 @@ class RowTileScheduler:
         pair = tile // num_n_tiles
         n_idx = tile - pair * num_n_tiles
         g, first_tile, first_pair = self.pair_group(p.cu_seqlens, pair)
-        num_m_tiles = cutlass.Int32(cute.ceil_div(cute.size(p.mC, mode=[0]), self.tile_m))
+        num_m_tiles = cutlass.Int32(cute.ceil_div(self.output_rows(p), self.tile_m))
         end_tile = num_m_tiles  # past the last group: the rows to the output's end
         if g < p.num_groups:
             end_tile = p.cu_seqlens[g] // self.tile_m
@@ -82,6 +82,10 @@ class RowTileScheduler:
         if m_idx >= end_tile:
             m_idx = num_m_tiles
         return m_idx, n_idx, g
+
+    def output_rows(self, p):
+        """The rows of the kernel's output (``pair_tile``'s M tiles cover them): its C tensor's."""
+        return cute.size(p.mC, mode=[0])
 
     @cute.jit
     def pair_group(self, cu_seqlens: cute.Tensor, pair: cutlass.Int32):
@@ -200,13 +204,17 @@ class GroupTileScheduler:
         tiles_per_group: cutlass.Int32,
     ):
         """Work item ``tile`` -> (group, m tile, n tile, first k tile, number of k tiles). With
-        ``cluster_n`` = 2 an item's n tile is a pair of n tiles, each CTA of the cluster taking its own."""
+        ``cluster_n`` = 2 an item's n tile is a pair of n tiles, with ``cluster_m`` = 2 its m tile a pair of m
+        tiles (the second one past the output where it has an odd number: zero A, its stores dropped), each
+        CTA of the cluster taking its own; both CTAs have the item's group and k tiles."""
         g = tile // tiles_per_group
         rest = tile - g * tiles_per_group
         m_idx = rest // num_n_tiles
         n_idx = rest - m_idx * num_n_tiles
         if cutlass.const_expr(self.cluster_n > 1):
             n_idx = n_idx * self.cluster_n + self.cluster_rank()
+        if cutlass.const_expr(self.cluster_m > 1):
+            m_idx = m_idx * self.cluster_m + self.cluster_rank()
         row_start = cutlass.Int32(0)
         if g > 0:
             row_start = cu_seqlens[g - 1]

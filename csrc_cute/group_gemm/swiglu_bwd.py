@@ -46,6 +46,10 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
     (``SwigluBwdSmemEpilogue``; the same math and row sums, bitwise the same results).
     """
 
+    # GroupGemmConfig.cluster_m = 2: two M tiles of one group share its W_down tiles (``pair_tile``; a pair's
+    # M tile past N reads zeros and its stores are dropped: predicated, or clipped by the TMA bounds)
+    multicast_b = True
+
     def __init__(self, config: GroupGemmConfig, epilogue: str = "registers"):
         if epilogue not in SWIGLU_BWD_EPILOGUES:
             raise ValueError(f"GroupGemmSwigluBwdSm90: epilogue must be one of {SWIGLU_BWD_EPILOGUES}, "
@@ -67,6 +71,10 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         # batch's gate/up registers next to a whole tile's accumulators must fit the consumers' registers
         chunks = self.tile_n // 8
         self.epi_batch_chunks = max(d for d in range(1, 9) if chunks % d == 0)
+
+    def output_rows(self, p):
+        """The rows of the outputs (``pair_tile``): gate's (N), also for a gathered A of S rows."""
+        return cute.size(p.mGate, mode=[0])
 
     def _row_slots(self):
         """Trace time: the static row offset of each accumulator element within a thread's rows (the
@@ -109,7 +117,8 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
         else:
             tma_a, mA = None, g_y
         _, tma_bh, mBh, tma_bs, mBs = self._tma_load_weights(w_home, w_slot)
-        num_n_tiles, num_tiles = self._row_tiles(g_y if cutlass.const_expr(row_src is None) else gate, gate)
+        num_n_tiles, num_tiles = self._row_tiles(g_y if cutlass.const_expr(row_src is None) else gate, gate,
+                                                 cu_seqlens)
         if cutlass.const_expr(self.epilogue == "smem"):
             epi_atoms = self._smem_epilogue_atoms(gate, up, g_gate, g_up, h_w)
             epi_smem_staged = self.epi_smem_staged

@@ -45,6 +45,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
     """
 
     multicast_a = True  # GroupGemmConfig.cluster_n = 2: two n tiles of one (group, m tile) share its A tiles
+    multicast_b = True  # GroupGemmConfig.cluster_m = 2: two m tiles of one (group, n tile) share its B tiles
 
     def __init__(self, config: GroupGemmConfig, dw_m_major: bool = False):
         self._init_common(
@@ -91,8 +92,9 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         tma_b, mB = self._tma_load_b(b_view)
         tma_c, mC = self._tma_store_c(d_home)
 
-        num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m)
-        num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n * self.cluster_n)  # (cluster pairs)
+        # (in clusters: pairs of m tiles, cluster_m, or of n tiles, cluster_n)
+        num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m * self.cluster_m)
+        num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n * self.cluster_n)
         num_tiles = cute.size(cu_seqlens, mode=[0]) * (num_m_tiles * num_n_tiles)
         self._make_shared_storage(with_c=True)
         self._launch_persistent(
