@@ -540,7 +540,7 @@ def check_tile_choices_win_sweeps(gpu: str, names: tuple[str, ...], chosen: dict
     for fam, cfg in chosen.items():
         rows = next(rs for rs in ([r for r in sw["rows"].values() if r["family"] == fam] for sw in sweeps) if rs)
         assert len(rows) == 3, fam
-        pingpong = cfg.pingpong or fam == "swiglu_bwd"  # the SwiGLU backward is always pingpong
+        pingpong = cfg.pingpong or fam.startswith("swiglu_bwd")  # the SwiGLU backward is always pingpong
         name = config_name(cfg.tile_m, cfg.tile_n, pingpong, cfg.band_m, cfg.tall_m_major, cfg.cluster_n, cfg.dynamic,
                            cfg.cluster_m)
         wins = 0
@@ -582,17 +582,27 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
 
 
 def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
-    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the wgrads, the dgrad2 and the row scale take cooperative tiles,
-    the dgrad clusters sharing B) the tiles of the families swept there win those sweeps
+    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the dgrad2 and the row scale take cooperative tiles, the dgrad and
+    the wgrads clusters sharing B) the tiles of the families swept there win those sweeps
     (``check_tile_choices_win_sweeps``)."""
-    from csrc_cute.group_gemm import select_config, select_dgrad_config, select_hbm_rows_config, select_wgrad_config
+    from csrc_cute.group_gemm import (
+        select_config,
+        select_dgrad_config,
+        select_hbm_rows_config,
+        select_swiglu_bwd_config,
+        select_wgrad_config,
+    )
 
     h100 = 3352.0
     wgrad = select_wgrad_config(128, 7168, 2048, hbm_gbs=h100)
     rows = select_hbm_rows_config(128, 7168, hbm_gbs=h100)
+    swiglu_bwd = select_swiglu_bwd_config(128, 2048)
     chosen = dict(fwd=select_config(128, 2048), dgrad=select_dgrad_config(128, 7168, hbm_gbs=h100), dgrad2=rows,
-                  row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad)
-    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session33_h100.json",
+                  row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad, wgrad_gather_t=wgrad, swiglu_bwd=swiglu_bwd,
+                  swiglu_bwd_gather=swiglu_bwd)
+    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session34_h100_wgrad.json",
+                                                            "bench_tiles_session34_h100_swiglu_bwd.json",
+                                                            "bench_tiles_session33_h100.json",
                                                             "bench_tiles_session32_h100_rows.json",
                                                             "bench_tiles_session32_h100.json",
                                                             "bench_tiles_session31_h100.json"), chosen)

@@ -121,12 +121,14 @@ def test_select_wgrad_config():
     assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1, False, 1)  # pingpong
     assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1, False, 1)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
-    # by the device's HBM bandwidth (GB/s): the H100 SXM's takes the cooperative 128 x 256 tile, the H200's (and an
-    # unknown one) pingpong 128 x 192; tiles other than 128 x 256 do not depend on it
+    # by the device's HBM bandwidth (GB/s): the H100 SXM's takes the pingpong 128 x 192 tile in clusters of two CTAs
+    # sharing B, the H200's (and an unknown one) without clusters; tiles other than 128 x 256 do not depend on it,
+    # nor does one SM (no cluster of two)
     h100, h200 = 3352.0, 4915.0
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132, h100)) == (128, 256, 132, False, 0, False, 1, False, 1)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132, h100)) == (128, 192, 132, True, 0, False, 1, False, 2)
     assert select_wgrad_config(128, 7168, 2048, 132, h200) == select_wgrad_config(128, 7168, 2048, 132)
     assert tuple(select_wgrad_config(64, 520, 136, 132, h100)) == (128, 128, 132, False, 0, False, 1, False, 1)
+    assert select_wgrad_config(128, 7168, 2048, 1, h100) == select_wgrad_config(128, 7168, 2048, 1)
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)
     with pytest.raises(ValueError, match=r"P \(pad\)"):

@@ -108,16 +108,16 @@ def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
     return band if _wide(nd, tile_n) else (0, False)
 
 
-# The peak HBM bandwidth (GB/s) from which the wgrads, the dgrad2 and the row-scaled forward take pingpong tiles
-# and the dgrad runs without weight-sharing clusters: the H200's ~4.8 TB/s does, the H100 SXM's ~3.35 TB/s does
+# The peak HBM bandwidth (GB/s) from which the dgrad2 and the row-scaled forward take pingpong tiles and the dgrad
+# and the wgrads run without weight-sharing clusters: the H200's ~4.8 TB/s does, the H100 SXM's ~3.35 TB/s does
 # not (select_wgrad_config, select_hbm_rows_config, select_dgrad_config).
 PINGPONG_MIN_HBM_GBS = 4000.0
 
 
 def _slow_hbm(hbm_gbs: float | None) -> bool:
     """Whether a device of peak HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS,
-    where the wgrads, the dgrad2 and the row-scaled forward take cooperative 128 x 256 tiles (fewer bytes per
-    MMA) over pingpong and the dgrad shares its weight tiles in clusters."""
+    where the dgrad2 and the row-scaled forward take cooperative 128 x 256 tiles (fewer bytes per MMA) over
+    pingpong and the dgrad and the wgrads share their B tiles in clusters."""
     return hbm_gbs is not None and hbm_gbs < PINGPONG_MIN_HBM_GBS
 
 
@@ -241,8 +241,18 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
 
 
 # The wgrad (and the gathered-A wgrads, the layer's three) at tile_M 128 where Nd >= 256: pingpong 128 x 192 in
-# place of the cooperative 128 x 256 on a GPU whose HBM moves at least PINGPONG_MIN_HBM_GBS (the H200's
-# ~4.8 TB/s) or does not say; the cooperative tile where it moves less (the H100 SXM's ~3.35 TB/s). H200 sweeps
+# place of the cooperative 128 x 256, in clusters of two CTAs sharing each B (dy^T) tile (cluster_m = 2, two m
+# tiles of one work item) on a GPU whose HBM moves less than PINGPONG_MIN_HBM_GBS (the H100 SXM's ~3.35 TB/s;
+# the gate names the board swept, as the dgrad's), without clusters where it moves at least that (the H200's
+# ~4.8 TB/s) or does not say. On an H100 80GB HBM3 at 02108d0 (session 34, bench_tiles --sustained-s 1.5;
+# 48 equal / 16 x 4096 / 48 skewed groups; results/bench_tiles_session34_h100_wgrad.json), each time over the
+# cooperative 128 x 256 tile's at the power cap: the wgrad 0.95/1.00/0.94x, the gathered wgrad 0.96/0.98/0.94x,
+# the transposed gathered wgrad 0.96/0.98/0.94x; QuACK's time over it 1.05/1.10/1.11x (wgrad) and
+# 1.05/1.05/1.04x (gathered), where the cooperative tile's was 0.99/1.10/1.04x and 1.00/1.02/0.98x. Unclustered,
+# the pingpong tile took 1.00-1.35x the cooperative one's time in that run (as in session 31's, below); why
+# sharing B turns that around was not profiled (the pair reads each B tile from L2 once, and session 31's ncu
+# found the unclustered pingpong tile waiting on memory). The cooperative tile in clusters sharing B: 0.97-1.01x
+# its unclustered time. The H200 keeps its unclustered pingpong tile until it is swept with clusters. H200 sweeps
 # of session 18 at H = 7168, F = 2048, P = 128 (48 equal / 16 x 4096 / 48 skewed groups; rotated rounds): the
 # wgrad 0.94/0.98/0.97 and 0.93/1.00/0.96 of the cooperative tile's time (results/bench_tiles_fb51b4d.json,
 # bench_tiles_b179bdb.json), the gathered wgrad 0.93/0.94/0.95
@@ -259,8 +269,8 @@ WGRAD_PINGPONG_TILE_N = 192
 def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
                         hbm_gbs: float | None = None) -> GroupGemmConfig:
     """Tile shape of the wgrad kernel: tile_M over Kd, tile_N over Nd (cooperative; pingpong 128 x
-    WGRAD_PINGPONG_TILE_N where that would be 128 x 256, unless the device's HBM bandwidth ``hbm_gbs`` (GB/s;
-    None: unknown) is below PINGPONG_MIN_HBM_GBS); its k tile (64 rows) must divide P."""
+    WGRAD_PINGPONG_TILE_N where that would be 128 x 256, in clusters sharing B where the device's HBM bandwidth
+    ``hbm_gbs`` (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS); its k tile (64 rows) must divide P."""
     if not isinstance(pad, int) or pad < 16 or pad & (pad - 1):
         raise ValueError(f"P (pad) must be a power of two >= 16, got {pad!r}")
     if pad < 64:
@@ -270,6 +280,7 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
         )
     tile_m = 128 if kd > 64 else 64
     tile_n = 256 if nd >= 256 else 128
-    if tile_m == 128 and tile_n == 256 and not _slow_hbm(hbm_gbs):
-        return GroupGemmConfig(128, WGRAD_PINGPONG_TILE_N, num_sms, pingpong=True)
+    if tile_m == 128 and tile_n == 256:
+        cluster_m = 2 if _slow_hbm(hbm_gbs) and num_sms >= 2 else 1
+        return GroupGemmConfig(128, WGRAD_PINGPONG_TILE_N, num_sms, pingpong=True, cluster_m=cluster_m)
     return GroupGemmConfig(tile_m, tile_n, num_sms)
