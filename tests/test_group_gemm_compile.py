@@ -144,18 +144,20 @@ def test_pingpong_option_compiles_sm90a_no_spills(tmp_path, op):
 
 
 @pytest.mark.parametrize("op", ["wgrad_gather", "wgrad_gather_t"])
-def test_cooperative_gathered_wgrads_compile_sm90a_no_spills(tmp_path, op):
-    """The layer's gathered wgrads on their cooperative 128 x 256 tile, which ``select_wgrad_config`` picks on a
-    GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS (an H100): m64n256 wgmma from both consumer warp
-    groups, no named turn barriers."""
+def test_slow_hbm_gathered_wgrads_compile_sm90a_no_spills(tmp_path, op):
+    """The layer's gathered wgrads on the tile ``select_wgrad_config`` picks on a GPU whose HBM is slower than
+    PINGPONG_MIN_HBM_GBS (an H100): pingpong 128 x 192 (m64n192 wgmma) in clusters of two CTAs sharing each B
+    tile, every B load multicast, the gathered A loaded as without clusters (``check_gathered_wgrad_a``)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig, select_wgrad_config
 
     cfg = select_wgrad_config(128, 7168, 2048, 132, hbm_gbs=3352.0)
-    assert tuple(cfg) == tuple(GroupGemmConfig(128, 256, 132))
+    assert tuple(cfg) == tuple(GroupGemmConfig(128, 192, 132, True, cluster_m=2))
     ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, cfg)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    assert mma and all("m64n256k16" in ln for ln in mma), mma[:1]
-    check_gathered_wgrad_a(ptx, tile_m=128, tile_n=256)
+    assert mma and all("m64n192k16" in ln for ln in mma), mma[:1]
+    loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor.2d.shared::cluster.global" in ln]
+    assert loads and all(".multicast::cluster" in ln for ln in loads)
+    check_gathered_wgrad_a(ptx, tile_m=128, tile_n=192)
 
 
 @pytest.mark.parametrize("op", ["dgrad2", "row_scale"])
