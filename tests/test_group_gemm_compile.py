@@ -510,11 +510,29 @@ def test_swiglu_bwd_row_reduction_layout(tile_m, tile_n):
     assert res == dict(threads=128, bad_slot=0, bad_quad=0, bad_cover=0, slots=2 * tile_m // 64), res
 
 
-@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 160)])
+def test_wide_swiglu_bwd_smem_compiles_sm90a_no_spills(tmp_path):
+    """The SwiGLU backward at 128 x 192 (QuACK's gemm_dgated tile; no op chooses it): its shared-memory epilogue
+    in 64 x 16 sub-tiles (``SwigluBwdSmemEpilogue.epi_sub_tile_n``), which fit the consumers' registers next to
+    192 accumulators a thread (with 32-column sub-tiles ptxas spilled): m64n192 wgmma, 24 sub-tiles a tile, each
+    one's gate/up loaded and three outputs stored by TMA, two route weights a sub-tile."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    ptx = compile_one_kernel_no_spills(tmp_path, "swiglu_bwd_smem", 7168, 2048, 128,
+                                       GroupGemmConfig(128, 192, 132, True, 16))
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma and all("m64n192k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
+    subtiles = 2 * 192 // 16
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * subtiles
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * subtiles + 2
+    assert ptx.count("ld.global.f32") == 2 * subtiles
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 160), (128, 192)])
 def test_swiglu_bwd_smem_subtile_pairs_accumulator_elements(tile_m, tile_n):
-    """The shared-memory epilogue reads gate/up of a 64 x 32 sub-tile through a 64 x 32 MMA's partition
-    and pairs element v with accumulator element first(e) + v: checked for every thread of the warp group
-    and every sub-tile against the real layouts (CPU)."""
+    """The shared-memory epilogue reads gate/up of a 64 x 32 sub-tile (64 x 16 past 160 columns) through a
+    sub-tile MMA's partition and pairs element v with accumulator element first(e) + v: checked for every thread
+    of the warp group and every sub-tile against the real layouts (CPU)."""
     res = layout_probe("swiglu_bwd", "swiglu_bwd_smem_subtile_layout", tile_m, tile_n)
-    subtiles = (tile_m // 64) * (tile_n // 32)
-    assert res == dict(threads=128, subtiles=subtiles, per_subtile=16, covered=True, mismatches=0), res
+    width = 32 if tile_n <= 160 else 16
+    subtiles = (tile_m // 64) * (tile_n // width)
+    assert res == dict(threads=128, subtiles=subtiles, per_subtile=width // 2, covered=True, mismatches=0), res

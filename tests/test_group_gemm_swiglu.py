@@ -531,3 +531,30 @@ def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(
         for i, (want, got) in enumerate(zip(outs[1], outs[2])):
             assert torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0)), f"{name} output {i} differs"
         assert not outs[2][0][:sum(lengths)].isnan().any(), f"{name}: rows of the groups unwritten"
+
+
+@gpu
+@pytest.mark.parametrize("band_m", [0, 4])
+def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(band_m):
+    # the SwiGLU backward at 128 x 192 (its shared-memory epilogue in 64 x 16 sub-tiles; bench_tiles measures it,
+    # no op chooses it): groups of 3, 0, 1, 9, 2, 0, 5, 1 M tiles, the 200 rows past the last group, F = 600 (a
+    # partial last n tile of 24 columns); 4 CTAs. g_gate, g_up and h_w bitwise the 128 x 160 kernel's (the same
+    # k loop per element); the route-weight gradient, whose per-tile partial sums now cover 192 columns, within
+    # fp32 rounding of it
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
+    n_total, rows = sum(lengths) + 200, sum(lengths)
+    args = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=69)
+    outs = {}
+    for tile_n in (160, 192):
+        bufs = [torch.full((n_total, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16,
+                           device="cuda") for i, w in enumerate((600, 600, 600, -(-600 // tile_n)))]
+        compile_op("swiglu_bwd_smem", 320, 600, 128, 4, GroupGemmConfig(128, tile_n, 4, True, band_m))(*args, *bufs)
+        torch.cuda.synchronize()
+        outs[tile_n] = bufs
+    for i, name in enumerate(("g_gate", "g_up", "h_w")):
+        assert torch.equal(outs[160][i].nan_to_num(7.0), outs[192][i].nan_to_num(7.0)), f"{name} differs"
+    assert not outs[192][0][:rows].isnan().any() and not outs[192][3][:rows].isnan().any()
+    torch.testing.assert_close(outs[192][3][:rows].sum(1), outs[160][3][:rows].sum(1), rtol=1e-4, atol=1e-3)

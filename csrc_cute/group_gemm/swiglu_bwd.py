@@ -59,7 +59,7 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             config,
             LayoutEnum.ROW_MAJOR,  # A = g_y [N, H]: K-major
             LayoutEnum.ROW_MAJOR,  # B = W_down [F, H] per group: K-major (reduction over H)
-            self._init_smem_epilogue() if epilogue == "smem" else 0,
+            self._init_smem_epilogue(config.tile_n) if epilogue == "smem" else 0,
             pingpong=True,
         )
         self.b_modes = [1, 2, 0]  # W_down (E, F, H) -> (F, H, E)
@@ -437,7 +437,7 @@ def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
 
 def swiglu_bwd_smem_subtile_layout(tile_m: int = 128, tile_n: int = 128) -> dict:
     """CPU check of the shared-memory epilogue's element pairing (layout algebra at trace time only):
-    for every thread of a warp group and every 64 x 32 sub-tile e, element v of the 64 x 32 MMA's
+    for every thread of a warp group and every 64 x 32 (or 64 x 16) sub-tile e, element v of the sub-tile MMA's
     partition of the sub-tile (offset by the sub-tile's origin) must be the (row, column) of the
     accumulator's element ``first(e) + v`` (``smem_epilogue_math``). Returns the mismatches and counts."""
     from csrc_cute.compile_check import expect_no_driver

@@ -4,7 +4,8 @@ The register epilogue (swiglu_bwd.py) reads the saved gate/up and writes g_gate,
 between global memory and the wgmma accumulator fragment: two adjacent bf16 columns per access, 4-byte
 loads and stores that use half of each 32-byte sector. This one moves them through shared memory with
 TMA instead (the idea of QuACK's sm90 epilogue, which loads its C operand and stores its outputs by TMA
-through shared sub-tiles): per 64 x 32 sub-tile of a warp group's tile, TMA loads gate and up into
+through shared sub-tiles): per 64 x 32 sub-tile of a warp group's tile (64 x 16 where the tile is wider
+than 160 columns: ``epi_sub_tile_n``), TMA loads gate and up into
 shared memory, each thread reads its accumulator elements' gate/up from there, computes exactly what
 the register epilogue computes (``swiglu_bwd_values``, the same rounding points, the row sums in the
 same order), writes g_gate and g_up over gate and up in place and h_w next to them, and one warp of the
@@ -29,8 +30,8 @@ class SwigluBwdSmemEpilogue:
     group owns whole tiles and has its own sub-tile buffers, mbarriers and named barrier, since the
     two warp groups' epilogues may overlap).
 
-    Shared memory per warp group: ``epi_load_stages`` stages of three 64 x 32 bf16 sub-tiles (gate ->
-    g_gate, up -> g_up, h_w) and one mbarrier per stage (the TMA loads' transaction count). Sub-tile
+    Shared memory per warp group: ``epi_load_stages`` stages of three 64 x 32 (or 64 x 16) bf16 sub-tiles
+    (gate -> g_gate, up -> g_up, h_w) and one mbarrier per stage (the TMA loads' transaction count). Sub-tile
     ``count`` of a warp group (counted over its tiles: ``epi_count``) uses stage ``count % stages``.
     The first warp of the warp group issues the TMA traffic: the loads of a tile's first ``stages``
     sub-tiles before its mainloop (they do not depend on the accumulators), and after the stores of
@@ -38,14 +39,20 @@ class SwigluBwdSmemEpilogue:
     """
 
     epi_load_stages = 2
-    epi_sub_tile = (64, 32)
     epi_buffers_per_stage = 3  # gate -> g_gate, up -> g_up, h_w
 
-    def _init_smem_epilogue(self) -> int:
-        """Epilogue sub-tiles and stages; returns their shared memory (reserved before the mainloop
-        stages are sized)."""
-        self._init_tma_store_epilogue(self.epi_sub_tile[0])
-        self.epi_tile = self.epi_sub_tile
+    @staticmethod
+    def epi_sub_tile_n(tile_n: int) -> int:
+        """The sub-tiles' width: 32 columns; 16 where the tile is wider than 160 columns, whose accumulators
+        (tile_n fp32 registers a thread) leave no room for a 32-column sub-tile's gate/up/h_w registers (sm_90a,
+        128 x 192: ptxas spilled 44-96 B with 32 columns, none with 16; the gathered variant still spills)."""
+        return 32 if tile_n <= 160 else 16
+
+    def _init_smem_epilogue(self, tile_n: int) -> int:
+        """Epilogue sub-tiles (64 rows x ``epi_sub_tile_n``) and stages of a tile ``tile_n`` wide; returns their
+        shared memory (reserved before the mainloop stages are sized)."""
+        self._init_tma_store_epilogue(64)
+        self.epi_tile = (64, self.epi_sub_tile_n(tile_n))
         # the sub-tile slots of both consumer warp groups: (warp group, stage, buffer)
         self.epi_stage = 2 * self.epi_load_stages * self.epi_buffers_per_stage
         self.epi_load_bytes = 2 * self.epi_tile[0] * self.epi_tile[1] * 2  # gate and up sub-tiles, bf16
@@ -63,7 +70,7 @@ class SwigluBwdSmemEpilogue:
     @cute.jit
     def smem_epilogue_setup(self, p, c):
         """Adds to the consumer state ``c``: the warp group's mbarriers (initialised here), its first
-        slot and named barrier, the 64 x 32 MMA that partitions a sub-tile as the accumulator's
+        slot and named barrier, the 64 x sub-tile-width MMA that partitions a sub-tile as the accumulator's
         elements of it, the thread's slices, the sub-tile registers and the TMA tensors' tiles."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4 - 1
@@ -72,8 +79,8 @@ class SwigluBwdSmemEpilogue:
         if warp_idx % 4 == 0:
             self.smem_epilogue_init_barriers(mbar)
         cute.arch.barrier(barrier_id=self.pingpong_epi_barrier_base + wg, number_of_threads=self.threads_per_wg)
-        # The wgmma C fragment repeats per 8-column chunk, so a 64 x 32 tiled MMA's partition of a
-        # sub-tile holds, element for element, the accumulator's 16 elements of it (the CPU test
+        # The wgmma C fragment repeats per 8-column chunk, so a 64 x 32 (16) tiled MMA's partition of a
+        # sub-tile holds, element for element, the accumulator's 16 (8) elements of it (the CPU test
         # checks it: swiglu_bwd.swiglu_bwd_smem_subtile_layout)
         epi_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
@@ -177,8 +184,8 @@ class SwigluBwdSmemEpilogue:
 
     @cute.jit
     def smem_epilogue_math(self, p, c, e: cutlass.Constexpr, views, coords: cute.Tensor):
-        """Sub-tile ``e`` (64-row block e // (tile_n / 32), columns 32 (e % (tile_n / 32)) on): the
-        thread's gate/up from shared memory, per element ``swiglu_bwd_values`` (as the register
+        """Sub-tile ``e`` (64-row block e // (tile_n / w), columns w (e % (tile_n / w)) on, w the sub-tiles'
+        width): the thread's gate/up from shared memory, per element ``swiglu_bwd_values`` (as the register
         epilogue, accumulator elements in increasing order, so each row's sum adds in the same order),
         g_gate, g_up over gate, up and h_w into shared memory (an edge tile's elements outside the bounds
         add +0 to the row sums, see the module docstring; TMA clips the stores)."""
