@@ -499,6 +499,13 @@ def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m, tall_m_ma
         assert not outs[0][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"
 
 
+def _nan_swiglu_bwd_outputs(n, f, tile_n):
+    """NaN-filled outputs of a SwiGLU-backward kernel of ``tile_n`` columns: g_gate, g_up, h_w [n, f] bf16 and the
+    route-weight partial sums [n, ceil(f / tile_n)] fp32."""
+    return [torch.full((n, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16, device="cuda")
+            for i, w in enumerate((f, f, f, -(-f // tile_n)))]
+
+
 @gpu
 @pytest.mark.parametrize("band_m", [0, 4])
 def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(band_m):
@@ -516,15 +523,13 @@ def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(
     g_y, *rest = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=66)
     g_out = random_tokens(1000, 320, seed=67)
     row_src = random_row_src(rest[2], n_total, g_out.shape[0], 68, all_padding=(2,))
-    widths = (600, 600, 600, -(-600 // 160))
     kernels = (("registers", lambda cfg: compile_group_gemm_swiglu_bwd(320, 600, cfg, "registers"), (g_y,)),
                ("smem", lambda cfg: compile_op("swiglu_bwd_smem", 320, 600, 128, 4, cfg), (g_y,)),
                ("gather", lambda cfg: compile_op("swiglu_bwd_gather", 320, 600, 128, 4, cfg), (g_out, row_src)))
     for name, compiled, a in kernels:
         outs = {}
         for cluster_m in (1, 2):
-            bufs = [torch.full((n_total, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16,
-                               device="cuda") for i, w in enumerate(widths)]
+            bufs = _nan_swiglu_bwd_outputs(n_total, 600, 160)
             compiled(GroupGemmConfig(128, 160, 4, True, band_m, cluster_m=cluster_m))(*a, *rest, *bufs)
             torch.cuda.synchronize()
             outs[cluster_m] = bufs
@@ -549,8 +554,7 @@ def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(band_m):
     args = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=69)
     outs = {}
     for tile_n in (160, 192):
-        bufs = [torch.full((n_total, w), float("nan"), dtype=torch.float32 if i == 3 else torch.bfloat16,
-                           device="cuda") for i, w in enumerate((600, 600, 600, -(-600 // tile_n)))]
+        bufs = _nan_swiglu_bwd_outputs(n_total, 600, tile_n)
         compile_op("swiglu_bwd_smem", 320, 600, 128, 4, GroupGemmConfig(128, tile_n, 4, True, band_m))(*args, *bufs)
         torch.cuda.synchronize()
         outs[tile_n] = bufs
