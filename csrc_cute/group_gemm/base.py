@@ -453,12 +453,17 @@ class GroupGemmSm90Base(TileWalk):
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem) + num_b_rings * cute.size_in_bytes(
             self.ab_dtype, b_smem
         )
-        # A stage is free once the consumers of every CTA that loads into it released it: one arrival per
-        # consumer warp of each CTA of the cluster (each CTA's A loads, or B loads, fill the stage in all of them)
-        return pipeline.PipelineTmaAsync.create(
+        return self.ring_pipeline(mbar_ptr, tx_bytes)
+
+    def ring_pipeline(self, mbar_ptr, tx_bytes, producers: int = 1, kind=pipeline.PipelineTmaAsync):
+        """The A/B ring's pipeline (``kind``, e.g. the gathered kernels' ``TmaCpAsyncPipeline``): ``producers``
+        arrivals and ``tx_bytes`` TMA bytes fill a stage. A stage is free once the consumers of every CTA that
+        loads into it released it: one arrival per consumer warp of each CTA of the cluster (each CTA's A loads,
+        or B loads, fill the stage in all of them)."""
+        return kind.create(
             barrier_storage=mbar_ptr,
             num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.tile_mma_threads // 32 * self.cluster_size
             ),

@@ -107,20 +107,10 @@ class GatherOperandMixin:
 
     @cute.jit
     def make_mainloop_pipeline(self, mbar_ptr, a_smem_staged, b_smem_staged, num_b_rings):
-        # the transaction bytes: B's tiles of a stage (in clusters sharing B: each CTA's half and its peer's)
+        # the transaction bytes: B's tiles of a stage (in clusters sharing B: each CTA's half and its peer's); the
+        # arrivals: the TMA warp's and every cp.async thread's
         tx_bytes = num_b_rings * cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-        return TmaCpAsyncPipeline.create(
-            barrier_storage=mbar_ptr,
-            num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + GATHER_THREADS),
-            consumer_group=pipeline.CooperativeGroup(
-                # one arrival per consumer warp of each CTA whose B loads fill the stage (cluster_m)
-                pipeline.Agent.Thread, self.tile_mma_threads // 32 * self.cluster_m
-            ),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
-            defer_sync=True,
-        )
+        return self.ring_pipeline(mbar_ptr, tx_bytes, 1 + GATHER_THREADS, TmaCpAsyncPipeline)
 
     @cute.jit
     def partition_gather(self, mA, sA: cute.Tensor):
