@@ -78,7 +78,7 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                   wgrad_gather_t=WGRAD_CANDIDATES,
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
-                  swiglu_bwd=SWIGLU_BWD_CANDIDATES + ((128, 192, True, 16, False),),
+                  swiglu_bwd=SWIGLU_BWD_CANDIDATES + ((128, 192, True, 16, False), (128, 192, True, 16, False, 1, False, 2)),
                   swiglu_bwd_gather=SWIGLU_BWD_CANDIDATES)
 
 

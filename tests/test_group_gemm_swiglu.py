@@ -545,7 +545,7 @@ def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(band_m):
     # no op chooses it): groups of 3, 0, 1, 9, 2, 0, 5, 1 M tiles, the 200 rows past the last group, F = 600 (a
     # partial last n tile of 24 columns); 4 CTAs. g_gate, g_up and h_w bitwise the 128 x 160 kernel's (the same
     # k loop per element); the route-weight gradient, whose per-tile partial sums now cover 192 columns, within
-    # fp32 rounding of it
+    # fp32 rounding of it; the 192-column tile in clusters sharing W_down (cluster_m = 2) bitwise the unclustered one
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
@@ -553,11 +553,14 @@ def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(band_m):
     n_total, rows = sum(lengths) + 200, sum(lengths)
     args = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=69)
     outs = {}
-    for tile_n in (160, 192):
+    for tile_n, cluster_m in ((160, 1), (192, 1), (192, 2)):
         bufs = _nan_swiglu_bwd_outputs(n_total, 600, tile_n)
-        compile_op("swiglu_bwd_smem", 320, 600, 128, 4, GroupGemmConfig(128, tile_n, 4, True, band_m))(*args, *bufs)
+        cfg = GroupGemmConfig(128, tile_n, 4, True, band_m, cluster_m=cluster_m)
+        compile_op("swiglu_bwd_smem", 320, 600, 128, 4, cfg)(*args, *bufs)
         torch.cuda.synchronize()
-        outs[tile_n] = bufs
+        outs[tile_n if cluster_m == 1 else "192 cluster"] = bufs
+    for i, (want, got) in enumerate(zip(outs[192], outs["192 cluster"])):
+        assert torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0)), f"clustered output {i} differs"
     for i, name in enumerate(("g_gate", "g_up", "h_w")):
         assert torch.equal(outs[160][i].nan_to_num(7.0), outs[192][i].nan_to_num(7.0)), f"{name} differs"
     assert not outs[192][0][:rows].isnan().any() and not outs[192][3][:rows].isnan().any()
