@@ -67,6 +67,8 @@ WGRAD_CANDIDATES = ((128, 256, False, 0, False), (128, 192, True, 0, False), (12
 SWIGLU_BWD_CANDIDATES = ((128, 160, True, 0, False), (128, 160, True, 16, False), (128, 160, True, 16, True),
                          (128, 160, True, 16, False, 1, True), (128, 160, True, 0, False, 1, False, 2),
                          (128, 160, True, 16, False, 1, False, 2))
+# QuACK gemm_dgated's 128 x 192 (11 n tiles at F = 2048, where 160 columns take 13), unclustered and sharing B
+WIDE_SWIGLU_BWD_CANDIDATES = ((128, 192, True, 16, False), (128, 192, True, 16, False, 1, False, 2))
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
                   (128, 256, False, 64, False, 1, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False),
@@ -78,8 +80,8 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                   wgrad_gather_t=WGRAD_CANDIDATES,
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
-                  swiglu_bwd=SWIGLU_BWD_CANDIDATES + ((128, 192, True, 16, False), (128, 192, True, 16, False, 1, False, 2)),
-                  swiglu_bwd_gather=SWIGLU_BWD_CANDIDATES)
+                  swiglu_bwd=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES,
+                  swiglu_bwd_gather=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES)
 
 
 def swept(fam: str, opts) -> list[tuple]:

@@ -540,23 +540,27 @@ def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(
 
 @gpu
 @pytest.mark.parametrize("band_m", [0, 4])
-def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(band_m):
-    # the SwiGLU backward at 128 x 192 (its shared-memory epilogue in 64 x 16 sub-tiles; bench_tiles measures it,
-    # no op chooses it): groups of 3, 0, 1, 9, 2, 0, 5, 1 M tiles, the 200 rows past the last group, F = 600 (a
-    # partial last n tile of 24 columns); 4 CTAs. g_gate, g_up and h_w bitwise the 128 x 160 kernel's (the same
-    # k loop per element); the route-weight gradient, whose per-tile partial sums now cover 192 columns, within
-    # fp32 rounding of it; the 192-column tile in clusters sharing W_down (cluster_m = 2) bitwise the unclustered one
+@pytest.mark.parametrize("op", ["swiglu_bwd_smem", "swiglu_bwd_gather"])
+def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(op, band_m):
+    # the SwiGLU backward at 128 x 192 (its shared-memory epilogue in 64 x 16 sub-tiles; the gathered one with
+    # 232 consumer registers; bench_tiles measures them, no op chooses them): groups of 3, 0, 1, 9, 2, 0, 5, 1 M
+    # tiles, the 200 rows past the last group, F = 600 (a partial last n tile of 24 columns); 4 CTAs. g_gate,
+    # g_up and h_w bitwise the 128 x 160 kernel's (the same k loop per element); the route-weight gradient,
+    # whose per-tile partial sums now cover 192 columns, within fp32 rounding of it; the 192-column tile in
+    # clusters sharing W_down (cluster_m = 2) bitwise the unclustered one
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
     n_total, rows = sum(lengths) + 200, sum(lengths)
-    args = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=69)
+    g_y, *rest = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=69)
+    g_out = random_tokens(1000, 320, seed=70)
+    a = (g_y,) if op == "swiglu_bwd_smem" else (g_out, random_row_src(rest[2], n_total, 1000, 71, all_padding=(2,)))
     outs = {}
     for tile_n, cluster_m in ((160, 1), (192, 1), (192, 2)):
         bufs = _nan_swiglu_bwd_outputs(n_total, 600, tile_n)
         cfg = GroupGemmConfig(128, tile_n, 4, True, band_m, cluster_m=cluster_m)
-        compile_op("swiglu_bwd_smem", 320, 600, 128, 4, cfg)(*args, *bufs)
+        compile_op(op, 320, 600, 128, 4, cfg)(*a, *rest, *bufs)
         torch.cuda.synchronize()
         outs[tile_n if cluster_m == 1 else "192 cluster"] = bufs
     for i, (want, got) in enumerate(zip(outs[192], outs["192 cluster"])):

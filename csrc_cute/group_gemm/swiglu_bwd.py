@@ -372,6 +372,10 @@ class GroupGemmSwigluBwdGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluBwdSm9
         # epilogue's batches were sized for 232 consumer registers and the gather leaves 224
         super().__init__(config, "smem")
         self._init_gather()
+        if self.tile_n > 160:
+            # a wider tile's accumulators need the consumers' 232 (at 224 ptxas spilled 112 B at 128 x 192,
+            # sm_90a); the producers' K-major gather of this kernel fits in 40 (none spilled)
+            self.load_regs, self.mma_regs = 40, 232
 
     @cute.jit
     def __call__(
