@@ -233,8 +233,10 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS)
     accumulators next to its epilogue's registers): tile_M as the forward's; 160 columns of F where
     that pads F by at most 5% (F = 2048: 13 tiles, the last 128 wide), else 128. The wider tile loads
     less into shared memory per FLOP: 0.91-1.00x the 128-column tile's time at the DESIGN shape
-    (results/bench_tiles_d6c9627.json); at 192 columns ptxas spills (with the shared-memory epilogue's 64 x 16
-    sub-tiles the plain kernel fits since session 34: a bench_tiles candidate, not yet measured). In
+    (results/bench_tiles_d6c9627.json). At 192 columns (QuACK gemm_dgated's tile: 11 n tiles at F = 2048;
+    64 x 16 epilogue sub-tiles, and the gathered kernel 232 consumer registers, to fit without spills) it took
+    1.09-1.25x the 160-column tile's time at the power cap on an H100, 0.94-1.24x in clusters sharing B
+    (faster only gathered at 16 x 4096; results/bench_tiles_session35_h100_swiglu_bwd_wide.json). In
     SWIGLU_BWD_BAND's raster where F has more than BANDED_N_TILES n tiles."""
     base = select_config(pad, 128, num_sms)
     tile_n = 160 if -(-f // 160) * 160 - f <= f // 20 else 128
