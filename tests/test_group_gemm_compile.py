@@ -510,20 +510,26 @@ def test_swiglu_bwd_row_reduction_layout(tile_m, tile_n):
     assert res == dict(threads=128, bad_slot=0, bad_quad=0, bad_cover=0, slots=2 * tile_m // 64), res
 
 
-def test_wide_swiglu_bwd_smem_compiles_sm90a_no_spills(tmp_path):
+@pytest.mark.parametrize("op", ["swiglu_bwd_smem", "swiglu_bwd_gather"])
+def test_wide_swiglu_bwd_smem_compiles_sm90a_no_spills(tmp_path, op):
     """The SwiGLU backward at 128 x 192 (QuACK's gemm_dgated tile; no op chooses it): its shared-memory epilogue
     in 64 x 16 sub-tiles (``SwigluBwdSmemEpilogue.epi_sub_tile_n``), which fit the consumers' registers next to
     192 accumulators a thread (with 32-column sub-tiles ptxas spilled): m64n192 wgmma, 24 sub-tiles a tile, each
-    one's gate/up loaded and three outputs stored by TMA, two route weights a sub-tile."""
+    one's gate/up loaded and three outputs stored by TMA, two route weights a sub-tile. The gathered kernel
+    (A by cp.async) fits with 232 consumer registers and 40 producer ones (at 224 it spilled 112 B)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
-    ptx = compile_one_kernel_no_spills(tmp_path, "swiglu_bwd_smem", 7168, 2048, 128,
-                                       GroupGemmConfig(128, 192, 132, True, 16))
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 192, 132, True, 16))
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma and all("m64n192k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
     subtiles = 2 * 192 // 16
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * subtiles
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * subtiles + 2
+    # gate/up per sub-tile, and the plain kernel's A (g_y) stages by TMA; the gathered one's A by cp.async
+    gathered = op == "swiglu_bwd_gather"
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * subtiles + (0 if gathered else 2)
+    assert ("cp.async.cg.shared.global" in ptx) == gathered
+    regs = (40, 232) if gathered else (24, 240)
+    assert f"setmaxnreg.dec.sync.aligned.u32 {regs[0]};" in ptx and f"setmaxnreg.inc.sync.aligned.u32 {regs[1]};" in ptx
     assert ptx.count("ld.global.f32") == 2 * subtiles
 
 

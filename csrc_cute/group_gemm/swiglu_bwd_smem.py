@@ -45,7 +45,8 @@ class SwigluBwdSmemEpilogue:
     def epi_sub_tile_n(tile_n: int) -> int:
         """The sub-tiles' width: 32 columns; 16 where the tile is wider than 160 columns, whose accumulators
         (tile_n fp32 registers a thread) leave no room for a 32-column sub-tile's gate/up/h_w registers (sm_90a,
-        128 x 192: ptxas spilled 44-96 B with 32 columns, none with 16; the gathered variant still spills)."""
+        128 x 192: ptxas spilled 44-96 B with 32 columns, none with 16; the gathered variant fits with 232 consumer
+        registers: ``GroupGemmSwigluBwdGatherSm90``)."""
         return 32 if tile_n <= 160 else 16
 
     def _init_smem_epilogue(self, tile_n: int) -> int:
