@@ -16,6 +16,7 @@ from csrc_cute.group_gemm import (
     group_gemm_wgrad_gather,
     group_gemm_wgrad_gather_b,
     select_config,
+    select_dgrad_config,
     select_hbm_rows_config,
     select_swiglu_bwd_config,
     select_swiglu_config,
@@ -136,36 +137,28 @@ def test_select_wgrad_config():
 
 
 
-def test_select_hbm_rows_config():
-    # the dgrad2's and the row scale's: the wide-rows pingpong tile (the dgrad's), except on a GPU whose HBM is
-    # slower than PINGPONG_MIN_HBM_GBS (the H100 SXM's): the cooperative 128 x 256 tile in bands of 64 M tiles;
-    # outputs of at most BANDED_N_TILES 256-column tiles and tile_M 64 keep select_config's cooperative tile
+@pytest.mark.parametrize("op, slow_hbm_tile", [
+    # the dgrad2's and the row scale's: the cooperative 128 x 256 tile in bands of 64 M tiles
+    ("dgrad2", (128, 256, 132, False, 64, False, 1, False, 1)),
+    # the dgrad's: the wide-rows pingpong tile in clusters of two CTAs sharing the weight tiles (cluster_m = 2,
+    # same raster; the H100 SXM is where it was swept)
+    ("dgrad", (128, 192, 132, True, 16, False, 1, False, 2)),
+])
+def test_select_slow_hbm_rows_configs(op, slow_hbm_tile):
+    # the dgrad2's / row scale's (select_hbm_rows_config) and the dgrad's (select_dgrad_config) tiles: the
+    # wide-rows pingpong tile, except on a GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS (the H100 SXM's):
+    # slow_hbm_tile; the H200's and an unknown device's the wide-rows tile; outputs of at most BANDED_N_TILES
+    # 256-column tiles and tile_M 64 keep select_config's cooperative tile; one SM: no cluster of two
+    select = dict(dgrad2=select_hbm_rows_config, dgrad=select_dgrad_config)[op]
     h100, h200 = 3352.0, 4915.0
-    assert select_hbm_rows_config(128, 7168, 132) == select_wide_rows_config(128, 7168, 132)
-    assert select_hbm_rows_config(128, 7168, 132, h200) == select_wide_rows_config(128, 7168, 132)
-    assert tuple(select_hbm_rows_config(128, 7168, 132, h100)) == (128, 256, 132, False, 64, False, 1, False, 1)
-    assert select_hbm_rows_config(128, 2048, 132, h100) == select_config(128, 2048, 132)
-    assert select_hbm_rows_config(64, 7168, 132, h100) == select_config(64, 7168, 132)
+    assert select(128, 7168, 132) == select_wide_rows_config(128, 7168, 132)
+    assert select(128, 7168, 132, h200) == select_wide_rows_config(128, 7168, 132)
+    assert tuple(select(128, 7168, 132, h100)) == slow_hbm_tile
+    assert select(128, 2048, 132, h100) == select_config(128, 2048, 132)
+    assert select(64, 7168, 132, h100) == select_config(64, 7168, 132)
+    assert select(128, 7168, 1, h100).cluster_m == 1
     with pytest.raises(ValueError, match=r"P \(pad\)"):
-        select_hbm_rows_config(96, 7168, 132, h100)
-
-
-def test_select_dgrad_config():
-    # the dgrad's: the wide-rows pingpong tile, on a GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS (the H100
-    # SXM's, where it was swept) in clusters of two CTAs sharing the weight tiles (cluster_m = 2, same raster);
-    # the H200's and an unknown device's unclustered; outputs of at most BANDED_N_TILES 256-column tiles and
-    # tile_M 64 keep select_config's cooperative tile
-    from csrc_cute.group_gemm import select_dgrad_config
-
-    h100, h200 = 3352.0, 4915.0
-    assert select_dgrad_config(128, 7168, 132) == select_wide_rows_config(128, 7168, 132)
-    assert select_dgrad_config(128, 7168, 132, h200) == select_wide_rows_config(128, 7168, 132)
-    assert tuple(select_dgrad_config(128, 7168, 132, h100)) == (128, 192, 132, True, 16, False, 1, False, 2)
-    assert select_dgrad_config(128, 2048, 132, h100) == select_config(128, 2048, 132)
-    assert select_dgrad_config(64, 7168, 132, h100) == select_config(64, 7168, 132)
-    assert select_dgrad_config(128, 7168, 1, h100).cluster_m == 1  # one SM: no cluster of two
-    with pytest.raises(ValueError, match=r"P \(pad\)"):
-        select_dgrad_config(96, 7168, 132, h100)
+        select(96, 7168, 132, h100)
 
 
 def test_hbm_gbs_of_device_properties():
