@@ -63,7 +63,10 @@ SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis",
 EXTRA_METRICS = ("regex:sm__pipe_tensor_op_.*cycles_active\\.avg\\.pct_of_peak_sustained_active",
                  "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio",
                  "sm__cycles_active.min", "sm__cycles_active.max", "sm__cycles_active.avg",
-                 "dram__bytes_read.sum", "lts__t_bytes.sum")
+                 "dram__bytes_read.sum", "lts__t_bytes.sum",
+                 # shared-memory bank conflicts of the threads' loads and stores (an epilogue's sub-tile traffic)
+                 "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+                 "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
 # (table heading, ncu metric name as the details page names it): what the table and the JSON keep
 SUMMARY = (("ms", "Duration"), ("SM MHz", "SM Frequency"), ("SM %", "Compute (SM) Throughput"),
            ("DRAM %", "DRAM Throughput"), ("L2 hit %", "L2 Hit Rate"), ("L1 %", "L1/TEX Cache Throughput"),

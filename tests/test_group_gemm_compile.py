@@ -512,32 +512,33 @@ def test_swiglu_bwd_row_reduction_layout(tile_m, tile_n):
 
 @pytest.mark.parametrize("op", ["swiglu_bwd_smem", "swiglu_bwd_gather"])
 def test_wide_swiglu_bwd_smem_compiles_sm90a_no_spills(tmp_path, op):
-    """The SwiGLU backward at 128 x 192 (QuACK's gemm_dgated tile; no op chooses it): its shared-memory epilogue
-    in 64 x 16 sub-tiles (``SwigluBwdSmemEpilogue.epi_sub_tile_n``), which fit the consumers' registers next to
-    192 accumulators a thread (with 32-column sub-tiles ptxas spilled): m64n192 wgmma, 24 sub-tiles a tile, each
-    one's gate/up loaded and three outputs stored by TMA, two route weights a sub-tile. The gathered kernel
-    (A by cp.async) fits with 232 consumer registers and 40 producer ones (at 224 it spilled 112 B)."""
+    """The SwiGLU backward at 128 x 192 in clusters sharing W_down (QuACK's gemm_dgated tile; the ops' tile where the
+    HBM is slow, select_swiglu_bwd_config): its shared-memory epilogue in 64 x 32 TMA sub-tiles whose columns the
+    threads compute 16 at a time (``SwigluBwdSmemEpilogue.epi_math_n``), which fits the consumers' registers next to
+    192 accumulators a thread (32 at a time, ptxas spilled): m64n192 wgmma, 12 sub-tiles a tile, each one's gate/up
+    loaded and three outputs stored by TMA, two route weights a sub-tile. Both kernels run the plain kernel's
+    register budgets, 24 producer and 240 consumer registers (the gathered one at 40 / 232 spilled 40-108 B)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
-    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, GroupGemmConfig(128, 192, 132, True, 16))
+    config = GroupGemmConfig(128, 192, 132, False, 16, cluster_m=2)
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, config)
     mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     assert mma and all("m64n192k16.f32.bf16.bf16" in ln for ln in mma), mma[:1]
-    subtiles = 2 * 192 // 16
+    subtiles = 2 * 192 // 32
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared") == 3 * subtiles
     # gate/up per sub-tile, and the plain kernel's A (g_y) stages by TMA; the gathered one's A by cp.async
     gathered = op == "swiglu_bwd_gather"
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 2 * subtiles + (0 if gathered else 2)
     assert ("cp.async.cg.shared.global" in ptx) == gathered
-    regs = (40, 232) if gathered else (24, 240)
-    assert f"setmaxnreg.dec.sync.aligned.u32 {regs[0]};" in ptx and f"setmaxnreg.inc.sync.aligned.u32 {regs[1]};" in ptx
-    assert ptx.count("ld.global.f32") == 2 * subtiles
+    assert "setmaxnreg.dec.sync.aligned.u32 24;" in ptx and "setmaxnreg.inc.sync.aligned.u32 240;" in ptx
+    assert ptx.count("ld.global.f32") == 2 * subtiles  # a sub-tile's two halves share their rows: read once
 
 
 @pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (64, 128), (128, 160), (128, 192)])
 def test_swiglu_bwd_smem_subtile_pairs_accumulator_elements(tile_m, tile_n):
-    """The shared-memory epilogue reads gate/up of a 64 x 32 sub-tile (64 x 16 past 160 columns) through a
-    sub-tile MMA's partition and pairs element v with accumulator element first(e) + v: checked for every thread
-    of the warp group and every sub-tile against the real layouts (CPU)."""
+    """The shared-memory epilogue reads gate/up of a 64 x 32 sub-tile (past 160 columns in two 64 x 16 halves)
+    through a chunk MMA's partition and pairs element v with accumulator element first(e) + v: checked for every
+    thread of the warp group and every chunk against the real layouts (CPU)."""
     res = layout_probe("swiglu_bwd", "swiglu_bwd_smem_subtile_layout", tile_m, tile_n)
     width = 32 if tile_n <= 160 else 16
     subtiles = (tile_m // 64) * (tile_n // width)

@@ -542,10 +542,11 @@ def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(
 @pytest.mark.parametrize("band_m", [0, 4])
 @pytest.mark.parametrize("op", ["swiglu_bwd_smem", "swiglu_bwd_gather"])
 def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(op, band_m):
-    # the SwiGLU backward at 128 x 192 (its shared-memory epilogue in 64 x 16 sub-tiles; the gathered one with
-    # 232 consumer registers; bench_tiles measures them, no op chooses them): groups of 3, 0, 1, 9, 2, 0, 5, 1 M
-    # tiles, the 200 rows past the last group, F = 600 (a partial last n tile of 24 columns); 4 CTAs. g_gate,
-    # g_up and h_w bitwise the 128 x 160 kernel's (the same k loop per element); the route-weight gradient,
+    # the SwiGLU backward at 128 x 192 (its shared-memory epilogue's 64 x 32 sub-tiles computed in 16-column
+    # halves; in clusters, the ops' tile where the HBM is slow: select_swiglu_bwd_config): groups of 3, 0, 1, 9,
+    # 2, 0, 5, 1 M tiles, the 200 rows past the last group, F = 600 (a partial last n tile of 24 columns); 4
+    # CTAs. g_gate, g_up and h_w bitwise the 128 x 160 kernel's (the same k loop per element); the route-weight
+    # gradient,
     # whose per-tile partial sums now cover 192 columns, within fp32 rounding of it; the 192-column tile in
     # clusters sharing W_down (cluster_m = 2) bitwise the unclustered one
     from csrc_cute.group_gemm.config import GroupGemmConfig

@@ -373,9 +373,9 @@ class GroupGemmSwigluBwdGatherSm90(gather.GatherRowsMixin, GroupGemmSwigluBwdSm9
         super().__init__(config, "smem")
         self._init_gather()
         if self.tile_n > 160:
-            # a wider tile's accumulators need the consumers' 232 (at 224 ptxas spilled 112 B at 128 x 192,
-            # sm_90a); the producers' K-major gather of this kernel fits in 40 (none spilled)
-            self.load_regs, self.mma_regs = 40, 232
+            # a wider tile's accumulators need the plain kernel's 240 consumer registers (sm_90a, 128 x 192: at 224
+            # ptxas spilled, at 232 40-108 B); the producers' K-major gather fits in 24 (none spilled)
+            self.load_regs, self.mma_regs = 24, 240
 
     @cute.jit
     def __call__(
@@ -441,9 +441,10 @@ def swiglu_bwd_row_quads(tile_m: int = 128, tile_n: int = 128) -> dict:
 
 def swiglu_bwd_smem_subtile_layout(tile_m: int = 128, tile_n: int = 128) -> dict:
     """CPU check of the shared-memory epilogue's element pairing (layout algebra at trace time only):
-    for every thread of a warp group and every 64 x 32 (or 64 x 16) sub-tile e, element v of the sub-tile MMA's
-    partition of the sub-tile (offset by the sub-tile's origin) must be the (row, column) of the
-    accumulator's element ``first(e) + v`` (``smem_epilogue_math``). Returns the mismatches and counts."""
+    for every thread of a warp group and every chunk e the threads compute at a time (64 x ``epi_math_n``: a
+    whole 64 x 32 sub-tile, or half of one past 160 columns), element v of the chunk MMA's partition of the chunk
+    (offset by the chunk's origin) must be the (row, column) of the accumulator's element ``first(e) + v``
+    (``smem_epilogue_math``). Returns the mismatches and counts."""
     from csrc_cute.compile_check import expect_no_driver
 
 
@@ -456,17 +457,17 @@ def swiglu_bwd_smem_subtile_layout(tile_m: int = 128, tile_n: int = 128) -> dict
         kernel._setup_mainloop()
         epi_mma = sm90_utils.make_trivial_tiled_mma(
             kernel.ab_dtype, kernel.ab_dtype, kernel.a_layout.sm90_mma_major_mode(),
-            kernel.b_layout.sm90_mma_major_mode(), kernel.acc_dtype, (1, 1, 1), tiler_mn=kernel.epi_tile,
+            kernel.b_layout.sm90_mma_major_mode(), kernel.acc_dtype, (1, 1, 1), tiler_mn=kernel.epi_math_tile,
         )
         tile = cute.make_identity_tensor((tile_m, tile_n))
-        sub = cute.make_identity_tensor(kernel.epi_tile)
+        sub = cute.make_identity_tensor(kernel.epi_math_tile)
         n = kernel.tile_mma_threads
         acc_el.extend(partition_coords(lambda t: kernel.tiled_mma.get_slice(t).partition_C(tile), n))
         sub_el.extend(partition_coords(lambda t: epi_mma.get_slice(t).partition_C(sub), n))
 
     with expect_no_driver():
         cute.compile(probe)
-    sub_m, sub_n = kernel.epi_tile
+    sub_m, sub_n = kernel.epi_math_tile
     per_row = tile_n // sub_n
     n_sub = (tile_m // sub_m) * per_row
     per_block = len(acc_el[0]) // (tile_m // sub_m)

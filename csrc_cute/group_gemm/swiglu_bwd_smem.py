@@ -4,9 +4,9 @@ The register epilogue (swiglu_bwd.py) reads the saved gate/up and writes g_gate,
 between global memory and the wgmma accumulator fragment: two adjacent bf16 columns per access, 4-byte
 loads and stores that use half of each 32-byte sector. This one moves them through shared memory with
 TMA instead (the idea of QuACK's sm90 epilogue, which loads its C operand and stores its outputs by TMA
-through shared sub-tiles): per 64 x 32 sub-tile of a warp group's tile (64 x 16 where the tile is wider
-than 160 columns: ``epi_sub_tile_n``), TMA loads gate and up into
-shared memory, each thread reads its accumulator elements' gate/up from there, computes exactly what
+through shared sub-tiles): per 64 x 32 sub-tile of a warp group's tile, TMA loads gate and up into
+shared memory, each thread reads its accumulator elements' gate/up from there (where the tile is wider than
+160 columns, in two 64 x 16 halves: ``epi_math_n``), computes exactly what
 the register epilogue computes (``swiglu_bwd_values``, the same rounding points, the row sums in the
 same order), writes g_gate and g_up over gate and up in place and h_w next to them, and one warp of the
 warp group TMA-stores the three sub-tiles. Edge tiles need no path of their own: TMA zero-fills the
@@ -30,7 +30,7 @@ class SwigluBwdSmemEpilogue:
     group owns whole tiles and has its own sub-tile buffers, mbarriers and named barrier, since the
     two warp groups' epilogues may overlap).
 
-    Shared memory per warp group: ``epi_load_stages`` stages of three 64 x 32 (or 64 x 16) bf16 sub-tiles
+    Shared memory per warp group: ``epi_load_stages`` stages of three 64 x 32 bf16 sub-tiles
     (gate -> g_gate, up -> g_up, h_w) and one mbarrier per stage (the TMA loads' transaction count). Sub-tile
     ``count`` of a warp group (counted over its tiles: ``epi_count``) uses stage ``count % stages``.
     The first warp of the warp group issues the TMA traffic: the loads of a tile's first ``stages``
@@ -42,18 +42,21 @@ class SwigluBwdSmemEpilogue:
     epi_buffers_per_stage = 3  # gate -> g_gate, up -> g_up, h_w
 
     @staticmethod
-    def epi_sub_tile_n(tile_n: int) -> int:
-        """The sub-tiles' width: 32 columns; 16 where the tile is wider than 160 columns, whose accumulators
-        (tile_n fp32 registers a thread) leave no room for a 32-column sub-tile's gate/up/h_w registers (sm_90a,
-        128 x 192: ptxas spilled 44-96 B with 32 columns, none with 16; the gathered variant fits with 232 consumer
-        registers: ``GroupGemmSwigluBwdGatherSm90``)."""
+    def epi_math_n(tile_n: int) -> int:
+        """The columns of a sub-tile the threads hold in registers at a time: all 32; 16 where the tile is wider
+        than 160 columns, whose accumulators (tile_n / 2 fp32 registers a thread) leave no room for 32 columns'
+        gate/up/h_w registers (sm_90a, 128 x 192: ptxas spilled 44-96 B with 32, none with 16; the gathered
+        variant fits with 232 consumer registers: ``GroupGemmSwigluBwdGatherSm90``). The TMA sub-tiles stay
+        32 columns wide: 64 x 16 ones (session 35's 128 x 192 kernel) doubled the sub-tile round trips and the
+        DRAM reads (ncu: 4.0 -> 6.7 GB at 128 x 160) and took 1.12-1.33x the time at the power cap (session 36)."""
         return 32 if tile_n <= 160 else 16
 
     def _init_smem_epilogue(self, tile_n: int) -> int:
-        """Epilogue sub-tiles (64 rows x ``epi_sub_tile_n``) and stages of a tile ``tile_n`` wide; returns their
-        shared memory (reserved before the mainloop stages are sized)."""
+        """Epilogue sub-tiles (64 x 32), the threads' chunks of them (64 x ``epi_math_n``) and the stages of a
+        tile ``tile_n`` wide; returns their shared memory (reserved before the mainloop stages are sized)."""
         self._init_tma_store_epilogue(64)
-        self.epi_tile = (64, self.epi_sub_tile_n(tile_n))
+        self.epi_tile = (64, 32)
+        self.epi_math_tile = (64, self.epi_math_n(tile_n))
         # the sub-tile slots of both consumer warp groups: (warp group, stage, buffer)
         self.epi_stage = 2 * self.epi_load_stages * self.epi_buffers_per_stage
         self.epi_load_bytes = 2 * self.epi_tile[0] * self.epi_tile[1] * 2  # gate and up sub-tiles, bf16
@@ -81,14 +84,14 @@ class SwigluBwdSmemEpilogue:
             self.smem_epilogue_init_barriers(mbar)
         cute.arch.barrier(barrier_id=self.pingpong_epi_barrier_base + wg, number_of_threads=self.threads_per_wg)
         # The wgmma C fragment repeats per 8-column chunk, so a 64 x 32 (16) tiled MMA's partition of a
-        # sub-tile holds, element for element, the accumulator's 16 (8) elements of it (the CPU test
+        # sub-tile (chunk) holds, element for element, the accumulator's 16 (8) elements of it (the CPU test
         # checks it: swiglu_bwd.swiglu_bwd_smem_subtile_layout)
         epi_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, (1, 1, 1), tiler_mn=self.epi_tile,
+            self.acc_dtype, (1, 1, 1), tiler_mn=self.epi_math_tile,
         )
         thr_epi = epi_mma.get_slice(c.mma_tidx)
-        sub_shape = thr_epi.partition_C(c.sC[(None, None, 0)]).shape
+        sub_shape = thr_epi.partition_C(self.math_chunk(c.sC[(None, None, 0)], 0)).shape
         tile_c = (self.tile_m, self.tile_n)
         c.epi_mbar = mbar
         c.epi_slot0 = wg * stages * self.epi_buffers_per_stage
@@ -154,13 +157,15 @@ class SwigluBwdSmemEpilogue:
         """Every sub-tile of the tile: wait for its gate/up, the math (``smem_epilogue_math``), then the
         TMA stores of g_gate, g_up, h_w and the loads of the sub-tile ``epi_load_stages`` ahead."""
         stages, nbuf = self.epi_load_stages, self.epi_buffers_per_stage
+        chunks = self.epi_tile[1] // self.epi_math_tile[1]
         for e in cutlass.range_constexpr(t.epi_tiles):
             count = epi_count + e
             k = count % stages
             slot = c.epi_slot0 + k * nbuf
             cute.arch.mbarrier_wait(c.epi_mbar + k, (count // stages) % 2)
-            views = [c.thr_epi.partition_C(c.sC[(None, None, slot + b)]) for b in range(nbuf)]
-            self.smem_epilogue_math(p, c, e, views, coords)
+            for h in cutlass.range_constexpr(chunks):
+                views = [c.thr_epi.partition_C(self.math_chunk(c.sC[(None, None, slot + b)], h)) for b in range(nbuf)]
+                self.smem_epilogue_math(p, c, e * chunks + h, views, coords)
             cute.arch.fence_proxy("async.shared", space="cta")  # the stores read what the threads wrote
             cute.arch.barrier(barrier_id=c.epi_wg_barrier, number_of_threads=self.threads_per_wg)
             if warp_idx % 4 == 0:
@@ -179,14 +184,21 @@ class SwigluBwdSmemEpilogue:
             cute.arch.sync_warp()
             self.smem_epilogue_load(p, c, t, e + self.epi_load_stages, count + self.epi_load_stages)
 
+    def math_chunk(self, slot: cute.Tensor, h: cutlass.Constexpr) -> cute.Tensor:
+        """Trace time: columns h * epi_math_n .. of a shared 64 x 32 sub-tile (the whole sub-tile where the
+        threads compute all 32 columns at once)."""
+        if self.epi_math_tile == self.epi_tile:
+            return slot
+        return cute.local_tile(slot, self.epi_math_tile, (0, h))
+
     def subtile_row_slots(self, first: int, sub: int) -> list[int]:
         """Trace time: the row slots of accumulator elements first .. first + sub - 1."""
         return sorted({self.row_slot[first + v] for v in range(sub)})
 
     @cute.jit
     def smem_epilogue_math(self, p, c, e: cutlass.Constexpr, views, coords: cute.Tensor):
-        """Sub-tile ``e`` (64-row block e // (tile_n / w), columns w (e % (tile_n / w)) on, w the sub-tiles'
-        width): the thread's gate/up from shared memory, per element ``swiglu_bwd_values`` (as the register
+        """Chunk ``e`` of the tile (64-row block e // (tile_n / w), columns w (e % (tile_n / w)) on, w =
+        ``epi_math_n``; a sub-tile where w is its width): the thread's gate/up from shared memory, per element ``swiglu_bwd_values`` (as the register
         epilogue, accumulator elements in increasing order, so each row's sum adds in the same order),
         g_gate, g_up over gate, up and h_w into shared memory (an edge tile's elements outside the bounds
         add +0 to the row sums, see the module docstring; TMA clips the stores)."""
@@ -194,9 +206,9 @@ class SwigluBwdSmemEpilogue:
         rG, rU, rHW = c.rG, c.rU, c.rHW
         sub = cute.size(rG)
         per_block = cute.size(acc) // cute.size(acc, mode=[1])
-        per_row = self.tile_n // self.epi_tile[1]
+        per_row = self.tile_n // self.epi_math_tile[1]
         first = (e // per_row) * per_block + (e % per_row) * sub
-        # the route weights of the sub-tile's rows (two per thread), read here rather than held for the
+        # the route weights of the chunk's rows (two per thread), read here rather than held for the
         # whole tile: four registers that a 160-column tile's consumers do not have (L1 hits)
         rws = {slot: self.row_weight(coords, p.row_w, slot, c.last_row) for slot in self.subtile_row_slots(first, sub)}
         cute.autovec_copy(views[0], rG)
