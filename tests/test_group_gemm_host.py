@@ -56,6 +56,12 @@ def test_select_swiglu_bwd_config():
     assert select_swiglu_bwd_config(128, 1024).tile_n == 128  # 1120 columns: 9% more
     assert select_swiglu_bwd_config(128, 200).tile_n == 128
     assert select_swiglu_bwd_config(128, 160).tile_n == 160
+    # HBM below 4 TB/s (an H100): 192 columns in clusters sharing W_down, where 192 pads F by at most 5% at tile_M 128
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132, 3352.3)) == (128, 192, 132, False, 16, False, 1, False, 2)
+    assert select_swiglu_bwd_config(128, 2048, 132, 4800.0) == select_swiglu_bwd_config(128, 2048, 132)
+    assert select_swiglu_bwd_config(64, 2048, 132, 3352.3).tile_n == 160  # tile_M 64
+    assert select_swiglu_bwd_config(128, 1568, 132, 3352.3).tile_n == 160  # 1728 columns: 10% more
+    assert select_swiglu_bwd_config(128, 2048, 1, 3352.3).cluster_m == 1
 
 
 def test_config_band_m_must_be_a_non_negative_int_and_tall_m_major_needs_it():

@@ -241,15 +241,24 @@ def reference_swiglu_bwd(*args, pad=128):
 
 
 def _check_swiglu_bwd(args, pad=128):
-    """The kernel (its default shared-memory epilogue) against the CPU reference, and bitwise equal to its register epilogue."""
+    """The kernel (its default shared-memory epilogue) against the CPU reference, and bitwise equal to its register
+    epilogue (the route-weight gradient within fp32 rounding where the two run different tiles: where the HBM is
+    slow the shared-memory epilogue's tile may be 192 columns wide, whose partial sums cover other columns)."""
     from csrc_cute.group_gemm import group_gemm_swiglu_bwd
+    from csrc_cute.group_gemm.host import _device_info, swiglu_bwd_op_config
 
     got = group_gemm_swiglu_bwd(*args, pad=pad)  # the default: the shared-memory epilogue
     registers = group_gemm_swiglu_bwd(*args, pad=pad, epilogue="registers")
     ref = reference_swiglu_bwd(*args, pad=pad)
     torch.cuda.synchronize()
+    f, (_, num_sms, hbm_gbs) = args[5].shape[1], _device_info(args[5].device)
+    tiles = {swiglu_bwd_op_config(op, pad, f, num_sms, hbm_gbs).tile_n for op in ("swiglu_bwd", "swiglu_bwd_smem")}
+    same_tile = len(tiles) == 1
     for name, a, b in zip(("g_gate", "g_up", "h_w", "g_row_w"), got, registers):
-        assert torch.equal(a, b), f"epilogue='registers' {name} differs: {(a.float() - b.float()).abs().max().item()}"
+        if name == "g_row_w" and not same_tile:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+        else:
+            assert torch.equal(a, b), f"epilogue='registers' {name} differs: {(a.float() - b.float()).abs().max().item()}"
     for name, a, b in zip(("g_gate", "g_up", "h_w"), got[:3], ref[:3]):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
     # g_row_w sums F products of order one: compare relative to the row's scale

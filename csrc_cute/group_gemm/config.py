@@ -228,19 +228,39 @@ def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> 
     return GroupGemmConfig(base.tile_m, 128, num_sms, False, *_row_band(f, 128, SWIGLU_BAND))
 
 
-def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
+def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS,
+                             hbm_gbs: float | None = None) -> GroupGemmConfig:
     """Tile of the SwiGLU-backward dgrad (pingpong: each consumer warp group holds a whole tile's
     accumulators next to its epilogue's registers): tile_M as the forward's; 160 columns of F where
     that pads F by at most 5% (F = 2048: 13 tiles, the last 128 wide), else 128. The wider tile loads
     less into shared memory per FLOP: 0.91-1.00x the 128-column tile's time at the DESIGN shape
-    (results/bench_tiles_d6c9627.json). At 192 columns (QuACK gemm_dgated's tile: 11 n tiles at F = 2048;
-    64 x 16 epilogue sub-tiles, and the gathered kernel 232 consumer registers, to fit without spills) it took
-    1.09-1.25x the 160-column tile's time at the power cap on an H100, 0.94-1.24x in clusters sharing B
-    (faster only gathered at 16 x 4096; results/bench_tiles_session35_h100_swiglu_bwd_wide.json). In
-    SWIGLU_BWD_BAND's raster where F has more than BANDED_N_TILES n tiles."""
+    (results/bench_tiles_d6c9627.json). Where the device's HBM moves less than PINGPONG_MIN_HBM_GBS
+    (``hbm_gbs``, GB/s; None: unknown) and tile_M is 128, 192 columns (QuACK gemm_dgated's tile: 11 n tiles at
+    F = 2048) in clusters of two CTAs sharing each W_down tile, where 192 pads F by at most 5%: see
+    WIDE_SWIGLU_BWD_TILE_N. In SWIGLU_BWD_BAND's raster where F has more than BANDED_N_TILES n tiles."""
     base = select_config(pad, 128, num_sms)
-    tile_n = 160 if -(-f // 160) * 160 - f <= f // 20 else 128
+    if base.tile_m == 128 and _slow_hbm(hbm_gbs) and num_sms >= 2 and _pads_at_most_5pct(f, WIDE_SWIGLU_BWD_TILE_N):
+        return GroupGemmConfig(128, WIDE_SWIGLU_BWD_TILE_N, num_sms, False,
+                               *_row_band(f, WIDE_SWIGLU_BWD_TILE_N, SWIGLU_BWD_BAND), cluster_m=2)
+    tile_n = 160 if _pads_at_most_5pct(f, 160) else 128
     return GroupGemmConfig(base.tile_m, tile_n, num_sms, False, *_row_band(f, tile_n, SWIGLU_BWD_BAND))
+
+
+def _pads_at_most_5pct(f: int, tile_n: int) -> bool:
+    """Whether tiles ``tile_n`` wide cover ``f`` columns with at most 5% of them past f."""
+    return -(-f // tile_n) * tile_n - f <= f // 20
+
+
+# The SwiGLU backward's tile_N where the HBM is slow (select_swiglu_bwd_config): 192 columns in clusters sharing
+# W_down, its shared-memory epilogue in 64 x 32 TMA sub-tiles computed 16 columns at a time (epi_math_n). On an
+# H100 80GB HBM3 (session 36, bench_tiles --sustained-s 1.5 --idle-s 0.5; 48 equal / 16 x 4096 / 48 skewed groups;
+# results/bench_tiles_session36_h100_swiglu_bwd_192.json), each time over the 160-column tile's at the power cap:
+# plain 0.98/0.96/1.02x, gathered 0.95/0.92/0.96x; QuACK gemm_dgated's time over it 1.01/1.02/1.00x (plain) and
+# 1.09/1.10/1.14x (gathered), where the 160-column tile's was 0.99/0.98/1.02x and 1.03/1.02/1.09x. Session 35's
+# 192-column kernel in 64 x 16 TMA sub-tiles took 1.04-1.25x (results/bench_tiles_session35_h100_swiglu_bwd_wide.json):
+# those sub-tiles doubled the epilogue's round trips and read 1.7x the DRAM bytes (ncu at 128 x 160: 4.0 -> 6.7 GB,
+# results/ncu_gemm_session36_h100_swiglu_bwd_subtiles.json). The H200 keeps 160 columns until it is swept.
+WIDE_SWIGLU_BWD_TILE_N = 192
 
 
 # The wgrad (and the gathered-A wgrads, the layer's three) at tile_M 128 where Nd >= 256: pingpong 128 x 192 in

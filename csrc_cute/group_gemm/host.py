@@ -466,8 +466,9 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     wgrad and its gathered variants, row scale, fused SwiGLU and its gathered variant, SwiGLU backward):
     this tile configuration instead of the op's own choice (config.py), e.g. another tile, raster or
     cluster shape (benchmarks/bench_tiles.py, their tests). ``hbm_gbs``: the device's peak HBM bandwidth (GB/s,
-    None: unknown), which picks the tiles of the wgrads, the dgrad, the dgrad2 and the row scale
-    (``select_wgrad_config``, ``select_dgrad_config``, ``select_hbm_rows_config``)."""
+    None: unknown), which picks the tiles of the wgrads, the dgrad, the dgrad2, the row scale and the SwiGLU
+    backward's shared-memory and gathered kernels (``select_wgrad_config``, ``select_dgrad_config``,
+    ``select_hbm_rows_config``, ``select_swiglu_bwd_config``)."""
     if config is not None:
         return _compile_with_config(op, kd, nd, config)
     if op == "fwd":
@@ -493,11 +494,17 @@ def compile_op(op: str, kd: int, nd: int, pad: int, num_sms: int, config: GroupG
     if op in ("swiglu_gather", "swiglu_gather_h_only"):
         return compile_group_gemm_swiglu_gather(kd, nd, select_swiglu_config(pad, nd, num_sms), op == "swiglu_gather")
     if op in ("swiglu_bwd", "swiglu_bwd_smem"):
-        return compile_group_gemm_swiglu_bwd(kd, nd, select_swiglu_bwd_config(pad, nd, num_sms),
+        return compile_group_gemm_swiglu_bwd(kd, nd, swiglu_bwd_op_config(op, pad, nd, num_sms, hbm_gbs),
                                              "smem" if op == "swiglu_bwd_smem" else "registers")
     if op == "swiglu_bwd_gather":
-        return compile_group_gemm_swiglu_bwd_gather(kd, nd, select_swiglu_bwd_config(pad, nd, num_sms))
+        return compile_group_gemm_swiglu_bwd_gather(kd, nd, swiglu_bwd_op_config(op, pad, nd, num_sms, hbm_gbs))
     raise ValueError(f"unknown op {op!r}")
+
+
+def swiglu_bwd_op_config(op: str, pad: int, f: int, num_sms: int, hbm_gbs: float | None) -> GroupGemmConfig:
+    """The tile of a SwiGLU-backward op: ``select_swiglu_bwd_config``'s; the register epilogue ("swiglu_bwd") keeps
+    the tile it has on every device (its batches were not sized for 192 columns)."""
+    return select_swiglu_bwd_config(pad, f, num_sms, None if op == "swiglu_bwd" else hbm_gbs)
 
 
 _CONFIGURABLE = dict(fwd=compile_group_gemm, dgrad=compile_group_gemm_dgrad, dgrad2=compile_group_gemm_dgrad2,
@@ -757,7 +764,8 @@ def _launch_swiglu_bwd(op: str, sizes: dict[str, int], pad: int, a_operands, w_d
     f, hd, n = sizes["F"], sizes["H"], gate.shape[0]
     dev = gate.device
     fn = _launcher(op, hd, f, pad, dev)
-    tile_n = select_swiglu_bwd_config(pad, f).tile_n  # the kernel's: part has a column per n tile
+    _, num_sms, hbm_gbs = _device_info(dev)
+    tile_n = swiglu_bwd_op_config(op, pad, f, num_sms, hbm_gbs).tile_n  # the kernel's: part has a column per n tile
     g_gate, g_up, h_w = (torch.empty(n, f, dtype=torch.bfloat16, device=dev) for _ in range(3))
     part = torch.empty(n, (f + tile_n - 1) // tile_n, dtype=torch.float32, device=dev)
     if n:
