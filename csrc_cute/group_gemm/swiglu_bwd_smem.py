@@ -46,9 +46,10 @@ class SwigluBwdSmemEpilogue:
         """The columns of a sub-tile the threads hold in registers at a time: all 32; 16 where the tile is wider
         than 160 columns, whose accumulators (tile_n / 2 fp32 registers a thread) leave no room for 32 columns'
         gate/up/h_w registers (sm_90a, 128 x 192: ptxas spilled 44-96 B with 32, none with 16; the gathered
-        variant fits with 232 consumer registers: ``GroupGemmSwigluBwdGatherSm90``). The TMA sub-tiles stay
+        variant too, at the plain kernel's 240 consumer registers: ``GroupGemmSwigluBwdGatherSm90``). The TMA sub-tiles stay
         32 columns wide: 64 x 16 ones (session 35's 128 x 192 kernel) doubled the sub-tile round trips and the
-        DRAM reads (ncu: 4.0 -> 6.7 GB at 128 x 160) and took 1.12-1.33x the time at the power cap (session 36)."""
+        DRAM reads (ncu: 4.0 -> 6.7 GB at 128 x 160) and took 1.07-1.29x the time at the power cap (session 36;
+        results/bench_tiles_session36_h100_swiglu_bwd_experiments.json)."""
         return 32 if tile_n <= 160 else 16
 
     def _init_smem_epilogue(self, tile_n: int) -> int:
