@@ -258,7 +258,8 @@ def _check_swiglu_bwd(args, pad=128):
         if name == "g_row_w" and not same_tile:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
         else:
-            assert torch.equal(a, b), f"epilogue='registers' {name} differs: {(a.float() - b.float()).abs().max().item()}"
+            diff = (a.float() - b.float()).abs().max().item()
+            assert torch.equal(a, b), f"epilogue='registers' {name} differs: {diff}"
     for name, a, b in zip(("g_gate", "g_up", "h_w"), got[:3], ref[:3]):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
     # g_row_w sums F products of order one: compare relative to the row's scale
@@ -555,9 +556,8 @@ def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(op, band_m):
     # halves; in clusters, the ops' tile where the HBM is slow: select_swiglu_bwd_config): groups of 3, 0, 1, 9,
     # 2, 0, 5, 1 M tiles, the 200 rows past the last group, F = 600 (a partial last n tile of 24 columns); 4
     # CTAs. g_gate, g_up and h_w bitwise the 128 x 160 kernel's (the same k loop per element); the route-weight
-    # gradient,
-    # whose per-tile partial sums now cover 192 columns, within fp32 rounding of it; the 192-column tile in
-    # clusters sharing W_down (cluster_m = 2) bitwise the unclustered one
+    # gradient, whose per-tile partial sums now cover 192 columns, within fp32 rounding of it; the 192-column
+    # tile in clusters sharing W_down (cluster_m = 2) bitwise the unclustered one
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 

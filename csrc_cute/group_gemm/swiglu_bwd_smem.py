@@ -46,10 +46,10 @@ class SwigluBwdSmemEpilogue:
         """The columns of a sub-tile the threads hold in registers at a time: all 32; 16 where the tile is wider
         than 160 columns, whose accumulators (tile_n / 2 fp32 registers a thread) leave no room for 32 columns'
         gate/up/h_w registers (sm_90a, 128 x 192: ptxas spilled 44-96 B with 32, none with 16; the gathered
-        variant too, at the plain kernel's 240 consumer registers: ``GroupGemmSwigluBwdGatherSm90``). The TMA sub-tiles stay
-        32 columns wide: 64 x 16 ones (session 35's 128 x 192 kernel) doubled the sub-tile round trips and the
-        DRAM reads (ncu: 4.0 -> 6.7 GB at 128 x 160) and took 1.07-1.29x the time at the power cap (session 36;
-        results/bench_tiles_session36_h100_swiglu_bwd_experiments.json)."""
+        variant too, at the plain kernel's 240 consumer registers: ``GroupGemmSwigluBwdGatherSm90``). The TMA
+        sub-tiles stay 32 columns wide: 64 x 16 ones (session 35's 128 x 192 kernel) doubled the sub-tile round
+        trips and the DRAM reads (ncu: 4.0 -> 6.7 GB at 128 x 160) and took 1.07-1.29x the time at the power cap
+        (session 36; results/bench_tiles_session36_h100_swiglu_bwd_experiments.json)."""
         return 32 if tile_n <= 160 else 16
 
     def _init_smem_epilogue(self, tile_n: int) -> int:
@@ -199,10 +199,11 @@ class SwigluBwdSmemEpilogue:
     @cute.jit
     def smem_epilogue_math(self, p, c, e: cutlass.Constexpr, views, coords: cute.Tensor):
         """Chunk ``e`` of the tile (64-row block e // (tile_n / w), columns w (e % (tile_n / w)) on, w =
-        ``epi_math_n``; a sub-tile where w is its width): the thread's gate/up from shared memory, per element ``swiglu_bwd_values`` (as the register
-        epilogue, accumulator elements in increasing order, so each row's sum adds in the same order),
-        g_gate, g_up over gate, up and h_w into shared memory (an edge tile's elements outside the bounds
-        add +0 to the row sums, see the module docstring; TMA clips the stores)."""
+        ``epi_math_n``; a whole sub-tile where w is its width): the thread's gate/up from shared memory, per
+        element ``swiglu_bwd_values`` (as the register epilogue, accumulator elements in increasing order, so
+        each row's sum adds in the same order), g_gate, g_up over gate, up and h_w into shared memory (an edge
+        tile's elements outside the bounds add +0 to the row sums, see the module docstring; TMA clips the
+        stores)."""
         acc, part_sums = c.acc, c.part_sums
         rG, rU, rHW = c.rG, c.rU, c.rHW
         sub = cute.size(rG)
