@@ -20,8 +20,8 @@ forward (the layer's down projection, ours only); the wgrad cooperative at 128 x
 variants at those two tiles without clusters or sharing B; the fused SwiGLU cooperative at 128 x 128 (columns of
 h; M-major, in bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands
 of 16), and the SwiGLU backward (always pingpong, shared-memory epilogue) and its gathered variant at 128 x 160
-in those three rasters, the M-major and band-16 ones also sharing B, and both at 128 x 192 in bands of 16, without
-clusters or sharing B (64 x 16 epilogue sub-tiles; the gathered one with 232 consumer registers).
+in those three rasters, the M-major and band-16 ones also sharing B, and both at 128 x 192 in bands of 16, alone
+and sharing B (the H100's tile since session 36: 64 x 32 epilogue sub-tiles computed in 16-column halves).
 ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
 nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
 beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).

@@ -258,8 +258,8 @@ def _check_swiglu_bwd(args, pad=128):
         if name == "g_row_w" and not same_tile:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
         else:
-            diff = (a.float() - b.float()).abs().max().item()
-            assert torch.equal(a, b), f"epilogue='registers' {name} differs: {diff}"
+            assert torch.equal(a, b), \
+                f"epilogue='registers' {name} differs: {(a.float() - b.float()).abs().max().item()}"
     for name, a, b in zip(("g_gate", "g_up", "h_w"), got[:3], ref[:3]):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
     # g_row_w sums F products of order one: compare relative to the row's scale

@@ -117,8 +117,14 @@ PINGPONG_MIN_HBM_GBS = 4000.0
 def _slow_hbm(hbm_gbs: float | None) -> bool:
     """Whether a device of peak HBM bandwidth ``hbm_gbs`` (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS,
     where the dgrad2 and the row-scaled forward take cooperative 128 x 256 tiles (fewer bytes per MMA) over
-    pingpong and the dgrad and the wgrads share their B tiles in clusters."""
+    pingpong and the dgrad, the wgrads and the SwiGLU backward share their B tiles in clusters."""
     return hbm_gbs is not None and hbm_gbs < PINGPONG_MIN_HBM_GBS
+
+
+def _share_b_in_clusters(hbm_gbs: float | None, num_sms: int) -> bool:
+    """Whether the dgrad, the wgrads and the SwiGLU backward run clusters of two CTAs sharing each B tile
+    (``cluster_m`` = 2): where the HBM is slow (``_slow_hbm``) and a cluster of two fits ``num_sms``."""
+    return _slow_hbm(hbm_gbs) and num_sms >= 2
 
 
 def select_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
@@ -214,7 +220,7 @@ def select_dgrad_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
     CTAs sharing the weight tiles where that is the pingpong tile and the device's HBM bandwidth ``hbm_gbs``
     (GB/s; None: unknown) is below PINGPONG_MIN_HBM_GBS."""
     wide = select_wide_rows_config(pad, nd, num_sms)
-    if wide.pingpong and _slow_hbm(hbm_gbs) and num_sms >= 2:
+    if wide.pingpong and _share_b_in_clusters(hbm_gbs, num_sms):
         return GroupGemmConfig(wide.tile_m, wide.tile_n, num_sms, True, wide.band_m, cluster_m=2)
     return wide
 
@@ -239,7 +245,7 @@ def select_swiglu_bwd_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS,
     F = 2048) in clusters of two CTAs sharing each W_down tile, where 192 pads F by at most 5%: see
     WIDE_SWIGLU_BWD_TILE_N. In SWIGLU_BWD_BAND's raster where F has more than BANDED_N_TILES n tiles."""
     base = select_config(pad, 128, num_sms)
-    if base.tile_m == 128 and _slow_hbm(hbm_gbs) and num_sms >= 2 and _pads_at_most_5pct(f, WIDE_SWIGLU_BWD_TILE_N):
+    if base.tile_m == 128 and _share_b_in_clusters(hbm_gbs, num_sms) and _pads_at_most_5pct(f, WIDE_SWIGLU_BWD_TILE_N):
         return GroupGemmConfig(128, WIDE_SWIGLU_BWD_TILE_N, num_sms, False,
                                *_row_band(f, WIDE_SWIGLU_BWD_TILE_N, SWIGLU_BWD_BAND), cluster_m=2)
     tile_n = 160 if _pads_at_most_5pct(f, 160) else 128
@@ -304,6 +310,6 @@ def select_wgrad_config(pad: int, kd: int, nd: int, num_sms: int = H100_H200_NUM
     tile_m = 128 if kd > 64 else 64
     tile_n = 256 if nd >= 256 else 128
     if tile_m == 128 and tile_n == 256:
-        cluster_m = 2 if _slow_hbm(hbm_gbs) and num_sms >= 2 else 1
+        cluster_m = 2 if _share_b_in_clusters(hbm_gbs, num_sms) else 1
         return GroupGemmConfig(128, WGRAD_PINGPONG_TILE_N, num_sms, pingpong=True, cluster_m=cluster_m)
     return GroupGemmConfig(tile_m, tile_n, num_sms)
