@@ -1,7 +1,7 @@
 """Tile sweep: our grouped-GEMM kernels at each candidate tile configuration against QuACK (1 GPU, one run).
 
     python benchmarks/bench_tiles.py [--families fwd,dgrad,...,swiglu_bwd,swiglu_bwd_gather] [--out DIR]
-                                     [--sustained-s 3] [--candidates "NAME;NAME"]
+                                     [--sustained-s 3] [--candidates "NAME;FAMILY:NAME"]
 
 The choice of ``csrc_cute/group_gemm/config.py`` (which tile and which consumer schedule each family
 runs) is measured here: per family and group layout (bench_peers' three: 48 equal, 16 x 4096, 48
@@ -9,7 +9,9 @@ skewed groups, H=7168, F=2048, 65536 rows, P=128) every candidate ``GroupGemmCon
 launched directly (the kernel the op would launch with that config), checked against the fp32
 reference, timed round-robin with the row's other candidates (``time_round_robin``), and next to
 QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is imported after our kernels
-have compiled: importing it makes CuTe DSL compiles single-threaded).
+have compiled: importing it makes CuTe DSL compiles single-threaded). All candidates are compiled side by
+side first (``sweep_compile_calls`` then ``csrc_cute.jit.compile_ahead``: child processes write the disk
+cache, from which the sweep loads them).
 Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
 the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), the banded one also
 in clusters of two CTAs sharing the A tiles (``GroupGemmConfig.cluster_n``) or the B tiles
@@ -43,6 +45,7 @@ from benchmarks.bench_peers import (gathered_operand, gemm_call, gemm_flops, gem
                                     group_layouts, rel_err)
 from benchmarks.common import (  # noqa: E402
     cuda_time_ms, rotated, run_info, run_sustained, short_error, sustained_text, time_round_robin, write_json)
+from csrc_cute import jit  # noqa: E402
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
@@ -84,16 +87,55 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATE
                   swiglu_bwd_gather=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES)
 
 
+def named_candidates(opts) -> set[tuple[str | None, str]]:
+    """The (family or None, candidate name) pairs of ``--candidates`` (empty: every candidate): "NAME" names a
+    candidate of every family that has one of that name, "FAMILY:NAME" one of FAMILY's alone."""
+    pairs = set()
+    for item in (n.strip() for n in opts.candidates.split(";")):
+        fam, sep, name = item.partition(":")
+        if item:
+            pairs.add((fam.strip(), name.strip()) if sep else (None, item))
+    return pairs
+
+
+def check_candidates(families: list[str], opts) -> None:
+    """`families` are swept families, each name of ``--candidates`` is a candidate of at least one of them (of the
+    one it is prefixed with), and each family has at least one; else SystemExit naming them."""
+    unknown = [f for f in families if f not in CANDIDATES]
+    if unknown:
+        raise SystemExit(f"bench_tiles: --families {unknown} are not swept families: {sorted(CANDIDATES)}")
+    for fam, name in named_candidates(opts):
+        if fam is not None and fam not in families:
+            raise SystemExit(f"bench_tiles: --candidates {fam}:{name!r}: {fam!r} is not one of --families {families}")
+        scope = families if fam is None else [fam]
+        if not any(config_name(*c) == name for f in scope for c in CANDIDATES[f]):
+            raise SystemExit(f"bench_tiles: --candidates {name!r} is not a candidate of {scope}")
+    for fam in families:
+        if not swept(fam, opts):
+            raise SystemExit(f"bench_tiles: --candidates names none of {fam}'s candidates: "
+                             f"{sorted(config_name(*c) for c in CANDIDATES[fam])}")
+
+
 def swept(fam: str, opts) -> list[tuple]:
-    """The candidates of `fam` this run sweeps: all, or those named in ``--candidates``."""
-    if not opts.candidates:
-        return list(CANDIDATES[fam])
-    names = [n.strip() for n in opts.candidates.split(";") if n.strip()]
-    known = {config_name(*c) for c in CANDIDATES[fam]}
-    if set(names) - known:
-        raise SystemExit(f"bench_tiles: --candidates {sorted(set(names) - known)} are not candidates of {fam}: "
-                         f"{sorted(known)}")
-    return [c for c in CANDIDATES[fam] if config_name(*c) in names]
+    """The candidates of `fam` this run sweeps: all, or those ``--candidates`` names for it."""
+    pairs = named_candidates(opts)
+    names = {name for f, name in pairs if f in (None, fam)}
+    return [c for c in CANDIDATES[fam] if not pairs or config_name(*c) in names]
+
+
+def candidate_config(candidate: tuple, num_sms: int) -> GroupGemmConfig:
+    """The ``GroupGemmConfig`` of a ``CANDIDATES`` entry on a device of `num_sms` SMs."""
+    return GroupGemmConfig(candidate[0], candidate[1], num_sms, *candidate[2:])
+
+
+def sweep_compile_calls(families: list[str], d: dict, P: int, num_sms: int, opts) -> list[jit.CompileCall]:
+    """The compile calls of the sweep's candidate kernels (every candidate of `families`, ``swept``) that are
+    neither in memory nor in the disk cache: ``ours_call`` of each in a dry run, which launches nothing."""
+    with jit.dry_run() as calls:
+        for fam in families:
+            for c in swept(fam, opts):
+                ours_call(fam, d, P, candidate_config(c, num_sms))
+    return calls
 
 
 def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False,
@@ -219,6 +261,7 @@ def run(opts) -> dict:
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     H, F, P = opts.H, opts.F, opts.P
     families = [f for f in opts.families.split(",") if f]
+    check_candidates(families, opts)
     layouts = group_layouts(opts.rows, opts.E, P, opts.S, opts.K, opts.seed)
     rows: dict = {}
     phases = ["ours"] + (["quack"] if not opts.no_quack else [])
@@ -227,6 +270,10 @@ def run(opts) -> dict:
         for li, (lname, ends) in enumerate(layouts.items()):
             d = gemm_operands(ends, H, F, device, opts.seed + 10 + li, opts.S)
             M = int(ends[-1])
+            if phase == "ours" and li == 0:
+                # all candidates compiled side by side (child processes, into the disk cache) before the first
+                # is checked, where they compiled one after another on one of the GPU machine's 16 cores
+                jit.compile_ahead(sweep_compile_calls(families, d, P, num_sms, opts))
             for fam in families:
                 key = f"{fam} | {lname}"
                 rows.setdefault(key, dict(family=fam, layout=lname, rows=M, flops=gemm_flops(fam, M, H, F)))
@@ -234,7 +281,7 @@ def run(opts) -> dict:
                     continue
                 ref = family_reference(fam, d)
                 if phase == "ours":
-                    candidates = {config_name(*c): ours_call(fam, d, P, GroupGemmConfig(c[0], c[1], num_sms, *c[2:]))
+                    candidates = {config_name(*c): ours_call(fam, d, P, candidate_config(c, num_sms))
                                   for c in swept(fam, opts)}
                 else:
                     candidates = {"quack": gemm_call("quack", fam, d, P, qgi)}
@@ -301,7 +348,8 @@ def main(argv=None) -> None:
                     help="also launch each candidate back to back for this many seconds with the clock and power "
                          "sampled (measure_sustained); 0: off")
     ap.add_argument("--candidates", default="", help="semicolon-separated candidate names (config_name) to sweep "
-                    "instead of all of each family's")
+                    "instead of all of each family's: each family sweeps the names that are its candidates; "
+                    "FAMILY:NAME names one family's alone")
     ap.add_argument("--idle-s", dest="idle_s", type=float, default=1.0, help="idle seconds before each sustained run")
     opts = ap.parse_args(argv)
     payload = run(opts)

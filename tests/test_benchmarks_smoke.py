@@ -582,9 +582,9 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
 
 
 def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
-    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the dgrad2 and the row scale take cooperative tiles, the dgrad and
-    the wgrads clusters sharing B) the tiles of the families swept there win those sweeps
-    (``check_tile_choices_win_sweeps``)."""
+    """On an H100 SXM (HBM bandwidth 3.35 TB/s: the dgrad2 and the row scale take cooperative tiles, the dgrad, the
+    wgrads and the SwiGLU backwards (at 128 x 192) clusters sharing B) the tiles of the families swept there win
+    those sweeps (``check_tile_choices_win_sweeps``)."""
     from csrc_cute.group_gemm import (
         select_config,
         select_dgrad_config,
@@ -596,16 +596,77 @@ def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
     h100 = 3352.0
     wgrad = select_wgrad_config(128, 7168, 2048, hbm_gbs=h100)
     rows = select_hbm_rows_config(128, 7168, hbm_gbs=h100)
-    swiglu_bwd = select_swiglu_bwd_config(128, 2048)
+    swiglu_bwd = select_swiglu_bwd_config(128, 2048, hbm_gbs=h100)
     chosen = dict(fwd=select_config(128, 2048), dgrad=select_dgrad_config(128, 7168, hbm_gbs=h100), dgrad2=rows,
                   row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad, wgrad_gather_t=wgrad, swiglu_bwd=swiglu_bwd,
                   swiglu_bwd_gather=swiglu_bwd)
-    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session34_h100_wgrad.json",
+    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session37_h100_dgrad_clusters.json",
+                                                            "bench_tiles_session37_h100_wgrad_clusters.json",
+                                                            "bench_tiles_session37_h100_swiglu_bwd_clusters.json",
+                                                            "bench_tiles_session36_h100_swiglu_bwd_192.json",
+                                                            "bench_tiles_session34_h100_wgrad.json",
                                                             "bench_tiles_session34_h100_swiglu_bwd.json",
                                                             "bench_tiles_session33_h100.json",
                                                             "bench_tiles_session32_h100_rows.json",
                                                             "bench_tiles_session32_h100.json",
                                                             "bench_tiles_session31_h100.json"), chosen)
+
+
+def test_bench_tiles_records_one_compile_call_per_candidate(monkeypatch, tmp_path):
+    """``sweep_compile_calls``: a dry run of every swept candidate (two families, their candidates named as on the
+    command line) records one compile call per candidate, for the kernel of that family with that candidate's
+    config, and launches nothing (the operands are CPU tensors: any launch would fail); what
+    ``jit.compile_ahead`` then compiles side by side."""
+    import argparse
+
+    from benchmarks.bench_peers import gemm_operands, group_layouts
+    from benchmarks.bench_tiles import candidate_config, config_name, sweep_compile_calls
+    from csrc_cute import jit
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv(jit.CACHE_DIR_ENV, str(tmp_path))
+    names = ("dgrad:128x192 pingpong band 16; dgrad:128x192 pingpong band 16 cluster 2x1;"
+             "wgrad_gather:128x192 pingpong;wgrad_gather:128x192 pingpong cluster 2x1")
+    opts = argparse.Namespace(candidates=names)
+    ends = next(iter(group_layouts(2048, 4, 128, 512, 2, 0).values()))
+    d = gemm_operands(ends, 256, 256, torch.device("cpu"), 0, 512)
+    calls = sweep_compile_calls(["dgrad", "wgrad_gather"], d, 128, 132, opts)
+    expected = {("dgrad", (128, 192, True, 16, False)), ("dgrad", (128, 192, True, 16, False, 1, False, 2)),
+                ("wgrad_gather", (128, 192, True, 0, False)), ("wgrad_gather", (128, 192, True, 0, False, 1, False, 2))}
+    assert {f"{fam}:{config_name(*c)}" for fam, c in expected} == {n.strip() for n in names.split(";")}
+    assert len(calls) == len(set(calls)) == 4
+    for call, (fam, c) in zip(calls, sorted(expected)):
+        assert call.module == "csrc_cute.group_gemm.host", call
+        assert candidate_config(c, 132) in call.args, (fam, call)
+        kernel = call.args[0] if call.name == "_compile_rows_kernel" else call.name  # the row kernels by name
+        assert kernel == {"dgrad": "group_gemm_dgrad", "wgrad_gather": "compile_group_gemm_wgrad_gather"}[fam], call
+    assert not list(tmp_path.rglob("*.o"))  # recorded, not compiled
+
+
+def test_bench_tiles_candidates_name_each_familys_own_or_fail():
+    """``--candidates``: a bare name is swept by every family that has that candidate, FAMILY:NAME by that family
+    alone; a name no swept family has, a prefix outside --families, a family left with no candidate and an
+    unknown family are each a SystemExit naming them (before anything compiles)."""
+    import argparse
+
+    from benchmarks.bench_tiles import check_candidates, swept
+
+    def ns(names):
+        return argparse.Namespace(candidates=names)
+
+    both = ns("128x192 pingpong")
+    assert swept("dgrad", both) == swept("wgrad", both) == [(128, 192, True, 0, False)]
+    own = ns("dgrad:128x192 pingpong band 16;wgrad:128x192 pingpong cluster 2x1")
+    assert swept("dgrad", own) == [(128, 192, True, 16, False)]
+    assert swept("wgrad", own) == [(128, 192, True, 0, False, 1, False, 2)]
+    check_candidates(["dgrad", "wgrad"], own)
+    assert len(swept("wgrad", ns(""))) > 2  # none named: all
+    for families, names, match in ((["dgrad"], "128x999", "'128x999' is not a candidate of \\['dgrad'\\]"),
+                                   (["dgrad"], "wgrad:128x192 pingpong", "'wgrad' is not one of --families"),
+                                   (["dgrad", "wgrad"], "dgrad:128x192 pingpong band 16", "none of wgrad's"),
+                                   (["wgrad", "dgrad:x"], "", "are not swept families")):
+        with pytest.raises(SystemExit, match=match):
+            check_candidates(families, ns(names))
 
 
 def test_bench_tiles_times_the_candidates_round_robin():
