@@ -48,6 +48,11 @@ class GroupGemmSm90Base(TileWalk):
     multicast_b = False
     # whether the kernel may take its tiles from the dynamic walk (``GroupGemmConfig.dynamic``)
     dynamic_walk = True
+    # whether the kernel runs its partial last n tile with a narrower MMA (``GroupGemmConfig.narrow_tail``): the
+    # families whose consumers run ``p.narrow_tail``'s mainloop there set it
+    narrow_tail_mma = False
+    # the narrower MMA's width (0: none), set at trace time from the output's static width (``set_tail_n``)
+    tail_n = 0
 
     def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int,
                      pingpong: bool = False):
@@ -57,6 +62,10 @@ class GroupGemmSm90Base(TileWalk):
         self.cluster_n, self.cluster_m = config.cluster_n, config.cluster_m
         self.cluster_size = self.cluster_n * self.cluster_m
         self.dynamic = config.dynamic
+        self.narrow_tail = config.narrow_tail
+        if self.narrow_tail and not self.narrow_tail_mma:
+            raise ValueError(f"{type(self).__name__}: GroupGemmConfig.narrow_tail must be False for this kernel "
+                             f"(only the forward, dgrad and row-scale kernels run a narrower last n tile)")
         if self.cluster_n > 1 and not self.multicast_a:
             raise ValueError(
                 f"{type(self).__name__}: GroupGemmConfig.cluster_n must be 1 for this kernel (got "
@@ -654,6 +663,8 @@ class GroupGemmSm90Base(TileWalk):
                 p.tiled_mma, tidx, wg_idx, sA, sBs
             )
             c = self.consumer_setup(p, mma_tidx, thr_mma, sC)
+            if cutlass.const_expr(self.tail_n > 0):
+                self.add_narrow_tail(p, sBs)  # (p's attributes set in a method: not a value of this branch)
             epi_count = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
                 self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, tCrA, tCrBs, bidx, gdim)
@@ -665,6 +676,39 @@ class GroupGemmSm90Base(TileWalk):
                         p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, tile, epi_count
                     )
             self.consumer_tail(c, warp_idx)
+
+    def set_tail_n(self, out_cols: int, b_n_major: bool) -> None:
+        """Trace time: ``tail_n``, the MMA width of the output's last n tile where ``narrow_tail`` is on and
+        that tile is partial (``out_cols``, the output's static width, not a multiple of tile_n): its columns
+        rounded up to the wgmma's N step of 8, or to 64 where B is N-major (a sub-tile of its stage must be
+        whole 128-byte swizzle atoms); else 0."""
+        tail = out_cols - (-(-out_cols // self.tile_n) - 1) * self.tile_n
+        step = 64 if b_n_major else 8
+        width = -(-tail // step) * step
+        self.tail_n = width if self.narrow_tail and width < self.tile_n else 0
+
+    def add_narrow_tail(self, p, sBs):
+        """``p.narrow_tail``: the kernel params of the last n tile's mainloop (``set_tail_n``), ``p`` with a
+        tiled MMA of tile_m x tail_n (and its first-k-block copy) over the first tail_n rows of each B stage
+        (``tCrBs``), and ``acc``, a view of an accumulator's first tail_n / 8 column chunks (a wgmma C fragment
+        of N = w is the first w / 8 chunks of a wider one's, so the epilogue stores it as it is; the columns
+        past it are no output's and are never stored)."""
+        mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tail_n))
+        thr = mma.get_slice(0)  # the B fragment is the same for every warp group's slice
+        tCrBs = [mma.make_fragment_B(thr.partition_B(cute.local_tile(sB, (self.tail_n, self.tile_k, self.ab_stage),
+                                                                      (0, 0, 0)))) for sB in sBs]
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        first = mma.with_()
+        first.set(warpgroup.Field.ACCUMULATE, False)
+        chunks = self.tail_n // 8
+
+        def acc(full: cute.Tensor) -> cute.Tensor:
+            v, *rest = full.layout.shape
+            return cute.make_tensor(full.iterator, cute.make_layout(((v[0], v[1], chunks), *rest),
+                                                                     stride=full.layout.stride))
+        p.narrow_tail = KernelParams(**dict(p.__dict__, tiled_mma=mma, first_mma=first), tCrBs=tCrBs, acc=acc)
 
     @cute.jit
     def consume_alternate_tiles(self, p, c, warp_idx, wg, mainloop, tCrA: cute.Tensor, tCrBs, bidx, gdim):
