@@ -49,7 +49,7 @@ class GroupGemmSm90Base(TileWalk):
     # whether the kernel may take its tiles from the dynamic walk (``GroupGemmConfig.dynamic``)
     dynamic_walk = True
     # whether the kernel runs its partial last n tile with a narrower MMA (``GroupGemmConfig.narrow_tail``): the
-    # families whose consumers run ``p.narrow_tail``'s mainloop there set it
+    # families whose consumers run each tile's mainloop through ``tile_mainloop`` and set ``tail_n`` set it
     narrow_tail_mma = False
     # the narrower MMA's width (0: none), set at trace time from the output's static width (``set_tail_n``)
     tail_n = 0
@@ -606,6 +606,26 @@ class GroupGemmSm90Base(TileWalk):
         for k in cutlass.range(n_pro, unroll=1):
             mainloop.consumer_release(release_state)
             release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def tile_mainloop(self, p, n_idx, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
+                      k_count: cutlass.Int32, turn):
+        """``mma_k_tiles`` of a tile at n tile ``n_idx``; where ``tail_n`` is set (``GroupGemmConfig.narrow_tail``)
+        the partial last n tile's with ``p.narrow_tail``'s MMA (``add_narrow_tail``) into the accumulators'
+        first columns (the others keep an earlier tile's values: no output's, never stored)."""
+        if cutlass.const_expr(self.tail_n > 0):
+            tail = p.narrow_tail
+            tail_accs = [tail.acc(acc) for acc in accs]  # (no method call on p inside the dynamic if)
+            if n_idx == p.num_n_tiles - 1:
+                read_state, release_state = self.mma_k_tiles(tail, mainloop, read_state, release_state, tail_accs,
+                                                              tCrA, tail.tCrBs, k_count, turn)
+            else:
+                read_state, release_state = self.mma_k_tiles(p, mainloop, read_state, release_state, accs, tCrA,
+                                                              tCrBs, k_count, turn)
+        else:
+            read_state, release_state = self.mma_k_tiles(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
+                                                          k_count, turn)
         return read_state, release_state
 
     @cute.jit

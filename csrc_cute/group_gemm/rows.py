@@ -153,20 +153,9 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
         # pingpong: the mainloop takes its turn; the other warp group's runs under this epilogue
-        if cutlass.const_expr(self.tail_n > 0):
-            tail, tail_accs = p.narrow_tail, [p.narrow_tail.acc(c.acc)]  # (no method call on p inside the if)
-            if n_idx == p.num_n_tiles - 1:
-                read_state, release_state = self.mma_k_tiles(
-                    tail, mainloop, read_state, release_state, tail_accs, tCrA, tail.tCrBs, k_count, turn
-                )
-            else:
-                read_state, release_state = self.mma_k_tiles(
-                    p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
-                )
-        else:
-            read_state, release_state = self.mma_k_tiles(
-                p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
-            )
+        read_state, release_state = self.tile_mainloop(
+            p, n_idx, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
+        )
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
         return read_state, release_state, self.store_acc_tile(p, c, warp_idx, c.gC[(None, None, m_idx, n_idx)],
