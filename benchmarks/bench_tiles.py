@@ -80,14 +80,18 @@ ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (12
                   (128, 192, True, 16, False, 1, True), (128, 192, True, 0, False, 1, False, 2),
                   (128, 192, True, 16, False, 1, False, 2))
 # the dgrad's and the row scale's pingpong 128 x 192 tiles (the H100's dgrad in clusters, the H200's row scale) with
-# their last n tile (64 of 7168 columns) as a 64-column MMA (``GroupGemmConfig.narrow_tail``, session 37)
+# their last n tile (64 of 7168 columns) as a 64-column MMA (``GroupGemmConfig.narrow_tail``, session 37); the
+# wgrads' (128 of F = 2048 columns), in clusters (the H100's) and alone (the H200's)
 NARROW_TAIL_CANDIDATES = ((128, 192, True, 16, False, 1, False, 2, True),
                           (128, 192, True, 16, False, 1, False, 1, True))
+WGRAD_NARROW_TAIL_CANDIDATES = ((128, 192, True, 0, False, 1, False, 2, True),
+                                (128, 192, True, 0, False, 1, False, 1, True))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES + NARROW_TAIL_CANDIDATES, dgrad2=ROW_CANDIDATES,
                   row_scale=ROW_CANDIDATES + NARROW_TAIL_CANDIDATES,
-                  wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2)),
+                  wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2))
+                  + WGRAD_NARROW_TAIL_CANDIDATES,
                   wgrad_gather=WGRAD_CANDIDATES + ((128, 192, True, 0, False, 1, True),),
-                  wgrad_gather_t=WGRAD_CANDIDATES,
+                  wgrad_gather_t=WGRAD_CANDIDATES + WGRAD_NARROW_TAIL_CANDIDATES[:1],
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
                   swiglu_bwd=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES,

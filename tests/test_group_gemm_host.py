@@ -127,7 +127,7 @@ def test_config_cluster_m_is_1_or_2_and_only_the_kernels_sharing_b_take_2():
 
 
 def test_config_narrow_tail_widths_and_the_kernels_that_take_it():
-    # GroupGemmConfig.narrow_tail: the forward, dgrad and row-scale kernels run their partial last n tile with an
+    # GroupGemmConfig.narrow_tail: the forward, dgrad, row-scale and wgrad kernels run their partial last n tile with an
     # MMA as wide as its columns, rounded up to 8 (B K-major: the dgrad) or 64 (B N-major: the forward, row
     # scale); off, or a tile that is not partial, leaves tail_n 0 (the kernel as before); other kernels refuse it
     from csrc_cute.group_gemm import GroupGemmConfig
@@ -149,7 +149,8 @@ def test_config_narrow_tail_widths_and_the_kernels_that_take_it():
     plain.set_tail_n(7168, False)
     assert plain.tail_n == 0
     GroupGemmRowScaleSm90(narrow)
-    for cls in (GroupGemmDgrad2Sm90, GroupGemmSwigluBwdSm90, GroupGemmWgradSm90):
+    GroupGemmWgradSm90(narrow)
+    for cls in (GroupGemmDgrad2Sm90, GroupGemmSwigluBwdSm90):
         with pytest.raises(ValueError, match=f"{cls.__name__}: GroupGemmConfig.narrow_tail must be False"):
             cls(narrow)
 

@@ -65,7 +65,7 @@ class GroupGemmSm90Base(TileWalk):
         self.narrow_tail = config.narrow_tail
         if self.narrow_tail and not self.narrow_tail_mma:
             raise ValueError(f"{type(self).__name__}: GroupGemmConfig.narrow_tail must be False for this kernel "
-                             f"(only the forward, dgrad and row-scale kernels run a narrower last n tile)")
+                             f"(only the forward, dgrad, row-scale and wgrad kernels run a narrower last n tile)")
         if self.cluster_n > 1 and not self.multicast_a:
             raise ValueError(
                 f"{type(self).__name__}: GroupGemmConfig.cluster_n must be 1 for this kernel (got "
@@ -610,7 +610,7 @@ class GroupGemmSm90Base(TileWalk):
 
     @cute.jit
     def tile_mainloop(self, p, n_idx, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
-                      k_count: cutlass.Int32, turn):
+                      k_count: cutlass.Int32, turn, k_rows=None):
         """``mma_k_tiles`` of a tile at n tile ``n_idx``; where ``tail_n`` is set (``GroupGemmConfig.narrow_tail``)
         the partial last n tile's with ``p.narrow_tail``'s MMA (``add_narrow_tail``) into the accumulators'
         first columns (the others keep an earlier tile's values: no output's, never stored)."""
@@ -619,13 +619,13 @@ class GroupGemmSm90Base(TileWalk):
             tail_accs = [tail.acc(acc) for acc in accs]  # (no method call on p inside the dynamic if)
             if n_idx == p.num_n_tiles - 1:
                 read_state, release_state = self.mma_k_tiles(tail, mainloop, read_state, release_state, tail_accs,
-                                                              tCrA, tail.tCrBs, k_count, turn)
+                                                              tCrA, tail.tCrBs, k_count, turn, k_rows)
             else:
                 read_state, release_state = self.mma_k_tiles(p, mainloop, read_state, release_state, accs, tCrA,
-                                                              tCrBs, k_count, turn)
+                                                              tCrBs, k_count, turn, k_rows)
         else:
             read_state, release_state = self.mma_k_tiles(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
-                                                          k_count, turn)
+                                                          k_count, turn, k_rows)
         return read_state, release_state
 
     @cute.jit

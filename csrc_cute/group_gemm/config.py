@@ -29,7 +29,7 @@ class GroupGemmConfig(tuple):
     at the same N tile (the row kernels: a group's tiles in pairs, its odd last one with an idle partner,
     ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each
     loading half of every B tile (the weights; the wgrads' dy^T) by TMA multicast into both, so the pair
-    reads each B tile from L2 once. ``narrow_tail`` (the forward, dgrad and row-scale kernels, not with
+    reads each B tile from L2 once. ``narrow_tail`` (the forward, dgrad, row-scale and wgrad kernels, not with
     ``cluster_n`` = 2): where the output's last n tile is partial (a static width), that tile's mainloop runs a
     second tiled MMA only as wide as its columns (rounded up to the wgmma's 8, or to 64 where B is N-major: its
     shared-memory atom), over the first rows of the same B stage and the first columns of the same
