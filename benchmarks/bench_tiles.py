@@ -24,8 +24,8 @@ h; M-major, in bands of 16, in bands of 16 for short groups alone) or pingpong a
 of 16), and the SwiGLU backward (always pingpong, shared-memory epilogue) and its gathered variant at 128 x 160
 in those three rasters, the M-major and band-16 ones also sharing B, and both at 128 x 192 in bands of 16, alone
 and sharing B (the H100's tile since session 36: 64 x 32 epilogue sub-tiles computed in 16-column halves);
-the dgrad's and row scale's pingpong 128 x 192 tiles also with their partial last n tile run as a narrower MMA
-(``GroupGemmConfig.narrow_tail``).
+the pingpong 128 x 192 tiles of the dgrad, the row scale, the wgrad and the transposed gathered wgrad also
+with their partial last n tile run as a narrower MMA (``GroupGemmConfig.narrow_tail``).
 ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
 nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
 beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).
