@@ -25,10 +25,11 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from .config import GroupGemmConfig
+from .tail import NarrowTail
 from .walk import TileWalk
 
 
-class GroupGemmSm90Base(TileWalk):
+class GroupGemmSm90Base(NarrowTail, TileWalk):
     """What every grouped-GEMM kernel shares (see the module docstring). A kernel family chooses the
     operand majorness, the tile scheduler (``scheduler``) and the epilogue through the hooks of
     ``warp_specialized``."""
@@ -48,11 +49,6 @@ class GroupGemmSm90Base(TileWalk):
     multicast_b = False
     # whether the kernel may take its tiles from the dynamic walk (``GroupGemmConfig.dynamic``)
     dynamic_walk = True
-    # whether the kernel runs its partial last n tile with a narrower MMA (``GroupGemmConfig.narrow_tail``): the
-    # families whose consumers run each tile's mainloop through ``tile_mainloop`` and set ``tail_n`` set it
-    narrow_tail_mma = False
-    # the narrower MMA's width (0: none), set at trace time from the output's static width (``set_tail_n``)
-    tail_n = 0
 
     def _init_common(self, config: GroupGemmConfig, a_layout, b_layout, reserved_smem: int,
                      pingpong: bool = False):
@@ -609,26 +605,6 @@ class GroupGemmSm90Base(TileWalk):
         return read_state, release_state
 
     @cute.jit
-    def tile_mainloop(self, p, n_idx, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
-                      k_count: cutlass.Int32, turn, k_rows=None):
-        """``mma_k_tiles`` of a tile at n tile ``n_idx``; where ``tail_n`` is set (``GroupGemmConfig.narrow_tail``)
-        the partial last n tile's with ``p.narrow_tail``'s MMA (``add_narrow_tail``) into the accumulators'
-        first columns (the others keep an earlier tile's values: no output's, never stored)."""
-        if cutlass.const_expr(self.tail_n > 0):
-            tail = p.narrow_tail
-            tail_accs = [tail.acc(acc) for acc in accs]  # (no method call on p inside the dynamic if)
-            if n_idx == p.num_n_tiles - 1:
-                read_state, release_state = self.mma_k_tiles(tail, mainloop, read_state, release_state, tail_accs,
-                                                              tCrA, tail.tCrBs, k_count, turn, k_rows)
-            else:
-                read_state, release_state = self.mma_k_tiles(p, mainloop, read_state, release_state, accs, tCrA,
-                                                              tCrBs, k_count, turn, k_rows)
-        else:
-            read_state, release_state = self.mma_k_tiles(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
-                                                          k_count, turn, k_rows)
-        return read_state, release_state
-
-    @cute.jit
     def mma_stages(self, p, mainloop, read_state, release_state, accs, tCrA: cute.Tensor, tCrBs,
                    k_from: cutlass.Int32, k_to: cutlass.Int32, k_rows=None):
         """Consumers, within ``mma_k_tiles``: the tile's stages [k_from, k_to) after its first, each one's
@@ -696,39 +672,6 @@ class GroupGemmSm90Base(TileWalk):
                         p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, tile, epi_count
                     )
             self.consumer_tail(c, warp_idx)
-
-    def set_tail_n(self, out_cols: int, b_n_major: bool) -> None:
-        """Trace time: ``tail_n``, the MMA width of the output's last n tile where ``narrow_tail`` is on and
-        that tile is partial (``out_cols``, the output's static width, not a multiple of tile_n): its columns
-        rounded up to the wgmma's N step of 8, or to 64 where B is N-major (a sub-tile of its stage must be
-        whole 128-byte swizzle atoms); else 0."""
-        tail = out_cols - (-(-out_cols // self.tile_n) - 1) * self.tile_n
-        step = 64 if b_n_major else 8
-        width = -(-tail // step) * step
-        self.tail_n = width if self.narrow_tail and width < self.tile_n else 0
-
-    def add_narrow_tail(self, p, sBs):
-        """``p.narrow_tail``: the kernel params of the last n tile's mainloop (``set_tail_n``), ``p`` with a
-        tiled MMA of tile_m x tail_n (and its first-k-block copy) over the first tail_n rows of each B stage
-        (``tCrBs``), and ``acc``, a view of an accumulator's first tail_n / 8 column chunks (a wgmma C fragment
-        of N = w is the first w / 8 chunks of a wider one's, so the epilogue stores it as it is; the columns
-        past it are no output's and are never stored)."""
-        mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tail_n))
-        thr = mma.get_slice(0)  # the B fragment is the same for every warp group's slice
-        tCrBs = [mma.make_fragment_B(thr.partition_B(cute.local_tile(sB, (self.tail_n, self.tile_k, self.ab_stage),
-                                                                      (0, 0, 0)))) for sB in sBs]
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        first = mma.with_()
-        first.set(warpgroup.Field.ACCUMULATE, False)
-        chunks = self.tail_n // 8
-
-        def acc(full: cute.Tensor) -> cute.Tensor:
-            v, *rest = full.layout.shape
-            return cute.make_tensor(full.iterator, cute.make_layout(((v[0], v[1], chunks), *rest),
-                                                                     stride=full.layout.stride))
-        p.narrow_tail = KernelParams(**dict(p.__dict__, tiled_mma=mma, first_mma=first), tCrBs=tCrBs, acc=acc)
 
     @cute.jit
     def consume_alternate_tiles(self, p, c, warp_idx, wg, mainloop, tCrA: cute.Tensor, tCrBs, bidx, gdim):
