@@ -275,7 +275,8 @@ def test_weight_sharing_cluster_option_compiles_sm90a_no_spills(tmp_path, op, pi
 
 
 @pytest.mark.parametrize("op, kd, nd, band_m, cluster_m, tail", [
-    ("dgrad", 7168, 2048, 16, 2, 64), ("row_scale", 2048, 7168, 16, 1, 64),  # H = 7168 columns: 37 x 192 + 64
+    ("dgrad", 7168, 2048, 16, 2, 64), ("dgrad", 7168, 2048, 16, 1, 64),  # H = 7168 columns: 37 x 192 + 64
+    ("row_scale", 2048, 7168, 16, 1, 64),
     ("wgrad", 7168, 2048, 0, 2, 128), ("wgrad", 7168, 2048, 0, 1, 128),  # F = 2048 columns: 10 x 192 + 128
     ("wgrad_gather_t", 7168, 2048, 0, 2, 128),
 ])
