@@ -33,7 +33,7 @@ class GroupGemmConfig(tuple):
     ``cluster_n`` = 2): where the output's last n tile is partial (a static width), that tile's mainloop runs a
     second tiled MMA only as wide as its columns (rounded up to the wgmma's 8, or to 64 where B is N-major: its
     shared-memory atom), over the first rows of the same B stage and the first columns of the same
-    accumulator, instead of the whole tile's width of padding (``GroupGemmSm90Base.add_narrow_tail``; at
+    accumulator, instead of the whole tile's width of padding (``tail.NarrowTail.add_narrow_tail``; at
     the DESIGN shape the dgrad's 38th 192-column tile holds 64 columns: 1.75% of its MMA work)."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
