@@ -59,6 +59,9 @@ class GroupGemmSm90Base(NarrowTail, TileWalk):
         self.cluster_size = self.cluster_n * self.cluster_m
         self.dynamic = config.dynamic
         self.narrow_tail = config.narrow_tail
+        # a group's odd bands walk its n tiles backwards (RowTileScheduler.band_tile); a kernel whose registers
+        # cannot hold that turns it off
+        self.serpentine_bands = True
         if self.narrow_tail and not self.narrow_tail_mma:
             raise ValueError(f"{type(self).__name__}: GroupGemmConfig.narrow_tail must be False for this kernel "
                              f"(only the forward, dgrad, row-scale and wgrad kernels run a narrower last n tile)")
