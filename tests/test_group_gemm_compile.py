@@ -160,6 +160,23 @@ def test_slow_hbm_gathered_wgrads_compile_sm90a_no_spills(tmp_path, op):
     check_gathered_wgrad_a(ptx, tile_m=128, tile_n=192)
 
 
+@pytest.mark.parametrize("op", ["swiglu_bwd_smem", "swiglu_bwd_gather"])
+def test_slow_hbm_swiglu_bwd_compiles_sm90a_no_spills(tmp_path, op):
+    """The SwiGLU backward (the op's shared-memory epilogue and the layer's gathered one) on the tile
+    ``select_swiglu_bwd_config`` picks on a GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS (an H100): 128 x 192
+    (m64n192 wgmma) in bands of 16 in clusters of two CTAs sharing each W_down tile, within the consumers' 240
+    registers: the kernel that keeps its bands in one direction (``serpentine_bands`` off; with the serpentine
+    ptxas spilled 8 B in its epilogue)."""
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+
+    cfg = select_swiglu_bwd_config(128, 2048, 132, hbm_gbs=3352.0)
+    assert tuple(cfg) == tuple(GroupGemmConfig(128, 192, 132, False, 16, cluster_m=2))
+    ptx = compile_one_kernel_no_spills(tmp_path, op, 7168, 2048, 128, cfg)
+    mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    assert mma and all("m64n192k16" in ln for ln in mma), mma[:1]
+    assert any(".multicast::cluster" in ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln)
+
+
 @pytest.mark.parametrize("op", ["dgrad2", "row_scale"])
 def test_slow_hbm_rows_compile_sm90a_no_spills(tmp_path, op):
     """The dgrad2 and the row-scaled forward on the tile ``select_hbm_rows_config`` picks on a GPU whose HBM is
