@@ -60,8 +60,9 @@ class GroupGemmSm90Base(NarrowTail, TileWalk):
         self.dynamic = config.dynamic
         self.narrow_tail = config.narrow_tail
         # a group's odd bands walk its n tiles backwards (RowTileScheduler.band_tile); a kernel whose registers
-        # cannot hold that turns it off
-        self.serpentine_bands = True
+        # cannot hold that turns it off, as the narrow tail does (with both, ptxas serialised every wgmma of the
+        # banded unclustered dgrad at the DESIGN shape)
+        self.serpentine_bands = not self.narrow_tail
         if self.narrow_tail and not self.narrow_tail_mma:
             raise ValueError(f"{type(self).__name__}: GroupGemmConfig.narrow_tail must be False for this kernel "
                              f"(only the forward, dgrad, row-scale and wgrad kernels run a narrower last n tile)")
