@@ -165,8 +165,7 @@ def test_slow_hbm_swiglu_bwd_compiles_sm90a_no_spills(tmp_path, op):
     """The SwiGLU backward (the op's shared-memory epilogue and the layer's gathered one) on the tile
     ``select_swiglu_bwd_config`` picks on a GPU whose HBM is slower than PINGPONG_MIN_HBM_GBS (an H100): 128 x 192
     (m64n192 wgmma) in bands of 16 in clusters of two CTAs sharing each W_down tile, within the consumers' 240
-    registers: the kernel that keeps its bands in one direction (``serpentine_bands`` off; with the serpentine
-    ptxas spilled 8 B in its epilogue)."""
+    registers (at their edge: a serpentine band walk, tried in session 38, made ptxas spill 8 B in the epilogue)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
     cfg = select_swiglu_bwd_config(128, 2048, 132, hbm_gbs=3352.0)

@@ -59,10 +59,6 @@ class GroupGemmSm90Base(NarrowTail, TileWalk):
         self.cluster_size = self.cluster_n * self.cluster_m
         self.dynamic = config.dynamic
         self.narrow_tail = config.narrow_tail
-        # a group's odd bands walk its n tiles backwards (RowTileScheduler.band_tile); a kernel whose registers
-        # cannot hold that turns it off, as the narrow tail does (with both, ptxas serialised every wgmma of the
-        # banded unclustered dgrad at the DESIGN shape)
-        self.serpentine_bands = not self.narrow_tail
         if self.narrow_tail and not self.narrow_tail_mma:
             raise ValueError(f"{type(self).__name__}: GroupGemmConfig.narrow_tail must be False for this kernel "
                              f"(only the forward, dgrad, row-scale and wgrad kernels run a narrower last n tile)")

@@ -9,31 +9,32 @@ class GroupGemmConfig(tuple):
     ``pingpong``: the kernels whose consumers are cooperative by default (the row kernels: forward, dgrad,
     dgrad2, row scale; the wgrad; the fused SwiGLU) run two consumer warp groups that take alternate whole
     tiles instead, each one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong).
-    ``band_m`` (the row-grouped kernels; the wgrad ignores it): 0 walks the tiles M-major (each M tile over every N
-    tile); b > 0 walks each group's tiles in bands of up to b M tiles, N tile by N tile within a band (a group's odd
-    bands from its last N tile back), so the CTAs that run at once share each weight tile (B) among the band's rows
-    and read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole weight
-    again (``RowTileScheduler.row_tile``). ``tall_m_major`` (with band_m): only groups of at most band_m M tiles are
-    walked N-major, each as one band; taller groups keep the M-major walk (the sweep found the forward and dgrad
-    faster banded at short groups, slower at tall ones; bench_tiles sweeps it for the fused SwiGLU and its
-    backward). ``cluster_n`` (1 or 2; the forward, dgrad, dgrad2, row-scale and wgrad kernels): 2 launches clusters
-    of two CTAs that compute the same M tile at two neighbouring N tiles, each loading half of every A (rows) tile
-    by TMA multicast into both CTAs' shared memory, so the cluster reads each A tile from L2 once for two output
-    tiles (``GroupGemmSm90Base.cta_tiles``). ``dynamic`` (clusters of one CTA): the persistent CTAs take the tiles
-    in order from one global counter instead of every #CTAs-th tile from their block index (``walk.TileWalk``), so
-    an SM that runs its tiles slower does not finish the launch last with a fixed share of them; no op chooses it
-    yet (docs/design-notes.md, session 29: the pingpong kernels ran more cycles with it). ``cluster_m`` (1 or 2; the
-    forward, dgrad, dgrad2, row-scale and SwiGLU-backward kernels and the wgrads, gathered ones included, not with
-    ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two CTAs that compute two M tiles of one group at the
-    same N tile (the row kernels: a group's tiles in pairs, its odd last one with an idle partner,
-    ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each loading
-    half of every B tile (the weights; the wgrads' dy^T) by TMA multicast into both, so the pair reads each B tile
-    from L2 once. ``narrow_tail`` (the forward, dgrad, row-scale and wgrad kernels, not with ``cluster_n`` = 2):
-    where the output's last n tile is partial (a static width), that tile's mainloop runs a second tiled MMA only as
-    wide as its columns (rounded up to the wgmma's 8, or to 64 where B is N-major: its shared-memory atom), over the
-    first rows of the same B stage and the first columns of the same accumulator, instead of the whole tile's width
-    of padding (``tail.NarrowTail.add_narrow_tail``; at the DESIGN shape the dgrad's 38th 192-column tile holds 64
-    columns: 1.75% of its MMA work)."""
+    ``band_m`` (the row-grouped kernels; the wgrad ignores it): 0 walks the tiles M-major (each M tile
+    over every N tile); b > 0 walks each group's tiles in bands of up to b M tiles, N tile by N tile
+    within a band, so the CTAs that run at once share each weight tile (B) among the band's rows and
+    read it while it is in L2, where the M-major walk has every wave of CTAs read the expert's whole
+    weight again (``RowTileScheduler.row_tile``). ``tall_m_major`` (with band_m): only groups of at most
+    band_m M tiles are walked N-major, each as one band; taller groups keep the M-major walk (the sweep
+    found the forward and dgrad faster banded at short groups, slower at tall ones; bench_tiles sweeps it
+    for the fused SwiGLU and its backward). ``cluster_n`` (1 or 2; the forward, dgrad, dgrad2, row-scale
+    and wgrad kernels): 2 launches clusters of two CTAs that compute the same M tile at two neighbouring N tiles, each
+    loading half of every A (rows) tile by TMA multicast into both CTAs' shared memory, so the cluster
+    reads each A tile from L2 once for two output tiles (``GroupGemmSm90Base.cta_tiles``). ``dynamic``
+    (clusters of one CTA): the persistent CTAs take the tiles in order from one global counter instead of
+    every #CTAs-th tile from their block index (``walk.TileWalk``), so an SM that runs its tiles slower does
+    not finish the launch last with a fixed share of them; no op chooses it yet (docs/design-notes.md,
+    session 29: the pingpong kernels ran more cycles with it). ``cluster_m`` (1 or 2; the forward, dgrad,
+    dgrad2, row-scale and SwiGLU-backward kernels and the wgrads, gathered ones included, not with
+    ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two CTAs that compute two M tiles of one group
+    at the same N tile (the row kernels: a group's tiles in pairs, its odd last one with an idle partner,
+    ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each
+    loading half of every B tile (the weights; the wgrads' dy^T) by TMA multicast into both, so the pair
+    reads each B tile from L2 once. ``narrow_tail`` (the forward, dgrad, row-scale and wgrad kernels, not with
+    ``cluster_n`` = 2): where the output's last n tile is partial (a static width), that tile's mainloop runs a
+    second tiled MMA only as wide as its columns (rounded up to the wgmma's 8, or to 64 where B is N-major: its
+    shared-memory atom), over the first rows of the same B stage and the first columns of the same
+    accumulator, instead of the whole tile's width of padding (``tail.NarrowTail.add_narrow_tail``; at
+    the DESIGN shape the dgrad's 38th 192-column tile holds 64 columns: 1.75% of its MMA work)."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
                 tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1,

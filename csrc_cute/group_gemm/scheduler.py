@@ -30,12 +30,11 @@ class RowTileScheduler:
     def row_tile(self, cu_seqlens: cute.Tensor, tile: cutlass.Int32, num_n_tiles: cutlass.Int32):
         """Tile ``tile`` of a row-grouped kernel -> (m tile, n tile, group). M-major raster: tile = m x
         #n tiles + n. With ``band_m`` = b the tiles of a group (the same range of indices: its M tiles
-        times #n tiles) are walked in bands of up to b M tiles, N-major within a band (odd bands backwards:
-        ``band_tile``), so CTAs that run at once read the same weight tiles (groups lie on M-tile
-        boundaries: their ends are multiples of P, which tile_M divides); with ``tall_m_major`` only groups
-        of at most b M tiles are (each one band). Past the last group: M-major. With ``cluster_n`` = 2 the
-        walk's n tiles are pairs of n tiles (``_row_tiles``) and each CTA of the cluster takes its own of the
-        pair (``cluster_rank``)."""
+        times #n tiles) are walked in bands of up to b M tiles, N-major within a band, so CTAs that run
+        at once read the same weight tiles (groups lie on M-tile boundaries: their ends are multiples of
+        P, which tile_M divides); with ``tall_m_major`` only groups of at most b M tiles are (each one
+        band). Past the last group: M-major. With ``cluster_n`` = 2 the walk's n tiles are pairs of n tiles
+        (``_row_tiles``) and each CTA of the cluster takes its own of the pair (``cluster_rank``)."""
         m_idx = tile // num_n_tiles
         n_idx = tile % num_n_tiles
         g = self.tile_group(cu_seqlens, m_idx * self.tile_m)
@@ -120,12 +119,7 @@ class RowTileScheduler:
                   tiles_per_row: cutlass.Constexpr = 1, end=None):
         """Tile ``local`` of group ``g`` whose rows of tiles are [``first``, ``end``) (a row: an M tile, the
         group's end in M tiles when ``end`` is None; with ``tiles_per_row`` = 2 ``pair_tile``'s pairs of M
-        tiles) walked in bands of ``band_m`` M tiles, N-major within a band, the group's odd bands from its
-        last n tile back to its first -> (row, n tile). Why the serpentine: a band reads every weight tile
-        of its group once, and where a group has several bands the next one starts on the tiles the last one
-        ended on, still in L2, instead of on its first n tile, read a whole band earlier (QuACK's varlen
-        raster does the same; under ncu at 48 skewed groups, where 9 groups hold 23-54 M tiles, the dgrad in
-        bands of 16 read 3.48 GB from DRAM without it, QuACK 2.57 GB: ncu_gemm_session38_h100_dgrad_skewed.json)."""
+        tiles) walked in bands of ``band_m`` M tiles, N-major within a band -> (row, n tile)."""
         band_rows = self.band_m // tiles_per_row
         band = local // (band_rows * num_n_tiles)
         band_first = first + band * band_rows
@@ -135,10 +129,7 @@ class RowTileScheduler:
         height = cutlass.min(band_rows, end - band_first)
         in_band = local - band * band_rows * num_n_tiles
         n_idx = in_band // height
-        row = band_first + (in_band - n_idx * height)
-        if cutlass.const_expr(self.serpentine_bands):
-            n_idx = cutlass.select_(band % 2 == 1, num_n_tiles - 1 - n_idx, n_idx)
-        return row, n_idx
+        return band_first + (in_band - n_idx * height), n_idx
 
     @cute.jit
     def tile_group(self, cu_seqlens: cute.Tensor, row0: cutlass.Int32) -> cutlass.Int32:

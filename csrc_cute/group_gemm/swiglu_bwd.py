@@ -67,9 +67,6 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
             # a wider tile's accumulators (tile_n per thread) next to the epilogue's registers need the
             # consumers' largest budget (the producer's one warp of TMA issue fits in 24)
             self.load_regs, self.mma_regs = 24, 240
-        # past 160 columns the consumers' 240 registers hold no more: with the serpentine band walk the 128 x 192
-        # kernels in clusters (the H100's) spilled 8 B in their epilogue (sm_90a, plain and gathered)
-        self.serpentine_bands = self.tile_n <= 160
         # 8-column accumulator chunks per epilogue batch (at most 8, dividing the tile's tile_n / 8): a
         # batch's gate/up registers next to a whole tile's accumulators must fit the consumers' registers
         chunks = self.tile_n // 8
