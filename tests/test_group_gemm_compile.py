@@ -269,9 +269,10 @@ def test_cluster_option_compiles_sm90a_no_spills(tmp_path, op):
 ])
 def test_weight_sharing_cluster_option_compiles_sm90a_no_spills(tmp_path, op, pingpong, band_m, tile_n):
     """``GroupGemmConfig.cluster_m`` = 2: clusters of two CTAs at two M tiles of one group and one n tile, each
-    B load (the weights; the wgrads' dy^T) a multicast one (the CTA's half of the tile into both CTAs), every A
-    load the CTA's own (TMA, or the gathered rows' cp.async); the stages released in both CTAs (mapa + a remote
-    mbarrier arrive)."""
+    B load (the weights; the wgrads' dy^T) a multicast one (the CTA's half of the tile into both CTAs; the row
+    kernels' B rings, home and slot weights, each also load the other CTA's half for the lone tiles, into this
+    CTA alone: ``b_loads.BTileLoads.load_b_tile``), every A load the CTA's own (TMA, or the gathered rows'
+    cp.async); the stages released in both CTAs (mapa + a remote mbarrier arrive)."""
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
     config = GroupGemmConfig(128, tile_n, 132, pingpong, band_m, cluster_m=2)
@@ -280,8 +281,9 @@ def test_weight_sharing_cluster_option_compiles_sm90a_no_spills(tmp_path, op, pi
     multicast = [ln for ln in loads if ".multicast::cluster" in ln]
     if op.startswith("wgrad"):  # A = x^T and B = dy^T both 2-D
         assert multicast and all(".2d." in ln for ln in multicast)
-    else:  # B (the weights) is 3-D, A (the rows) 2-D: each B load multicast (home and slot weights), no A load
-        assert multicast == [ln for ln in loads if ".3d." in ln] and len(multicast) % 2 == 0
+    else:  # B (the weights) is 3-D, A (the rows) 2-D: each B load multicast, two per B ring, no A load
+        assert multicast == [ln for ln in loads if ".3d." in ln]
+        assert len(multicast) == 2 * (4 if op == "dgrad2" else 2), multicast
     if "gather" in op:  # A gathered by each CTA's cp.async
         assert "cp.async.ca.shared.global" in ptx or "cp.async.cg.shared.global" in ptx
     else:  # A's loads are each CTA's own

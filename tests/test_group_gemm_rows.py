@@ -384,19 +384,22 @@ def test_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m, tall_m_maj
 
 
 @gpu
-@pytest.mark.parametrize("pingpong,band_m", [(False, 0), (True, 0), (True, 2), (False, 4)])
-def test_weight_sharing_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m):
+@pytest.mark.parametrize("pingpong,band_m,cols", [(False, 0, 1216), (True, 0, 1216), (True, 2, 1216), (False, 4, 1216),
+                                                  (True, 4, 1152)])
+def test_weight_sharing_cluster_tiles_equal_the_single_cta_kernels(pingpong, band_m, cols):
     # GroupGemmConfig.cluster_m = 2: clusters of two CTAs computing two M tiles of one group at one n tile, each
     # loading half of every B tile into both by TMA multicast. The groups (3, 0, 1, 9, 2, 0, 5, 1 M tiles: 21)
-    # have lone last tiles (tiles 2, 3, 12, 19, 20: the pair's second CTA loads zeros for A and stores
-    # nothing), empty groups and even ones; the 200 rows past the last group make M tiles 21 and 22 (one
-    # pair, no loads, zeros); the walk counts (23 + 8 + 1) / 2 = 16 pairs, 14 used; each group's pairs in bands
-    # of 1 and 2 pairs (band_m 2, 4), partial bands at group ends
+    # have lone last tiles (tiles 2, 3, 12, 19, 20: the cluster's CTAs take two n tiles of it, each loading its
+    # weight tile whole; with an odd number of n tiles, 1216 columns in 7 tiles of 192 or 5 of 256, the last
+    # one's second CTA loads zeros for A and stores nothing; 1152 columns: 6 tiles of 192, none), empty groups
+    # and even ones; the 200 rows past the last group make M tiles 21 and 22 (one pair, no loads, zeros); the
+    # walk counts (23 + 8 + 1) / 2 = 16 pairs of n tiles; each group's pairs in bands of 1 and 2 pairs (band_m
+    # 2, 4), partial bands at group ends, the lone tile in its group's last band
     from csrc_cute.group_gemm.config import GroupGemmConfig
 
     tile_n = 192 if pingpong else 256
     _check_variant_kernels_equal(GroupGemmConfig(128, tile_n, 4, pingpong, band_m),
-                                 GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=2))
+                                 GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=2), cols=cols)
 
 
 @gpu
@@ -414,11 +417,11 @@ def test_narrow_tail_kernels_equal_the_full_width_kernels(pingpong, band_m, clus
                                                  narrow_tail=True), with_dgrad2=False)
 
 
-def _check_variant_kernels_equal(single, variant, with_dgrad2: bool = True):
+def _check_variant_kernels_equal(single, variant, with_dgrad2: bool = True, cols: int = 1216):
     """On 4 CTAs (2 clusters, many tiles each), with empty home and slot groups, groups of 1 to 9 M tiles and
     rows past the last group, the forward, row-scaled forward, dgrad and (``with_dgrad2``) dgrad2 compiled with
     ``variant`` (clusters, a narrower last n tile) are bitwise the kernels compiled with ``single`` (each output
-    element has the same k loop), which match the reference."""
+    element has the same k loop), which match the reference; ``cols``: the outputs' columns."""
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
@@ -433,22 +436,22 @@ def _check_variant_kernels_equal(single, variant, with_dgrad2: bool = True):
         assert torch.equal(got["variant"], got["single"]), f"{op}: the {variant} kernel differs in {diff} rows"
         return got["variant"]
 
-    x, wh, ws, cu = random_problem(lengths, 5, kd=320, nd=1216, n_total=sum(lengths) + 200, seed=71)
-    check_rows(both("fwd", 320, 1216, (x, wh, ws, cu), torch.empty(x.shape[0], 1216, dtype=torch.bfloat16,
+    x, wh, ws, cu = random_problem(lengths, 5, kd=320, nd=cols, n_total=sum(lengths) + 200, seed=71)
+    check_rows(both("fwd", 320, cols, (x, wh, ws, cu), torch.empty(x.shape[0], cols, dtype=torch.bfloat16,
                                                                     device=x.device)),
                reference_group_gemm(x, wh, ws, cu), cu)
     row_w = random_row_weights(x.shape[0], seed=71)
-    y = both("row_scale", 320, 1216, (x, wh, ws, cu, row_w), torch.empty(x.shape[0], 1216, dtype=torch.bfloat16,
+    y = both("row_scale", 320, cols, (x, wh, ws, cu, row_w), torch.empty(x.shape[0], cols, dtype=torch.bfloat16,
                                                                           device=x.device))
     torch.testing.assert_close(y, check_row_scale(x, wh, ws, cu, row_w), atol=0, rtol=0)
-    _, dy, wh, ws, cu = random_bwd_problem(lengths, 5, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=72)
-    check_rows(both("dgrad", 1216, 320, (dy, wh, ws, cu), torch.empty(dy.shape[0], 1216, dtype=torch.bfloat16,
+    _, dy, wh, ws, cu = random_bwd_problem(lengths, 5, kd=cols, nd=320, n_total=sum(lengths) + 200, seed=72)
+    check_rows(both("dgrad", cols, 320, (dy, wh, ws, cu), torch.empty(dy.shape[0], cols, dtype=torch.bfloat16,
                                                                        device=dy.device)),
                reference_dgrad(dy, wh, ws, cu, 128), cu)
     if not with_dgrad2:
         return
-    pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=1216, nd=320, n_total=sum(lengths) + 200, seed=73)
+    pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=cols, nd=320, n_total=sum(lengths) + 200, seed=73)
     want = _check_dgrad2(pair_a, pair_b, cu)
-    got = both("dgrad2", 1216, 320, (*pair_a, *pair_b, cu), torch.empty_like(want))
+    got = both("dgrad2", cols, 320, (*pair_a, *pair_b, cu), torch.empty_like(want))
     if not single.pingpong and not single.band_m:  # the op's own kernel (banded only past 8 n tiles)
         assert torch.equal(got, want)

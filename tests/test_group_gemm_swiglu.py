@@ -517,29 +517,30 @@ def _nan_swiglu_bwd_outputs(n, f, tile_n):
 
 
 @gpu
-@pytest.mark.parametrize("band_m", [0, 4])
-def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(band_m):
+@pytest.mark.parametrize("band_m,f", [(0, 600), (4, 600), (4, 440)])
+def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(band_m, f):
     # GroupGemmConfig.cluster_m = 2 of the SwiGLU backward (both epilogues) and its gathered variant: clusters of
     # two CTAs computing two M tiles of one group at one n tile, each loading half of every W_down tile into both
-    # by TMA multicast. Groups of 3, 0, 1, 9, 2, 0, 5, 1 M tiles (lone last tiles: the pair's second CTA reads
-    # zero rows of gate, up and g_y and stores nothing), the 200 rows past the last group, F = 600 (a partial
-    # last n tile), bands of 2 pairs with partial bands at group ends; 4 CTAs (2 clusters, many pairs each):
-    # bitwise the kernels without clusters, every output
+    # by TMA multicast. Groups of 3, 0, 1, 9, 2, 0, 5, 1 M tiles (lone last tiles: the cluster's CTAs compute
+    # two n tiles of it, each loading its W_down tile whole; F = 440: 3 n tiles, the last step's second CTA
+    # reads zero rows of gate, up and g_y and stores nothing), the 200 rows past the last group, a partial last
+    # n tile, bands of 2 pairs with partial bands at group ends; 4 CTAs (2 clusters, many pairs each): bitwise
+    # the kernels without clusters, every output
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_group_gemm_swiglu_bwd, compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
     n_total = sum(lengths) + 200
-    g_y, *rest = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=66)
+    g_y, *rest = _make_swiglu_bwd(lengths, 5, hd=320, f=f, n_total=n_total, seed=66)
     g_out = random_tokens(1000, 320, seed=67)
     row_src = random_row_src(rest[2], n_total, g_out.shape[0], 68, all_padding=(2,))
-    kernels = (("registers", lambda cfg: compile_group_gemm_swiglu_bwd(320, 600, cfg, "registers"), (g_y,)),
-               ("smem", lambda cfg: compile_op("swiglu_bwd_smem", 320, 600, 128, 4, cfg), (g_y,)),
-               ("gather", lambda cfg: compile_op("swiglu_bwd_gather", 320, 600, 128, 4, cfg), (g_out, row_src)))
+    kernels = (("registers", lambda cfg: compile_group_gemm_swiglu_bwd(320, f, cfg, "registers"), (g_y,)),
+               ("smem", lambda cfg: compile_op("swiglu_bwd_smem", 320, f, 128, 4, cfg), (g_y,)),
+               ("gather", lambda cfg: compile_op("swiglu_bwd_gather", 320, f, 128, 4, cfg), (g_out, row_src)))
     for name, compiled, a in kernels:
         outs = {}
         for cluster_m in (1, 2):
-            bufs = _nan_swiglu_bwd_outputs(n_total, 600, 160)
+            bufs = _nan_swiglu_bwd_outputs(n_total, f, 160)
             compiled(GroupGemmConfig(128, 160, 4, True, band_m, cluster_m=cluster_m))(*a, *rest, *bufs)
             torch.cuda.synchronize()
             outs[cluster_m] = bufs
@@ -549,28 +550,29 @@ def test_weight_sharing_cluster_swiglu_bwd_kernels_equal_the_single_cta_kernels(
 
 
 @gpu
-@pytest.mark.parametrize("band_m", [0, 4])
+@pytest.mark.parametrize("band_m,f", [(0, 600), (4, 600), (16, 520)])
 @pytest.mark.parametrize("op", ["swiglu_bwd_smem", "swiglu_bwd_gather"])
-def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(op, band_m):
+def test_wide_swiglu_bwd_tile_equals_the_160_column_kernel(op, band_m, f):
     # the SwiGLU backward at 128 x 192 (its shared-memory epilogue's 64 x 32 sub-tiles computed in 16-column
     # halves; in clusters, the ops' tile where the HBM is slow: select_swiglu_bwd_config): groups of 3, 0, 1, 9,
-    # 2, 0, 5, 1 M tiles, the 200 rows past the last group, F = 600 (a partial last n tile of 24 columns); 4
-    # CTAs. g_gate, g_up and h_w bitwise the 128 x 160 kernel's (the same k loop per element); the route-weight
-    # gradient, whose per-tile partial sums now cover 192 columns, within fp32 rounding of it; the 192-column
-    # tile in clusters sharing W_down (cluster_m = 2) bitwise the unclustered one
+    # 2, 0, 5, 1 M tiles, the 200 rows past the last group, F = 600 (a partial last n tile of 24 columns) or
+    # 520 (3 n tiles of 192: the lone tiles' last step at one n tile); 4 CTAs. g_gate, g_up and h_w bitwise the
+    # 128 x 160 kernel's (the same k loop per element); the route-weight gradient, whose per-tile partial sums
+    # now cover 192 columns, within fp32 rounding of it; the 192-column tile in clusters sharing W_down
+    # (cluster_m = 2) bitwise the unclustered one
     from csrc_cute.group_gemm.config import GroupGemmConfig
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
     n_total, rows = sum(lengths) + 200, sum(lengths)
-    g_y, *rest = _make_swiglu_bwd(lengths, 5, hd=320, f=600, n_total=n_total, seed=69)
+    g_y, *rest = _make_swiglu_bwd(lengths, 5, hd=320, f=f, n_total=n_total, seed=69)
     g_out = random_tokens(1000, 320, seed=70)
     a = (g_y,) if op == "swiglu_bwd_smem" else (g_out, random_row_src(rest[2], n_total, 1000, 71, all_padding=(2,)))
     outs = {}
     for tile_n, cluster_m in ((160, 1), (192, 1), (192, 2)):
-        bufs = _nan_swiglu_bwd_outputs(n_total, 600, tile_n)
+        bufs = _nan_swiglu_bwd_outputs(n_total, f, tile_n)
         cfg = GroupGemmConfig(128, tile_n, 4, True, band_m, cluster_m=cluster_m)
-        compile_op(op, 320, 600, 128, 4, cfg)(*a, *rest, *bufs)
+        compile_op(op, 320, f, 128, 4, cfg)(*a, *rest, *bufs)
         torch.cuda.synchronize()
         outs[tile_n if cluster_m == 1 else "192 cluster"] = bufs
     for i, (want, got) in enumerate(zip(outs[192], outs["192 cluster"])):

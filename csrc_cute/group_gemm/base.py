@@ -24,12 +24,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
+from .b_loads import BTileLoads
 from .config import GroupGemmConfig
 from .tail import NarrowTail
 from .walk import TileWalk
 
 
-class GroupGemmSm90Base(NarrowTail, TileWalk):
+class GroupGemmSm90Base(BTileLoads, NarrowTail, TileWalk):
     """What every grouped-GEMM kernel shares (see the module docstring). A kernel family chooses the
     operand majorness, the tile scheduler (``scheduler``) and the epilogue through the hooks of
     ``warp_specialized``."""
@@ -302,8 +303,8 @@ class GroupGemmSm90Base(NarrowTail, TileWalk):
     @cute.jit
     def partition_loads(self, tma_a: cute.CopyAtom, mA: cute.Tensor, sA: cute.Tensor, b_operands):
         """TMA views of this CTA's mainloop loads: A as (TMA, RestM, RestK) and (TMA, stage), and per
-        B operand (atom, tensor, shared ring) the (atom, (TMA, RestN, RestK[, E]), (TMA, stage)) that
-        ``load_k_tiles`` takes; also the number of k tiles."""
+        B operand (atom, tensor, shared ring) the ``BTileLoad`` that ``load_k_tiles`` takes
+        (``partition_b_loads``); also the number of k tiles."""
         tAgA, tAsA, k_tiles = self.partition_a_loads(tma_a, mA, sA)
         return tAgA, tAsA, self.partition_b_loads(b_operands), k_tiles
 
@@ -317,23 +318,6 @@ class GroupGemmSm90Base(NarrowTail, TileWalk):
             cute.group_modes(gA, 0, 2)
         )
         return tAgA, tAsA, cute.size(gA, mode=[3])
-
-    @cute.jit
-    def partition_b_loads(self, b_operands):
-        """Per B operand (atom, tensor, shared ring): the (atom, (TMA, RestN, RestK[, E]), (TMA, stage))
-        that ``load_k_tiles`` takes (in a cluster sharing B: this CTA's share of each tile, multicast to the
-        cluster by ``load_k_tiles``)."""
-        b_loads = []
-        share = 0
-        if cutlass.const_expr(self.cluster_m > 1):
-            share = self.cluster_rank()
-        for tma_b, mB, sB in b_operands:
-            gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, share, cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-            b_loads.append((tma_b, tBgB, tBsB))
-        return b_loads
 
     @cute.jit
     def mma_operands(self, tiled_mma: cute.TiledMma, tidx, wg_idx, sA: cute.Tensor, sBs):
@@ -485,17 +469,18 @@ class GroupGemmSm90Base(NarrowTail, TileWalk):
         tma_a: cute.CopyAtom,
         tAgA: cute.Tensor,  # (TMA, RestK) of this tile's A
         tAsA: cute.Tensor,  # (TMA, stage)
-        b_loads,  # per B ring: (TMA atom, (TMA, RestK) of this tile's B, (TMA, stage))
+        b_loads,  # per B ring: the ``BTileLoad`` of this tile's B
         k_start: cutlass.Int32,
         k_count: cutlass.Int32,
         b_descs=None,  # None, or per B ring the global-memory descriptor its loads use instead of the atom's
+        lone=None,  # in clusters sharing B: whether the tile is a lone one (``load_b_tile``)
     ):
         """Producer: TMA k tiles [k_start, k_start + k_count) of A and of every B into the ring, one
         mbarrier per stage for all of them."""
         if cutlass.const_expr(b_descs is None):
             b_descs = [None] * len(b_loads)
-        # in a cluster each CTA's A loads (cluster_n) or B loads (cluster_m) fill the stage in every CTA of it
-        a_multicast, b_multicast = {}, self.b_multicast()
+        # in a cluster each CTA's A loads (cluster_n) fill the stage in every CTA of it
+        a_multicast = {}
         if cutlass.const_expr(self.cluster_n > 1):
             a_multicast = dict(mcast_mask=cutlass.Int16((1 << self.cluster_n) - 1))
         for k in cutlass.range(k_count, unroll=1):
@@ -503,30 +488,21 @@ class GroupGemmSm90Base(NarrowTail, TileWalk):
             bar = mainloop.producer_get_barrier(prod_state)
             cute.copy(tma_a, tAgA[(None, k_start + k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
                       **a_multicast)
-            for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
-                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
-                          tma_desc_ptr=desc, **b_multicast)
+            for b, desc in zip(b_loads, b_descs):
+                self.load_b_tile(b, k_start + k, prod_state.index, bar, desc, lone)
             mainloop.producer_commit(prod_state)
             prod_state.advance()
         return prod_state
 
-    def b_multicast(self):
-        """The keyword arguments of a B tile's TMA copy: in clusters sharing B (``cluster_m`` = 2) the mask of
-        the CTAs its share of the tile is multicast into (all of them), else none."""
-        if self.cluster_m > 1:
-            return dict(mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1))
-        return {}
-
     @cute.jit
     def load_expert_tile(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
-                         m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None):
+                         m_idx, n_idx, k_tiles: cutlass.Int32, rings, expert, descs=None, lone=None):
         """Producer: every k tile of output tile (m_idx, n_idx), with B from expert ``expert`` of the
-        weights in ``rings`` (per B ring: TMA atom, (TMA, RestN, RestK, experts), (TMA, stage)),
-        through ``descs`` (descriptors in global memory, one per ring) when given."""
+        weights in ``rings`` (per B ring its ``BTileLoad``), through ``descs`` (descriptors in global
+        memory, one per ring) when given; ``lone`` as ``load_b_tile``'s."""
         return self.load_k_tiles(
-            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-            [(tma, tBgB[(None, n_idx, None, expert)], tBsB) for tma, tBgB, tBsB in rings],
-            0, k_tiles, descs,
+            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA, [b.at(n_idx, expert) for b in rings],
+            0, k_tiles, descs, lone,
         )
 
 

@@ -152,23 +152,22 @@ class GatherRowsMixin(GatherOperandMixin):
 
     @cute.jit
     def load_expert_tile(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, m_idx, n_idx,
-                         k_tiles: cutlass.Int32, rings, expert, descs=None):
+                         k_tiles: cutlass.Int32, rings, expert, descs=None, lone=None):
         """Producer thread: every k tile of output tile (m_idx, n_idx), A gathered by ``gather``'s row
-        indices, B from expert ``expert`` of the weights in ``rings`` (through ``descs`` when given)."""
+        indices, B from expert ``expert`` of the weights in ``rings`` (through ``descs`` when given; ``lone``
+        as ``load_b_tile``'s)."""
         return self.load_gathered_k_tiles(
-            mainloop, prod_state, gather, tAsA, m_idx,
-            [(tma, tBgB[(None, n_idx, None, expert)], tBsB) for tma, tBgB, tBsB in rings], k_tiles, descs,
+            mainloop, prod_state, gather, tAsA, m_idx, [b.at(n_idx, expert) for b in rings], k_tiles, descs, lone,
         )
 
     @cute.jit
     def load_gathered_k_tiles(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, b_loads,
-                              k_count: cutlass.Int32, b_descs=None):
+                              k_count: cutlass.Int32, b_descs=None, lone=None):
         """Producer thread: k tiles [0, k_count) of m tile ``m_idx`` into the ring. The source rows of the
         thread's rows are read once (rows >= N or with a negative index: zero rows, the address clamped to
-        row 0); per k tile warp 0 issues the B loads (per ring (atom, (TMA, RestK), (TMA, stage))) and
-        every thread its A chunks, one 16-byte cp.async per row, predicated off (zero fill) for rows
-        without a source and chunks past K. In clusters sharing B (``cluster_m`` = 2) warp 0 loads its CTA's
-        half of each B tile into both CTAs (a pair's M tile past N: zero rows)."""
+        row 0); per k tile warp 0 issues the B loads (per ring its ``BTileLoad``: ``load_b_tile``, ``lone`` as
+        there) and every thread its A chunks, one 16-byte cp.async per row, predicated off (zero fill) for
+        rows without a source and chunks past K (a pair's M tile past N: zero rows)."""
         if cutlass.const_expr(b_descs is None):
             b_descs = [None] * len(b_loads)
         thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
@@ -191,9 +190,8 @@ class GatherRowsMixin(GatherOperandMixin):
             stage = prod_state.index
             if is_tma_warp:
                 bar = mainloop.producer_get_barrier(prod_state)
-                for (tma_b, tBgB, tBsB), desc in zip(b_loads, b_descs):
-                    cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, stage)], tma_bar_ptr=bar, tma_desc_ptr=desc,
-                              **self.b_multicast())
+                for b, desc in zip(b_loads, b_descs):
+                    self.load_b_tile(b, k, stage, bar, desc, lone)
             in_k = cutlass.Boolean(True)
             if cutlass.const_expr(k_extent % self.tile_k != 0):  # a partial last k tile: chunks past K
                 in_k = k * self.tile_k + tAcA[(0, 0, 0)][1] < k_extent
@@ -270,23 +268,21 @@ class GatherKRowsMixin(GatherOperandMixin):
     def load_work_item(self, mainloop, prod_state, tma_a, gather, tAsA: cute.Tensor, b_load, m_idx, n_idx,
                        k_start: cutlass.Int32, k_count: cutlass.Int32):
         """Producer thread: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
-        ``n_idx``) into the ring: A gathered (m tile ``m_idx`` of x's columns), B (``b_load``: atom, (TMA,
-        RestN, RestK), (TMA, stage)) by TMA (``load_gathered_k_rows``)."""
-        tma_b, tBgB, tBsB = b_load
-        return self.load_gathered_k_rows(mainloop, prod_state, gather, tAsA, m_idx,
-                                         (tma_b, tBgB[(None, n_idx, None)], tBsB), k_start, k_count)
+        ``n_idx``) into the ring: A gathered (m tile ``m_idx`` of x's columns), B (``b_load``: its ``BTileLoad``)
+        by TMA (``load_gathered_k_rows``)."""
+        return self.load_gathered_k_rows(mainloop, prod_state, gather, tAsA, m_idx, b_load.at(n_idx), k_start,
+                                         k_count)
 
     @cute.jit
-    def load_gathered_k_rows(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, tma_load,
+    def load_gathered_k_rows(self, mainloop, prod_state, gather, tAsA: cute.Tensor, m_idx, b_load,
                              k_start: cutlass.Int32, k_count: cutlass.Int32):
         """Producer thread: k tiles [k_start, k_start + k_count) into the ring. Per k tile warp 0 issues B's
-        load (``tma_load``: atom, (TMA, RestK) of this item, (TMA, stage)) and every thread its chunks of the
+        load (``b_load``: this item's ``BTileLoad``, ``load_b_tile``) and every thread its chunks of the
         gathered A's tile ``m_idx`` (tile_m columns of x from ``m_idx * tile_m``, into ``tAsA``), one 16-byte
         cp.async per k row from the row's token of x (8 consecutive columns), predicated off (zero fill) for
         rows without a token and columns past x's (a partial last tile, or a cluster's tile past the last; the
         address clamped to token 0). In clusters sharing B (``cluster_m`` = 2) warp 0 loads its CTA's half of B's
         tile into both CTAs."""
-        tma_b, tBgB, tBsB = tma_load
         thr_copy, tAcA, x = gather.thr_copy, gather.tAcA, gather.x
         k_rows = cute.size(tAcA, mode=[2])
         m_extent = cute.size(x, mode=[1])
@@ -307,8 +303,7 @@ class GatherKRowsMixin(GatherOperandMixin):
             mainloop.producer_acquire(prod_state, is_tma_warp)
             stage = prod_state.index
             if is_tma_warp:
-                cute.copy(tma_b, tBgB[(None, k_start + k)], tBsB[(None, stage)],
-                          tma_bar_ptr=mainloop.producer_get_barrier(prod_state), **self.b_multicast())
+                self.load_b_tile(b_load, k_start + k, stage, mainloop.producer_get_barrier(prod_state))
             for j in cutlass.range_constexpr(k_rows):
                 # the token's row of x from column m0, broadcast over the stage's k rows: the copy's
                 # partition then picks this thread's chunk of it (same column offsets as the stage)

@@ -43,12 +43,12 @@ class OperandPairsMixin(RowTileScheduler):
     def load_tile(self, mainloop, prod_state, p, tAgA, tAsA, b_loads, tile: cutlass.Int32):
         """Producer warp (``load_tiles``' step): tile ``tile``'s k tiles of the first pair (A0, W0_g), then the
         second's (A1, W1_g), into the one ring; a tile past the last group loads nothing."""
-        num_home = cute.size(b_loads[p.home_rings[0]][1], mode=[3])
-        m_idx, n_idx, g = self.walk_tile(p, tile)
+        num_home = b_loads[p.home_rings[0]].num_experts()
+        m_idx, n_idx, g, lone = self.walk_tile(p, tile)
         for pair in cutlass.range_constexpr(self.num_pairs):
             load = (mainloop, prod_state, p.tma_a[pair], tAgA[pair], tAsA[pair], m_idx, n_idx, p.k_tiles)
             if g < num_home:
-                prod_state = self.load_expert_tile(*load, [b_loads[p.home_rings[pair]]], g)
+                prod_state = self.load_expert_tile(*load, [b_loads[p.home_rings[pair]]], g, lone=lone)
             elif g < p.num_groups:
-                prod_state = self.load_expert_tile(*load, [b_loads[p.slot_rings[pair]]], g - num_home)
+                prod_state = self.load_expert_tile(*load, [b_loads[p.slot_rings[pair]]], g - num_home, lone=lone)
         return prod_state

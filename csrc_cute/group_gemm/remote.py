@@ -52,7 +52,7 @@ class RemoteWeightsMixin(RowTileScheduler):
         b_slot = [b_loads[i] for i in p.slot_rings]
         bidx, gdim = self.cta_tiles()
         num_groups = cute.size(cu_seqlens, mode=[0])
-        num_home = cute.size(b_home[0][1], mode=[3])
+        num_home = b_home[0].num_experts()
         slot_end = num_groups - cute.size(remote_experts, mode=[0])
         desc_slots, descs = self.remote_descriptor_slots(desc_ws, len(b_home))
         donor = cutlass.Int32(-1)  # the donor rank of this CTA's remote descriptors; -1: not built yet
@@ -97,16 +97,16 @@ class RemoteWeightsMixin(RowTileScheduler):
         fence; each lane then acquires the new descriptors (``fence.proxy.tensormap::generic``
         release / acquire), so whichever lane issues the TMA loads sees them."""
         with cute.arch.elect_one():
-            for (tma, _, _), slot in zip(b_home, desc_slots):
-                cpasync.copy_tensormap(tma, slot)
+            for b, slot in zip(b_home, desc_slots):
+                cpasync.copy_tensormap(b.atom, slot)
         cute.arch.sync_warp()
         cute.arch.fence_acq_rel_cta()
-        for (tma, _, _), ring_peers, view, slot in zip(b_home, peers, b_views, desc_slots):
+        for b, ring_peers, view, slot in zip(b_home, peers, b_views, desc_slots):
             donor_b = cute.make_tensor(
                 cute.make_ptr(self.ab_dtype, ring_peers[donor], cute.AddressSpace.gmem, assumed_align=16),
                 view.layout,
             )
-            cpasync.update_tma_descriptor(tma, donor_b, slot)
+            cpasync.update_tma_descriptor(b.atom, donor_b, slot)
         cute.arch.sync_warp()
         cpasync.fence_tma_desc_release()
         for desc in descs:

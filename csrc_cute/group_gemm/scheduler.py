@@ -55,48 +55,92 @@ class RowTileScheduler:
 
     @cute.jit
     def pair_tile(self, p, tile: cutlass.Int32):
-        """``cluster_m`` = 2: tile ``tile`` of the walk -> (this CTA's M tile, n tile, group; G past the last
-        group). The walk's tiles are pairs of M tiles of one group at one n tile: group g's M tiles in pairs
-        (its first two, its next two, ...; the last one alone where it has an odd number), the groups' pairs
-        one after another (``pair_group``), then the rows past the last group in pairs, numbered M-major
-        (tile = pair x #n tiles + n), so a group's pairs are one range of tile numbers, which ``band_m`` = b
-        walks as ``row_tile`` walks a group's M tiles: in bands of up to b / 2 pairs, N-major within a band.
-        Both CTAs of a pair read one weight tile (each loads half of it into both); the second CTA of a
-        group's lone last tile, and either CTA past the last pair, gets the M tile past the output's last
-        (``_row_tiles`` counts up to (#M tiles + G + 1) / 2 pairs): its A loads read past A's end (TMA zero
-        fill) and its stores are dropped. Why not pair M tiles 2q, 2q + 1 of the whole output: a pair across
-        a group end loads two weight tiles out of either group's band, and at 48 skewed groups (22 odd ones)
-        that read 15% more from DRAM than without clusters (ncu, session 33)."""
+        """``cluster_m`` = 2: tile ``tile`` of the walk -> (this CTA's M tile, n tile, group: G past the last
+        group; whether it is a lone tile). The walk's tiles are a group's M tiles in pairs at one n tile (its
+        first two, its next two, ...), both CTAs reading one weight tile (each loads half of it into both),
+        and, where the group has an odd number of M tiles, its last M tile at two n tiles (a lone tile: the
+        cluster's CTAs take its n tiles 2s and 2s + 1, each loading its own weight tile whole: ``load_b_tile``).
+        Group h then holds (t_h // 2) x #n + (t_h % 2) x ceil(#n / 2) tiles (``pair_group``), one range of tile
+        numbers walked in bands of up to max(``band_m`` / 2, 1) pairs, N-major within a band (``band_pair``);
+        the groups one after another, then the rows past the last group in pairs, M-major (tile = pair x #n +
+        n). A lone last M tile of an odd group had a pair of its own before (session 39), whose second CTA
+        multiplied zeros: at 48 skewed groups (17 of them odd) 3% of the dgrad's tile slots. With an odd
+        number of n tiles the lone tile's last step has one n tile: the second CTA gets the M tile past the
+        output's last (``_row_tiles`` counts up to (#M tiles + G + 1) / 2 pairs of n tiles), as do either CTA's
+        pairs past the last group's: its A loads read past A's end (TMA zero fill) and its stores are
+        dropped. Why not pair M tiles 2q, 2q + 1 of the whole output: a pair across a group end loads two
+        weight tiles out of either group's band, and at 48 skewed groups (22 odd ones) that read 15% more
+        from DRAM than without clusters (ncu, session 33)."""
         num_n_tiles = p.num_n_tiles
-        pair = tile // num_n_tiles
-        n_idx = tile - pair * num_n_tiles
-        g, first_tile, first_pair = self.pair_group(p.cu_seqlens, pair)
+        g, first_tile, first_item = self.pair_group(p.cu_seqlens, tile, num_n_tiles)
         num_m_tiles = cutlass.Int32(cute.ceil_div(self.output_rows(p), self.tile_m))
+        local = tile - first_item
+        m_idx, n_idx = cutlass.Int32(0), cutlass.Int32(0)
+        lone = cutlass.Boolean(False)
         end_tile = num_m_tiles  # past the last group: the rows to the output's end
         if g < p.num_groups:
             end_tile = p.cu_seqlens[g] // self.tile_m
-            if cutlass.const_expr(self.band_m > 0):
-                pair, n_idx = self.band_tile(p.cu_seqlens, g, first_pair, tile - first_pair * num_n_tiles,
-                                             num_n_tiles, 2, first_pair + (end_tile - first_tile + 1) // 2)
-        m_idx = first_tile + 2 * (pair - first_pair) + self.cluster_rank()
+            m_idx, n_idx, lone = self.band_pair(first_tile, end_tile, local, num_n_tiles)
+        else:  # M-major pairs
+            pair = local // num_n_tiles
+            n_idx = local - pair * num_n_tiles
+            m_idx = first_tile + 2 * pair + self.pair_rank()
         if m_idx >= end_tile:
             m_idx = num_m_tiles
-        return m_idx, n_idx, g
+        return m_idx, n_idx, g, lone
+
+    @cute.jit
+    def band_pair(self, first_tile, end_tile, local, num_n_tiles: cutlass.Int32):
+        """``pair_tile``'s tile ``local`` of the group whose M tiles are [``first_tile``, ``end_tile``) -> (this
+        CTA's M tile, n tile, whether it is the lone tile). A band of h pairs takes its n tiles two at a time,
+        2h tiles a step (the h pairs at n tile 2s, then at 2s + 1), and the group's last band adds its lone
+        tile to each step (2h + 1 tiles, the lone tile last), so both CTAs of the lone tile read weight
+        tiles that the band's pairs read at the same time. A lone tile's second n tile past the last: the
+        group's end (``pair_tile`` moves it past the output)."""
+        band = max(self.band_m // 2, 1)
+        tiles = end_tile - first_tile
+        pairs = tiles // 2
+        bands = cutlass.max((pairs + band - 1) // band, 1)
+        b = cutlass.min(local // (band * num_n_tiles), bands - 1)
+        in_band = local - b * band * num_n_tiles
+        height = cutlass.min(pairs - b * band, band)  # the band's pairs (0: a group of one M tile)
+        lone = cutlass.select_(b == bands - 1, tiles - 2 * pairs, 0)
+        step = in_band // (2 * height + lone)
+        r = in_band - step * (2 * height + lone)
+        rank = self.pair_rank()
+        is_lone = r >= height * cutlass.min(num_n_tiles - 2 * step, 2)
+        col = cutlass.select_(r >= height, 1, 0)
+        # the lone tile follows the band's pairs: row 2 x pairs of the group, its CTAs at n tiles 2s, 2s + 1
+        n_idx = 2 * step + cutlass.select_(is_lone, rank, col)
+        lone_past = n_idx >= num_n_tiles  # the lone tile's second CTA past the last n tile: past the group
+        pair = b * band + cutlass.select_(is_lone, height, r - col * height)
+        m_idx = first_tile + 2 * pair + cutlass.select_(is_lone, cutlass.select_(lone_past, 1, 0), rank)
+        n_idx = cutlass.min(n_idx, num_n_tiles - 1)
+        return m_idx, n_idx, is_lone
+
+    def pair_rank(self):
+        """``pair_tile``'s CTA of its cluster (0 or 1): the block index's parity (clusters of two along x), the
+        value ``cluster_rank`` reads from the cluster CTA id register. Taken from that register the lone tiles'
+        n tile made ptxas spill a register of the 128 x 192 SwiGLU backward (sm_90a, session 39)."""
+        return cutlass.Int32(cute.arch.block_idx()[0]) % 2
 
     def output_rows(self, p):
         """The rows of the kernel's output (``pair_tile``'s M tiles cover them): its C tensor's."""
         return cute.size(p.mC, mode=[0])
 
     @cute.jit
-    def pair_group(self, cu_seqlens: cute.Tensor, pair: cutlass.Int32):
-        """``pair_tile``'s pair ``pair`` -> (its group, G past the last group; the group's first M tile; the
-        group's first pair). Group h holds ceil(t_h / 2) pairs of its t_h M tiles, so the pairs of groups 0..h
-        number (e_h + o_h) / 2, e_h its end in M tiles and o_h how many of groups 0..h have an odd t (a warp scan);
-        the group of ``pair`` is the number of groups whose pairs end at or before it. One warp."""
+    def pair_group(self, cu_seqlens: cute.Tensor, tile: cutlass.Int32, num_n_tiles: cutlass.Int32):
+        """``pair_tile``'s tile ``tile`` -> (its group, G past the last group; the group's first M tile; the
+        group's first tile). Group h holds (t_h // 2) x #n + (t_h % 2) x ceil(#n / 2) tiles of its t_h M tiles,
+        so groups 0..h hold #n x (e_h - o_h) / 2 + o_h x ceil(#n / 2), e_h its end in M tiles and o_h how many
+        of groups 0..h have an odd t (a warp scan); the group of ``tile`` is the number of groups whose tiles
+        end at or before it, and its first tile the largest such end (warp reductions: uniform registers).
+        One warp."""
         lane = cute.arch.lane_idx()
         num_groups = cute.size(cu_seqlens, mode=[0])
+        half_n = (num_n_tiles + 1) // 2
         g = cutlass.Int32(0)
-        odd_before = cutlass.Int32(0)  # odd groups before g
+        first_item = cutlass.Int32(0)
         odd_total = cutlass.Int32(0)  # odd groups before this chunk of 32
         for base in cutlass.range(0, num_groups, 32, unroll=1):
             idx = base + lane
@@ -105,29 +149,28 @@ class RowTileScheduler:
             end = cu_seqlens[at] // self.tile_m
             start = cutlass.select_(at > 0, cu_seqlens[cutlass.max(at - 1, 0)] // self.tile_m, 0)
             odd = cutlass.select_(valid, (end - start) & 1, 0)
-            before = (end + odd_total + warp_incl_scan(odd, lane)) // 2 <= pair
-            g = g + cute.arch.popc(cute.arch.vote_ballot_sync(valid & before))
-            odd_before = odd_before + cute.arch.popc(cute.arch.vote_ballot_sync(valid & before & (odd == 1)))
+            odd_to = odd_total + warp_incl_scan(odd, lane)  # odd groups up to idx
+            items_end = num_n_tiles * ((end - odd_to) // 2) + odd_to * half_n
+            before = valid & (items_end <= tile)
+            g = g + cute.arch.popc(cute.arch.vote_ballot_sync(before))
+            last_end = cute.arch.warp_redux_sync(cutlass.select_(before, items_end, 0), "max")
+            first_item = cutlass.max(first_item, last_end)
             odd_total = odd_total + warp_sum(odd)
         first_tile = cutlass.Int32(0)
         if g > 0:
             first_tile = cu_seqlens[g - 1] // self.tile_m
-        return g, first_tile, (first_tile + odd_before) // 2
+        return g, first_tile, first_item
 
     @cute.jit
-    def band_tile(self, cu_seqlens: cute.Tensor, g, first, local, num_n_tiles: cutlass.Int32,
-                  tiles_per_row: cutlass.Constexpr = 1, end=None):
-        """Tile ``local`` of group ``g`` whose rows of tiles are [``first``, ``end``) (a row: an M tile, the
-        group's end in M tiles when ``end`` is None; with ``tiles_per_row`` = 2 ``pair_tile``'s pairs of M
-        tiles) walked in bands of ``band_m`` M tiles, N-major within a band -> (row, n tile)."""
-        band_rows = self.band_m // tiles_per_row
-        band = local // (band_rows * num_n_tiles)
-        band_first = first + band * band_rows
-        if cutlass.const_expr(end is None):
-            end = cu_seqlens[g] // self.tile_m
-        # the band's rows: band_rows, or what is left of the group (>= 1: it holds the tile)
-        height = cutlass.min(band_rows, end - band_first)
-        in_band = local - band * band_rows * num_n_tiles
+    def band_tile(self, cu_seqlens: cute.Tensor, g, first, local, num_n_tiles: cutlass.Int32):
+        """Tile ``local`` of group ``g`` whose M tiles start at ``first`` walked in bands of ``band_m`` M tiles,
+        N-major within a band -> (M tile, n tile)."""
+        band = local // (self.band_m * num_n_tiles)
+        band_first = first + band * self.band_m
+        end = cu_seqlens[g] // self.tile_m
+        # the band's M tiles: band_m, or what is left of the group (>= 1: it holds the tile)
+        height = cutlass.min(self.band_m, end - band_first)
+        in_band = local - band * self.band_m * num_n_tiles
         n_idx = in_band // height
         return band_first + (in_band - n_idx * height), n_idx
 
@@ -154,19 +197,21 @@ class RowTileScheduler:
     def row_work(self, p, tile: cutlass.Int32):
         """Consumers: tile ``tile`` -> (m tile, n tile, number of k tiles); a tile past the last group
         has none (its accumulators stay zero)."""
-        m_idx, n_idx, g = self.walk_tile(p, tile)
+        m_idx, n_idx, g, _ = self.walk_tile(p, tile)
         k_count = p.k_tiles if g < p.num_groups else 0
         return m_idx, n_idx, k_count
 
     @cute.jit
     def walk_tile(self, p, tile: cutlass.Int32):
-        """Tile ``tile`` of the walk -> (m tile, n tile, group): ``row_tile``, or ``pair_tile`` in clusters
+        """Tile ``tile`` of the walk -> (m tile, n tile, group, whether its weight tile is loaded whole:
+        ``load_b_tile``'s ``lone``): ``row_tile`` (None: no clusters sharing B), or ``pair_tile`` in clusters
         sharing B."""
         if cutlass.const_expr(self.cluster_m > 1):
-            m_idx, n_idx, g = self.pair_tile(p, tile)
+            m_idx, n_idx, g, lone = self.pair_tile(p, tile)
         else:
             m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
-        return m_idx, n_idx, g
+            lone = None
+        return m_idx, n_idx, g, lone
 
     @cute.jit
     def tile_stages(self, p, tile: cutlass.Int32):
@@ -180,13 +225,13 @@ class RowTileScheduler:
         group; a tile past the last group loads nothing."""
         b_home = [b_loads[i] for i in p.home_rings]
         b_slot = [b_loads[i] for i in p.slot_rings]
-        num_home = cute.size(b_home[0][1], mode=[3])
-        m_idx, n_idx, g = self.walk_tile(p, tile)
+        num_home = b_home[0].num_experts()
+        m_idx, n_idx, g, lone = self.walk_tile(p, tile)
         load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, m_idx, n_idx, p.k_tiles)
         if g < num_home:
-            prod_state = self.load_expert_tile(*load, b_home, g)
+            prod_state = self.load_expert_tile(*load, b_home, g, lone=lone)
         elif g < p.num_groups:
-            prod_state = self.load_expert_tile(*load, b_slot, g - num_home)
+            prod_state = self.load_expert_tile(*load, b_slot, g - num_home, lone=lone)
         return prod_state
 
 
@@ -249,9 +294,7 @@ class GroupTileScheduler:
     def load_work_item(self, mainloop, prod_state, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
                        b_load, m_idx, n_idx, k_start: cutlass.Int32, k_count: cutlass.Int32):
         """Producer warp: k tiles [k_start, k_start + k_count) of work item (m tile ``m_idx``, n tile
-        ``n_idx``), A (TMA, RestM, RestK) and B (``b_load``: atom, (TMA, RestN, RestK), (TMA, stage)) by TMA."""
-        tma_b, tBgB, tBsB = b_load
+        ``n_idx``), A (TMA, RestM, RestK) and B (``b_load``: its ``BTileLoad``) by TMA."""
         return self.load_k_tiles(
-            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA,
-            [(tma_b, tBgB[(None, n_idx, None)], tBsB)], k_start, k_count,
+            mainloop, prod_state, tma_a, tAgA[(None, m_idx, None)], tAsA, [b_load.at(n_idx)], k_start, k_count,
         )
