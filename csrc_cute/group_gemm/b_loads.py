@@ -44,11 +44,12 @@ class BTileLoads:
         """Per B operand (atom, tensor, shared ring) its ``BTileLoad``: in clusters sharing B this CTA's share of
         each tile and the other CTA's."""
         b_loads = []
+        rank = self.cluster_rank()
         for tma_b, mB, sB in b_operands:
             gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None,) * cute.rank(mB))
             if cutlass.const_expr(self.cluster_m > 1):
-                shares = [self.share_views(tma_b, sB, gB, s) for s in (self.cluster_rank(), 1 - self.cluster_rank())]
-                b_loads.append(BTileLoad(tma_b, shares[0][1], shares[0][0], shares[1][1], shares[1][0]))
+                (tBsB, tBgB), (peer_sB, peer_gB) = (self.share_views(tma_b, sB, gB, s) for s in (rank, 1 - rank))
+                b_loads.append(BTileLoad(tma_b, tBgB, tBsB, peer_gB, peer_sB))
             else:
                 tBsB, tBgB = self.share_views(tma_b, sB, gB, 0)
                 b_loads.append(BTileLoad(tma_b, tBgB, tBsB))

@@ -104,9 +104,9 @@ class RowTileScheduler:
         b = cutlass.min(local // (band * num_n_tiles), bands - 1)
         in_band = local - b * band * num_n_tiles
         height = cutlass.min(pairs - b * band, band)  # the band's pairs (0: a group of one M tile)
-        lone = cutlass.select_(b == bands - 1, tiles - 2 * pairs, 0)
-        step = in_band // (2 * height + lone)
-        r = in_band - step * (2 * height + lone)
+        band_lone = cutlass.select_(b == bands - 1, tiles - 2 * pairs, 0)  # 1: the band takes the lone tile
+        step = in_band // (2 * height + band_lone)
+        r = in_band - step * (2 * height + band_lone)
         rank = self.pair_rank()
         is_lone = r >= height * cutlass.min(num_n_tiles - 2 * step, 2)
         col = cutlass.select_(r >= height, 1, 0)
