@@ -23,9 +23,7 @@ variants at those two tiles without clusters or sharing B; the fused SwiGLU coop
 h; M-major, in bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands
 of 16), and the SwiGLU backward (always pingpong, shared-memory epilogue) and its gathered variant at 128 x 160
 in those three rasters, the M-major and band-16 ones also sharing B, and both at 128 x 192 in bands of 16, alone
-and sharing B (the H100's tile since session 36: 64 x 32 epilogue sub-tiles computed in 16-column halves);
-the pingpong 128 x 192 tiles of the dgrad, the row scale, the wgrad and the transposed gathered wgrad also
-with their partial last n tile run as a narrower MMA (``GroupGemmConfig.narrow_tail``).
+and sharing B (the H100's tile since session 36: 64 x 32 epilogue sub-tiles computed in 16-column halves).
 ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
 nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
 beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).
@@ -79,19 +77,10 @@ ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (12
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False),
                   (128, 192, True, 16, False, 1, True), (128, 192, True, 0, False, 1, False, 2),
                   (128, 192, True, 16, False, 1, False, 2))
-# the dgrad's and the row scale's pingpong 128 x 192 tiles (the H100's dgrad in clusters, the H200's row scale) with
-# their last n tile (64 of 7168 columns) as a 64-column MMA (``GroupGemmConfig.narrow_tail``, session 37); the
-# wgrads' (128 of F = 2048 columns), in clusters (the H100's) and alone (the H200's)
-NARROW_TAIL_CANDIDATES = ((128, 192, True, 16, False, 1, False, 2, True),
-                          (128, 192, True, 16, False, 1, False, 1, True))
-WGRAD_NARROW_TAIL_CANDIDATES = ((128, 192, True, 0, False, 1, False, 2, True),
-                                (128, 192, True, 0, False, 1, False, 1, True))
-CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES + NARROW_TAIL_CANDIDATES, dgrad2=ROW_CANDIDATES,
-                  row_scale=ROW_CANDIDATES + NARROW_TAIL_CANDIDATES,
-                  wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2))
-                  + WGRAD_NARROW_TAIL_CANDIDATES,
+CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
+                  wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2)),
                   wgrad_gather=WGRAD_CANDIDATES + ((128, 192, True, 0, False, 1, True),),
-                  wgrad_gather_t=WGRAD_CANDIDATES + WGRAD_NARROW_TAIL_CANDIDATES[:1],
+                  wgrad_gather_t=WGRAD_CANDIDATES,
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
                   swiglu_bwd=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES,
@@ -150,11 +139,10 @@ def sweep_compile_calls(families: list[str], d: dict, P: int, num_sms: int, opts
 
 
 def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False,
-                cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1, narrow_tail: bool = False) -> str:
+                cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1) -> str:
     return (f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
             f"{' short groups' if tall_m_major else ''}{f' cluster 1x{cluster_n}' if cluster_n > 1 else ''}"
-            f"{f' cluster {cluster_m}x1' if cluster_m > 1 else ''}{' dynamic' if dynamic else ''}"
-            f"{' narrow tail' if narrow_tail else ''}")
+            f"{f' cluster {cluster_m}x1' if cluster_m > 1 else ''}{' dynamic' if dynamic else ''}")
 
 
 def shared_empty(d: dict, fam: str, index: int, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:

@@ -542,7 +542,7 @@ def check_tile_choices_win_sweeps(gpu: str, names: tuple[str, ...], chosen: dict
         assert len(rows) == 3, fam
         pingpong = cfg.pingpong or fam.startswith("swiglu_bwd")  # the SwiGLU backward is always pingpong
         name = config_name(cfg.tile_m, cfg.tile_n, pingpong, cfg.band_m, cfg.tall_m_major, cfg.cluster_n, cfg.dynamic,
-                           cfg.cluster_m, cfg.narrow_tail)
+                           cfg.cluster_m)
         wins = 0
         for r in rows:
             field = "sustained_ms" if any(isinstance(c, dict) and "sustained_ms" in c for c in r.values()) else "ms"

@@ -293,29 +293,6 @@ def test_weight_sharing_cluster_option_compiles_sm90a_no_spills(tmp_path, op, pi
     assert "mapa.shared::cluster" in ptx and "mbarrier.arrive.release.cta.shared::cluster" in ptx
 
 
-@pytest.mark.parametrize("op, kd, nd, band_m, cluster_m, tail", [
-    ("dgrad", 7168, 2048, 16, 2, 64), ("dgrad", 7168, 2048, 16, 1, 64),  # H = 7168 columns: 37 x 192 + 64
-    ("row_scale", 2048, 7168, 16, 1, 64),
-    ("wgrad", 7168, 2048, 0, 2, 128), ("wgrad", 7168, 2048, 0, 1, 128),  # F = 2048 columns: 10 x 192 + 128
-    ("wgrad_gather_t", 7168, 2048, 0, 2, 128),
-])
-def test_narrow_tail_option_compiles_sm90a_no_spills_nor_serialized_wgmma(tmp_path, op, kd, nd, band_m, cluster_m,
-                                                                           tail):
-    """``GroupGemmConfig.narrow_tail`` at the DESIGN shape: the last n tile's mainloop issues ``tail``-column
-    wgmmas, every other tile's 192-column ones, in one kernel that ptxas neither spills nor serialises (a branch
-    between two wgmma widths on one accumulator can make it serialise every wgmma: at 1216 columns, M-major or
-    with the cooperative tile, it does; the gathered wgrad spills 8-12 B, the gathered transposed one 4 B
-    without clusters)."""
-    import re
-
-    from csrc_cute.group_gemm.config import GroupGemmConfig
-
-    config = GroupGemmConfig(128, 192, 132, True, band_m, cluster_m=cluster_m, narrow_tail=True)
-    ptx = compile_one_kernel_no_spills(tmp_path, op, kd, nd, 128, config)
-    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)) == {"m64n192k16",
-                                                                                         f"m64n{tail}k16"}
-
-
 @pytest.mark.parametrize(
     "op, kd, nd, pad",
     [

@@ -402,26 +402,11 @@ def test_weight_sharing_cluster_tiles_equal_the_single_cta_kernels(pingpong, ban
                                  GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=2), cols=cols)
 
 
-@gpu
-@pytest.mark.parametrize("pingpong,band_m,cluster_m", [(True, 16, 2), (True, 0, 1), (False, 0, 1)])
-def test_narrow_tail_kernels_equal_the_full_width_kernels(pingpong, band_m, cluster_m):
-    # GroupGemmConfig.narrow_tail: the last n tile of the 1216 output columns (7 tiles of 192, the last of 64; 5
-    # of 256, the last of 192) runs an MMA of 64 (192) columns into the first columns of the accumulator; the
-    # forward and row scale (B N-major) and the dgrad (B K-major) as the full-width kernels, bitwise (the same k
-    # loop per element), on the design's pingpong tile in clusters and M-major, and the cooperative tile
-    from csrc_cute.group_gemm.config import GroupGemmConfig
-
-    tile_n = 192 if pingpong else 256
-    _check_variant_kernels_equal(GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=cluster_m),
-                                 GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=cluster_m,
-                                                 narrow_tail=True), with_dgrad2=False)
-
-
-def _check_variant_kernels_equal(single, variant, with_dgrad2: bool = True, cols: int = 1216):
+def _check_variant_kernels_equal(single, variant, cols: int = 1216):
     """On 4 CTAs (2 clusters, many tiles each), with empty home and slot groups, groups of 1 to 9 M tiles and
-    rows past the last group, the forward, row-scaled forward, dgrad and (``with_dgrad2``) dgrad2 compiled with
-    ``variant`` (clusters, a narrower last n tile) are bitwise the kernels compiled with ``single`` (each output
-    element has the same k loop), which match the reference; ``cols``: the outputs' columns."""
+    rows past the last group, the forward, row-scaled forward, dgrad and dgrad2 compiled with ``variant`` (another
+    raster, clusters) are bitwise the kernels compiled with ``single`` (each output element has the same k loop),
+    which match the reference; ``cols``: the outputs' columns."""
     from csrc_cute.group_gemm.host import compile_op
 
     lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
@@ -448,8 +433,6 @@ def _check_variant_kernels_equal(single, variant, with_dgrad2: bool = True, cols
     check_rows(both("dgrad", cols, 320, (dy, wh, ws, cu), torch.empty(dy.shape[0], cols, dtype=torch.bfloat16,
                                                                        device=dy.device)),
                reference_dgrad(dy, wh, ws, cu, 128), cu)
-    if not with_dgrad2:
-        return
     pair_a, pair_b, cu = _make_dgrad2(lengths, 5, kd=cols, nd=320, n_total=sum(lengths) + 200, seed=73)
     want = _check_dgrad2(pair_a, pair_b, cu)
     got = both("dgrad2", cols, 320, (*pair_a, *pair_b, cu), torch.empty_like(want))

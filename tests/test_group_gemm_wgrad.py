@@ -480,18 +480,6 @@ def test_weight_sharing_cluster_wgrads_equal_the_wgrad(op, pingpong):
     _check_wgrad_variant(op, GroupGemmConfig(128, 192 if pingpong else 256, 4, pingpong, cluster_m=2))
 
 
-@gpu
-@pytest.mark.parametrize("op", ["wgrad", "wgrad_gather", "wgrad_gather_t"])
-@pytest.mark.parametrize("cluster_m", [1, 2])
-def test_narrow_tail_wgrads_equal_the_wgrad(op, cluster_m):
-    # GroupGemmConfig.narrow_tail: Nd = 1000 makes 5 n tiles of 192 and a last one of 40 columns, whose
-    # mainloop runs a 64-column MMA (B = dy^T N-major: whole 64-column swizzle atoms) into the accumulator's
-    # first columns; the rest as above, alone and in clusters sharing B
-    from csrc_cute.group_gemm.config import GroupGemmConfig
-
-    _check_wgrad_variant(op, GroupGemmConfig(128, 192, 4, True, cluster_m=cluster_m, narrow_tail=True))
-
-
 def _check_wgrad_variant(op, config):
     """``op``'s kernel compiled with ``config`` at M = 520, Nd = 1000 over 5 home and 3 slot groups on 4 CTAs:
     bitwise the wgrad of the (gathered) rows (``check_gathered_wgrad``)."""

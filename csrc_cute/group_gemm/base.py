@@ -26,11 +26,10 @@ from cutlass.utils import LayoutEnum
 
 from .b_loads import BTileLoads
 from .config import GroupGemmConfig
-from .tail import NarrowTail
 from .walk import TileWalk
 
 
-class GroupGemmSm90Base(BTileLoads, NarrowTail, TileWalk):
+class GroupGemmSm90Base(BTileLoads, TileWalk):
     """What every grouped-GEMM kernel shares (see the module docstring). A kernel family chooses the
     operand majorness, the tile scheduler (``scheduler``) and the epilogue through the hooks of
     ``warp_specialized``."""
@@ -59,10 +58,6 @@ class GroupGemmSm90Base(BTileLoads, NarrowTail, TileWalk):
         self.cluster_n, self.cluster_m = config.cluster_n, config.cluster_m
         self.cluster_size = self.cluster_n * self.cluster_m
         self.dynamic = config.dynamic
-        self.narrow_tail = config.narrow_tail
-        if self.narrow_tail and not self.narrow_tail_mma:
-            raise ValueError(f"{type(self).__name__}: GroupGemmConfig.narrow_tail must be False for this kernel "
-                             f"(only the forward, dgrad, row-scale and wgrad kernels run a narrower last n tile)")
         if self.cluster_n > 1 and not self.multicast_a:
             raise ValueError(
                 f"{type(self).__name__}: GroupGemmConfig.cluster_n must be 1 for this kernel (got "
@@ -635,8 +630,6 @@ class GroupGemmSm90Base(BTileLoads, NarrowTail, TileWalk):
                 p.tiled_mma, tidx, wg_idx, sA, sBs
             )
             c = self.consumer_setup(p, mma_tidx, thr_mma, sC)
-            if cutlass.const_expr(self.tail_n > 0):
-                self.add_narrow_tail(p, sBs)  # (p's attributes set in a method: not a value of this branch)
             epi_count = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
                 self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, tCrA, tCrBs, bidx, gdim)

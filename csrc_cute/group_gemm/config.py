@@ -5,7 +5,7 @@ from __future__ import annotations
 
 class GroupGemmConfig(tuple):
     """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n,
-    dynamic, cluster_m, narrow_tail).
+    dynamic, cluster_m).
     ``pingpong``: the kernels whose consumers are cooperative by default (the row kernels: forward, dgrad,
     dgrad2, row scale; the wgrad; the fused SwiGLU) run two consumer warp groups that take alternate whole
     tiles instead, each one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong).
@@ -26,19 +26,13 @@ class GroupGemmConfig(tuple):
     session 29: the pingpong kernels ran more cycles with it). ``cluster_m`` (1 or 2; the forward, dgrad,
     dgrad2, row-scale and SwiGLU-backward kernels and the wgrads, gathered ones included, not with
     ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two CTAs that compute two M tiles of one group
-    at the same N tile (the row kernels: a group's tiles in pairs, its odd last one with an idle partner,
-    ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each
+    at the same N tile (the row kernels: a group's tiles in pairs, an odd group's last one at two n tiles, one a
+    CTA, ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each
     loading half of every B tile (the weights; the wgrads' dy^T) by TMA multicast into both, so the pair
-    reads each B tile from L2 once. ``narrow_tail`` (the forward, dgrad, row-scale and wgrad kernels, not with
-    ``cluster_n`` = 2): where the output's last n tile is partial (a static width), that tile's mainloop runs a
-    second tiled MMA only as wide as its columns (rounded up to the wgmma's 8, or to 64 where B is N-major: its
-    shared-memory atom), over the first rows of the same B stage and the first columns of the same
-    accumulator, instead of the whole tile's width of padding (``tail.NarrowTail.add_narrow_tail``; at
-    the DESIGN shape the dgrad's 38th 192-column tile holds 64 columns: 1.75% of its MMA work)."""
+    reads each B tile from L2 once."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
-                tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1,
-                narrow_tail: bool = False):
+                tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1):
         if isinstance(band_m, bool) or int(band_m) < 0:
             raise ValueError(f"GroupGemmConfig: band_m must be an int >= 0, got {band_m!r}")
         if tall_m_major and not band_m:
@@ -59,12 +53,8 @@ class GroupGemmConfig(tuple):
         if cluster_m == 2 and int(band_m) % 2:
             raise ValueError(f"GroupGemmConfig: cluster_m = 2 needs an even band_m (bands of whole M-tile pairs), "
                              f"got {band_m!r}")
-        if narrow_tail and cluster_n != 1:
-            raise ValueError("GroupGemmConfig: narrow_tail needs cluster_n = 1 (a cluster's two n tiles would "
-                             "run different MMAs)")
         return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m),
-                                     bool(tall_m_major), int(cluster_n), bool(dynamic), int(cluster_m),
-                                     bool(narrow_tail)))
+                                     bool(tall_m_major), int(cluster_n), bool(dynamic), int(cluster_m)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -78,7 +68,6 @@ class GroupGemmConfig(tuple):
     cluster_n = property(lambda self: self[6])
     dynamic = property(lambda self: self[7])
     cluster_m = property(lambda self: self[8])
-    narrow_tail = property(lambda self: self[9])
 
 
 H100_H200_NUM_SMS = 132

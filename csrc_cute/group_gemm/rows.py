@@ -43,7 +43,6 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
 
     multicast_a = True  # GroupGemmConfig.cluster_n = 2: two n tiles of one M tile share its A (rows) tiles
     multicast_b = True  # GroupGemmConfig.cluster_m = 2: two M tiles of one group share its B (weight) tiles
-    narrow_tail_mma = True  # GroupGemmConfig.narrow_tail: the partial last n tile's MMA as wide as its columns
 
     def __init__(self, config: GroupGemmConfig, b_k_major: bool = False, row_scale: bool = False):
         self.b_k_major = bool(b_k_major)
@@ -83,7 +82,6 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         bh_view, tma_bh, mBh, tma_bs, mBs = self._tma_load_weights(w_home, w_slot)
         tma_c, mC = self._tma_store_c(y)
         num_n_tiles, num_tiles = self._row_tiles(x, y, cu_seqlens)
-        self.set_tail_n(cute.size(y, mode=[1]), not self.b_k_major)
         self._make_shared_storage(with_c=True)
         if cutlass.const_expr(remote_experts is None):
             bh_view = None
@@ -153,8 +151,8 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
         m_idx, n_idx, k_count = self.row_work(p, tile)
         # pingpong: the mainloop takes its turn; the other warp group's runs under this epilogue
-        read_state, release_state = self.tile_mainloop(
-            p, n_idx, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
+        read_state, release_state = self.mma_k_tiles(
+            p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
         )
         if cutlass.const_expr(p.row_w is not None):
             self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
@@ -226,8 +224,6 @@ class GroupGemmDgrad2Sm90(OperandPairsMixin, GroupGemmSm90):
     dy_b[rows of g] @ Wb_g^T`` (one fp32 accumulator over both pairs' k tiles, one bf16 rounding, one
     store), e.g. the input gradient of the gate and up projections. The dgrad kernel's mainloop and
     epilogue; the producer and the k-tile count are ``OperandPairsMixin``'s."""
-
-    narrow_tail_mma = False  # (its own launch: the last n tile is not told apart)
 
     def __init__(self, config: GroupGemmConfig):
         super().__init__(config, b_k_major=True)

@@ -46,7 +46,6 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
 
     multicast_a = True  # GroupGemmConfig.cluster_n = 2: two n tiles of one (group, m tile) share its A tiles
     multicast_b = True  # GroupGemmConfig.cluster_m = 2: two m tiles of one (group, n tile) share its B tiles
-    narrow_tail_mma = True  # GroupGemmConfig.narrow_tail: the partial last n tile's MMA as wide as its columns
 
     def __init__(self, config: GroupGemmConfig, dw_m_major: bool = False):
         self._init_common(
@@ -97,7 +96,6 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         num_m_tiles = cute.ceil_div(cute.size(x, mode=[1]), self.tile_m * self.cluster_m)
         num_n_tiles = cute.ceil_div(cute.size(dy, mode=[1]), self.tile_n * self.cluster_n)
         num_tiles = cute.size(cu_seqlens, mode=[0]) * (num_m_tiles * num_n_tiles)
-        self.set_tail_n(cute.size(dy, mode=[1]), True)  # B = dy^T, N-major
         self._make_shared_storage(with_c=True)
         self._launch_persistent(
             self.kernel(
@@ -186,8 +184,8 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
         g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
         is_home = g < p.num_home
         if is_home | (k_count > 0):  # the mainloop takes its turn (pingpong) in mma_k_tiles
-            read_state, release_state = self.tile_mainloop(
-                p, n_idx, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn,
+            read_state, release_state = self.mma_k_tiles(
+                p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn,
                 self.routed_k_rows(p, k_start, k_count),
             )
             epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
