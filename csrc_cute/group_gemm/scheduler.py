@@ -84,7 +84,7 @@ class RowTileScheduler:
         else:  # M-major pairs
             pair = local // num_n_tiles
             n_idx = local - pair * num_n_tiles
-            m_idx = first_tile + 2 * pair + self.pair_rank()
+            m_idx = first_tile + 2 * pair + self.cluster_rank()
         if m_idx >= end_tile:
             m_idx = num_m_tiles
         return m_idx, n_idx, g, lone
@@ -107,7 +107,7 @@ class RowTileScheduler:
         band_lone = cutlass.select_(b == bands - 1, tiles - 2 * pairs, 0)  # 1: the band takes the lone tile
         step = in_band // (2 * height + band_lone)
         r = in_band - step * (2 * height + band_lone)
-        rank = self.pair_rank()
+        rank = self.cluster_rank()
         is_lone = r >= height * cutlass.min(num_n_tiles - 2 * step, 2)
         col = cutlass.select_(r >= height, 1, 0)
         # the lone tile follows the band's pairs: row 2 x pairs of the group, its CTAs at n tiles 2s, 2s + 1
@@ -117,12 +117,6 @@ class RowTileScheduler:
         m_idx = first_tile + 2 * pair + cutlass.select_(is_lone, cutlass.select_(lone_past, 1, 0), rank)
         n_idx = cutlass.min(n_idx, num_n_tiles - 1)
         return m_idx, n_idx, is_lone
-
-    def pair_rank(self):
-        """``pair_tile``'s CTA of its cluster (0 or 1): the block index's parity (clusters of two along x), the
-        value ``cluster_rank`` reads from the cluster CTA id register. Taken from that register the lone tiles'
-        n tile made ptxas spill a register of the 128 x 192 SwiGLU backward (sm_90a, session 39)."""
-        return cutlass.Int32(cute.arch.block_idx()[0]) % 2
 
     def output_rows(self, p):
         """The rows of the kernel's output (``pair_tile``'s M tiles cover them): its C tensor's."""
@@ -190,8 +184,17 @@ class RowTileScheduler:
 
     @cute.jit
     def count_groups(self, p):
-        """Sets ``p.num_groups`` (G, from the length of ``cu_seqlens``)."""
+        """Sets ``p.num_groups`` (G, from the length of ``cu_seqlens``) and, in clusters sharing B, ``p.num_tiles``
+        to the pair walk's length (``pair_tile``): its groups' tiles (``pair_group`` of a tile past them all: the
+        launch's count, ``_row_tiles``, bounds them) and the pairs of the rows past the last group. The launch's
+        count is an upper bound for any routing ((#M tiles + G + 1) / 2 pairs of n tiles); its tiles past this
+        length lie past the output, and walked they cost each CTA a turn and a dropped epilogue apiece (ncu of the
+        H100 dgrad at 48 equal groups, session 40: 9.4% more tiles than QuACK's walk, none with MMA work)."""
         p.num_groups = cute.size(p.cu_seqlens, mode=[0])
+        if cutlass.const_expr(self.cluster_m > 1):
+            _, groups_end, group_tiles = self.pair_group(p.cu_seqlens, p.num_tiles, p.num_n_tiles)
+            rows_past = cutlass.max(cute.ceil_div(self.output_rows(p), self.tile_m) - groups_end, 0)
+            p.num_tiles = group_tiles + (rows_past + 1) // 2 * p.num_n_tiles
 
     @cute.jit
     def row_work(self, p, tile: cutlass.Int32):
