@@ -12,18 +12,18 @@ QuACK's varlen GEMM of the same family (``bench_peers.gemm_call``; QuACK is impo
 have compiled: importing it makes CuTe DSL compiles single-threaded). All candidates are compiled side by
 side first (``sweep_compile_calls`` then ``csrc_cute.jit.compile_ahead``: child processes write the disk
 cache, from which the sweep loads them).
-Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in
-the M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), the banded one also
-in clusters of two CTAs sharing the A tiles (``GroupGemmConfig.cluster_n``) or the B tiles
-(``GroupGemmConfig.cluster_m``) by TMA multicast, and pingpong 128 x 192 (QuACK's default tile) M-major or in
-bands of 64 or 16 M tiles, the M-major and band-16 ones also sharing B in clusters; the same for the row-scaled
-forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at
-128 x 192, each without clusters, sharing A (``cluster_n``) or sharing B (``cluster_m``), and its two gathered
-variants at those two tiles without clusters or sharing B; the fused SwiGLU cooperative at 128 x 128 (columns of
-h; M-major, in bands of 16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands
-of 16), and the SwiGLU backward (always pingpong, shared-memory epilogue) and its gathered variant at 128 x 160
-in those three rasters, the M-major and band-16 ones also sharing B, and both at 128 x 192 in bands of 16, alone
-and sharing B (the H100's tile since session 36: 64 x 32 epilogue sub-tiles computed in 16-column halves).
+Candidates (``CANDIDATES``): the row kernels (forward, dgrad, dgrad2) with cooperative 128 x 256 tiles in the
+M-major raster or in bands of 64 M tiles of each group (``GroupGemmConfig.band_m``), the banded one also in clusters
+of two CTAs sharing the A tiles (``GroupGemmConfig.cluster_n``) or the B tiles (``GroupGemmConfig.cluster_m``) by
+TMA multicast, and pingpong 128 x 192 (QuACK's default tile) M-major or in bands of 64 or 16 M tiles, the M-major
+and band-16 ones also sharing B in clusters (the dgrad's also in bands of 8 and 32); the same for the row-scaled
+forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192, each
+without clusters, sharing A (``cluster_n``) or sharing B (``cluster_m``), and its two gathered variants at those two
+tiles without clusters or sharing B; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in bands of
+16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands of 16), and the SwiGLU
+backward (always pingpong, shared-memory epilogue) and its gathered variant at 128 x 160 in those three rasters, the
+M-major and band-16 ones also sharing B, and both at 128 x 192 in bands of 16, alone and sharing B (the H100's tile
+since session 36: 64 x 32 epilogue sub-tiles computed in 16-column halves).
 ``--sustained-s S``: each candidate (and QuACK) also launched back to back for about S seconds with
 nvidia-smi's clock and power sampled, its time per call and energy per call at the power cap recorded
 beside the burst timing (``measure_sustained``). Writes ``bench_tiles.json`` (and a PNG with matplotlib).
@@ -77,7 +77,10 @@ ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (12
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False),
                   (128, 192, True, 16, False, 1, True), (128, 192, True, 0, False, 1, False, 2),
                   (128, 192, True, 16, False, 1, False, 2))
-CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES, dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES,
+# the clustered dgrad's band height beside 16 M tiles: bands of 8 and of 32 (session 43, 1 H100)
+DGRAD_CLUSTER_BAND_CANDIDATES = ((128, 192, True, 8, False, 1, False, 2), (128, 192, True, 32, False, 1, False, 2))
+CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES + DGRAD_CLUSTER_BAND_CANDIDATES, dgrad2=ROW_CANDIDATES,
+                  row_scale=ROW_CANDIDATES,
                   wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2)),
                   wgrad_gather=WGRAD_CANDIDATES + ((128, 192, True, 0, False, 1, True),),
                   wgrad_gather_t=WGRAD_CANDIDATES,
