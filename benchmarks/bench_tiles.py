@@ -49,7 +49,9 @@ from csrc_cute import jit  # noqa: E402
 from csrc_cute.group_gemm import host  # noqa: E402
 from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 
-# (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n[, dynamic[, cluster_m]]]) per family; ``dynamic``: the
+# (tile_m, tile_n, pingpong, band_m, tall_m_major[, cluster_n[, dynamic[, cluster_m[, scheduler_warp]]]]) per family;
+# ``scheduler_warp`` False: the tile's coordinates computed by the warps that use them (GroupGemmConfig.scheduler_warp,
+# session 44), next to the same tile with the scheduler warp (the default); ``dynamic``: the
 # tiles taken in order from a global counter (GroupGemmConfig.dynamic, csrc_cute/group_gemm/walk.py; session 29),
 # next to the same tile with the static walk; ``cluster_m`` = 2: pairs of M tiles of one group sharing each weight
 # tile by TMA multicast (session 33). Dropped after earlier sweeps (kept
@@ -71,7 +73,8 @@ SWIGLU_BWD_CANDIDATES = ((128, 160, True, 0, False), (128, 160, True, 16, False)
                          (128, 160, True, 16, False, 1, True), (128, 160, True, 0, False, 1, False, 2),
                          (128, 160, True, 16, False, 1, False, 2))
 # QuACK gemm_dgated's 128 x 192 (11 n tiles at F = 2048, where 160 columns take 13), unclustered and sharing B
-WIDE_SWIGLU_BWD_CANDIDATES = ((128, 192, True, 16, False), (128, 192, True, 16, False, 1, False, 2))
+WIDE_SWIGLU_BWD_CANDIDATES = ((128, 192, True, 16, False), (128, 192, True, 16, False, 1, False, 2),
+                              (128, 192, True, 16, False, 1, False, 2, False))
 ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (128, 256, False, 64, False, 2),
                   (128, 256, False, 64, False, 1, False, 2),
                   (128, 192, True, 0, False), (128, 192, True, 64, False), (128, 192, True, 16, False),
@@ -79,8 +82,12 @@ ROW_CANDIDATES = ((128, 256, False, 0, False), (128, 256, False, 64, False), (12
                   (128, 192, True, 16, False, 1, False, 2))
 # the clustered dgrad's band height beside 16 M tiles: bands of 8 and of 32 (session 43, 1 H100)
 DGRAD_CLUSTER_BAND_CANDIDATES = ((128, 192, True, 8, False, 1, False, 2), (128, 192, True, 32, False, 1, False, 2))
-CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES + DGRAD_CLUSTER_BAND_CANDIDATES, dgrad2=ROW_CANDIDATES,
-                  row_scale=ROW_CANDIDATES,
+# the H100's choices without the scheduler warp (session 44): the clustered pingpong tile (dgrad; the SwiGLU backward's
+# below) and the cooperative banded one (row-scaled forward; its consumers read the scheduler's ring too)
+UNSCHEDULED_ROW_CANDIDATES = ((128, 192, True, 16, False, 1, False, 2, False),
+                              (128, 256, False, 64, False, 1, False, 1, False))
+CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES + DGRAD_CLUSTER_BAND_CANDIDATES + UNSCHEDULED_ROW_CANDIDATES,
+                  dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES + UNSCHEDULED_ROW_CANDIDATES,
                   wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2)),
                   wgrad_gather=WGRAD_CANDIDATES + ((128, 192, True, 0, False, 1, True),),
                   wgrad_gather_t=WGRAD_CANDIDATES,
@@ -142,10 +149,11 @@ def sweep_compile_calls(families: list[str], d: dict, P: int, num_sms: int, opts
 
 
 def config_name(tile_m: int, tile_n: int, pingpong: bool, band_m: int = 0, tall_m_major: bool = False,
-                cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1) -> str:
+                cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1, scheduler_warp: bool = True) -> str:
     return (f"{tile_m}x{tile_n}{' pingpong' if pingpong else ''}{f' band {band_m}' if band_m else ''}"
             f"{' short groups' if tall_m_major else ''}{f' cluster 1x{cluster_n}' if cluster_n > 1 else ''}"
-            f"{f' cluster {cluster_m}x1' if cluster_m > 1 else ''}{' dynamic' if dynamic else ''}")
+            f"{f' cluster {cluster_m}x1' if cluster_m > 1 else ''}{' dynamic' if dynamic else ''}"
+            f"{'' if scheduler_warp else ' unscheduled'}")
 
 
 def shared_empty(d: dict, fam: str, index: int, *shape: int, dtype=torch.bfloat16) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""The dynamic tile walk (``GroupGemmConfig.dynamic``, csrc_cute/group_gemm/walk.py): the persistent CTAs take
-their tiles in order from one global counter instead of every #CTAs-th tile. Each output element keeps its
-k loop, so every kernel family is bitwise its static-walk kernel of the same tile: checked on the GPU on 4
-CTAs (many tiles each) with empty home and slot groups, partial tiles and rows past the last group,
-launched twice (the counter is zeroed for every launch) and replayed in a CUDA graph. CPU: the config's
-rules and the compile checks (test_group_gemm_compile.py)."""
+"""The tile walks (csrc_cute/group_gemm/walk.py). The dynamic walk (``GroupGemmConfig.dynamic``): the persistent
+CTAs take their tiles in order from one global counter instead of every #CTAs-th tile. The scheduler warp
+(``GroupGemmConfig.scheduler_warp``, the default): producer warp 1 computes the static walk's tile coordinates and
+hands them on through a shared ring. Each output element keeps its k loop, so every kernel family is bitwise its
+static-walk kernel of the same tile without the scheduler warp: checked on the GPU on 4 CTAs (many tiles each) with
+empty home and slot groups, partial tiles and rows past the last group, in clusters sharing B too (lone tiles of
+odd groups), launched twice (the dynamic counter is zeroed for every launch) and replayed in a CUDA graph. CPU:
+the config's rules and the compile checks (test_group_gemm_compile.py)."""
 
 import pytest
 import torch
@@ -39,15 +41,15 @@ def test_remote_kernels_refuse_the_dynamic_walk():
         GroupGemmRowScaleRemoteSm90(GroupGemmConfig(128, 256, 132, dynamic=True))
 
 
-def walks_agree(op, kd, nd, static, args, outs):
-    """Launch ``op``'s kernel of tile config ``static`` and of the same config with the dynamic walk on
-    ``args`` into fresh copies of ``outs`` (NaN-filled, or what an accumulating output holds), the dynamic
-    one twice; assert every output is bitwise equal, and return the static kernel's."""
+def walks_agree(op, kd, nd, static, args, outs, other=None):
+    """Launch ``op``'s kernel of tile config ``static`` and of ``other`` (default: the same config with the
+    dynamic walk) on ``args`` into fresh copies of ``outs`` (NaN-filled, or what an accumulating output holds),
+    the other one twice; assert every output is bitwise equal, and return the first kernel's."""
     from csrc_cute.group_gemm.host import compile_op
 
-    dynamic = GroupGemmConfig(*static[:7], True)
+    other = GroupGemmConfig(*static[:7], True) if other is None else other
     got = []
-    for config, launches in ((static, 1), (dynamic, 2)):
+    for config, launches in ((static, 1), (other, 2)):
         for _ in range(launches):
             bufs = [o.clone() for o in outs]
             compile_op(op, kd, nd, 128, 4, config)(*args, *bufs)
@@ -56,7 +58,7 @@ def walks_agree(op, kd, nd, static, args, outs):
     want = got[0]
     for run in got[1:]:
         for i, (a, b) in enumerate(zip(want, run)):
-            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{op} output {i}: the dynamic walk differs"
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), f"{op} output {i}: {other} differs"
     return want
 
 
@@ -147,3 +149,66 @@ def test_dynamic_walk_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def unscheduled(config: GroupGemmConfig) -> GroupGemmConfig:
+    return GroupGemmConfig(*config[:9], scheduler_warp=False)
+
+
+@gpu
+@pytest.mark.parametrize("pingpong,band_m,cluster_m", [(False, 64, 1), (True, 16, 2), (False, 16, 2), (True, 0, 1)])
+def test_scheduler_warp_row_kernels_equal_the_unscheduled_walk(pingpong, band_m, cluster_m):
+    # forward, row-scaled forward, dgrad2: the cooperative consumers read the scheduler's ring, the pingpong ones
+    # compute their coordinates; in clusters sharing B (pairs of M tiles of a group, odd groups' lone tiles)
+    tile_n = 192 if pingpong else 256
+    config = GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=cluster_m)
+    assert config.scheduler_warp
+    n_total = sum(LENGTHS) + 200
+    x, wh, ws, cu = random_problem(LENGTHS, EPN, kd=320, nd=1216, n_total=n_total, seed=101)
+    y = walks_agree("fwd", 320, 1216, unscheduled(config), (x, wh, ws, cu), [nan_rows(n_total, 1216)], config)[0]
+    assert not y[:sum(LENGTHS)].isnan().any(), "rows of the groups unwritten"
+    row_w = random_row_weights(n_total, seed=102)
+    walks_agree("row_scale", 320, 1216, unscheduled(config), (x, wh, ws, cu, row_w), [nan_rows(n_total, 1216)],
+                config)
+    _, dy_a, wa_h, wa_s, _ = random_bwd_problem(LENGTHS, EPN, 1216, 320, n_total=n_total, seed=103)
+    _, dy_b, wb_h, wb_s, _ = random_bwd_problem(LENGTHS, EPN, 1216, 320, n_total=n_total, seed=104)
+    walks_agree("dgrad2", 1216, 320, unscheduled(config), (dy_a, wa_h, wa_s, dy_b, wb_h, wb_s, cu),
+                [nan_rows(n_total, 1216)], config)
+
+
+@gpu
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_scheduler_warp_swiglu_kernels_equal_the_unscheduled_walk(cluster_m):
+    # the fused SwiGLU (cooperative: its consumers read the ring) and its backward (pingpong, shared-memory
+    # epilogue; in clusters sharing W_down), banded, F = 600 (partial n tiles)
+    n_total = sum(LENGTHS) + 200
+    x, wgh, wgs, wuh, wus, cu = random_swiglu_problem(LENGTHS, EPN, kd=320, nd=600, n_total=n_total, seed=105)
+    config = GroupGemmConfig(128, 128, 4, False, 16)
+    h = walks_agree("swiglu", 320, 600, unscheduled(config), (x, wgh, wgs, wuh, wus, cu),
+                    [nan_rows(n_total, 600) for _ in range(3)], config)[0]
+    assert not h[:sum(LENGTHS)].isnan().any(), "rows of the groups unwritten"
+    gen = torch.Generator().manual_seed(106)
+    wdh = (torch.randn(EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
+    wds = (torch.randn(len(LENGTHS) - EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
+    gate = (torch.randn(n_total, 600, generator=gen) * 2).bfloat16().cuda()
+    up = torch.randn(n_total, 600, generator=gen).bfloat16().cuda()
+    row_w = torch.rand(n_total, generator=gen).cuda()
+    g_y = random_tokens(n_total, 320, seed=107)
+    outs = [nan_rows(n_total, 600) for _ in range(3)] + [nan_rows(n_total, -(-600 // 192), torch.float32)]
+    config = GroupGemmConfig(128, 192, 4, False, 16, cluster_m=cluster_m)
+    walks_agree("swiglu_bwd_smem", 320, 600, unscheduled(config), (g_y, wdh, wds, cu, row_w, gate, up), outs,
+                config)
+
+
+@gpu
+@pytest.mark.parametrize("pingpong,cluster_m", [(False, 1), (True, 2)])
+def test_scheduler_warp_wgrad_equals_the_unscheduled_walk(pingpong, cluster_m):
+    # work items of the scheduler's ring: home items stored, slot items added into the fp32 buffers (each launch
+    # starts from the same buffer), an empty slot group, padding rows; in clusters sharing dy^T
+    lengths = random_lengths(128, EPN, 3, 7, seed=108)
+    rows, dy, _, _, cu = random_bwd_problem(lengths, EPN, kd=384, nd=1000, n_total=sum(lengths) + 128, seed=109)
+    nb = len(lengths) - EPN
+    dwh = torch.full((EPN, 384, 1000), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dws = torch.randn((nb, 384, 1000), generator=torch.Generator().manual_seed(110)).cuda()
+    config = GroupGemmConfig(128, 192 if pingpong else 128, 4, pingpong, cluster_m=cluster_m)
+    walks_agree("wgrad", 384, 1000, unscheduled(config), (rows, dy, cu), [dwh, dws], config)

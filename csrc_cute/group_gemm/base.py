@@ -79,6 +79,7 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         # warp groups take alternate tiles, each a whole tile, so that one's epilogue runs while the
         # other's wgmma keeps the tensor cores busy (for epilogues too heavy to hide otherwise).
         self.pingpong = pingpong
+        self._init_walk(config)
         self.num_mma_wg = 2 if pingpong else self.tile_m // 64
         self.atom_layout_mnk = (1, 1, 1) if pingpong else (self.num_mma_wg, 1, 1)
         self.num_threads = (1 + self.num_mma_wg) * self.threads_per_wg
@@ -635,12 +636,13 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
             epi_count = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
                 self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, tCrA, tCrBs, bidx, gdim)
-            elif cutlass.const_expr(self.dynamic):
+            elif cutlass.const_expr(self.consumers_read_walk):
                 self.consume_walked_tiles(p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs)
             else:
                 for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
                     read_state, release_state, epi_count = self.consume_tile(
-                        p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, tile, tile, epi_count
+                        p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, self.tile_info(p, tile),
+                        tile, epi_count
                     )
             self.consumer_tail(c, warp_idx)
 
@@ -653,19 +655,25 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         the pipeline state that many stages in. The family's ``consume_tile`` runs its mainloop as
         ``mma_k_tiles(p, ..., turn)`` (a tile without one calls ``wait_mainloop_turn`` /
         ``pass_mainloop_turn`` itself), so the mainloops take turns and each epilogue runs under the other
-        warp group's mainloop. The dynamic walk's warp groups read every tile of it
-        (``walk.TileWalk.consume_walked_alternate_tiles``)."""
+        warp group's mainloop. Each warp group takes the coordinates of every tile of the CTA: in the dynamic
+        walk from its ring (``walk.TileWalk.consume_walked_alternate_tiles``), else computed itself
+        (``tile_info``: under the other warp group's mainloop; ``walk.TileWalk._init_walk`` says why not from the
+        scheduler warp)."""
         if cutlass.const_expr(self.dynamic):
             self.consume_walked_alternate_tiles(p, c, warp_idx, wg, mainloop, tCrA, tCrBs)
         else:
             epi_count = cutlass.Int32(0)
-            passed = self.tile_stages(p, bidx) * wg
-            for tile in cutlass.range(bidx + wg * gdim, p.num_tiles, 2 * gdim, unroll=1):
-                _, _, epi_count = self.consume_tile(
-                    p, c, warp_idx, mainloop, self.consumer_state_at(passed), self.consumer_state_at(passed), tCrA,
-                    tCrBs, tile, tile, epi_count
-                )
-                passed = passed + self.tile_stages(p, tile) + self.tile_stages(p, tile + gdim)
+            passed = cutlass.Int32(0)
+            step = cutlass.Int32(0)
+            for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
+                info = self.tile_info(p, tile)
+                start = self.consumer_state_at(passed)
+                passed = passed + self.tile_stages(p, info)  # before the tile: no coordinate stays live over it
+                if step % 2 == wg:
+                    _, _, epi_count = self.consume_tile(
+                        p, c, warp_idx, mainloop, start, start.clone(), tCrA, tCrBs, info, tile, epi_count
+                    )
+                step = step + 1
 
     @cute.jit
     def wait_mainloop_turn(self, turn):
@@ -713,23 +721,27 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
     @cute.jit
     def produce(self, warp_idx, mainloop, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads):
         """Producer warp group: lowers its register budget; its warp 0 loads this CTA's tiles
-        (``load_tiles``) into the ring, then waits for the consumers to drain it."""
+        (``load_tiles``; the dynamic walk's writer) into the ring, then waits for the consumers to drain it; in
+        the scheduled walk its warp 1 computes the tiles' coordinates (``walk.TileWalk.schedule_tiles``)."""
         cute.arch.setmaxregister_decrease(self.load_regs)
         if warp_idx == 0:
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-            prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads, True)
+            prod_state = self.load_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads, self.dynamic)
             mainloop.producer_tail(prod_state)
+        if cutlass.const_expr(self.scheduled):
+            if warp_idx == 1:
+                self.schedule_tiles(p)
 
     @cute.jit
     def load_tiles(self, mainloop, prod_state, p, tAgA, tAsA, b_loads, is_writer):
-        """Producer warp: over this CTA's tiles (the static walk, or the dynamic one, whose writer
-        ``is_writer`` is warp 0), each tile's loads (the scheduler's ``load_tile``)."""
-        if cutlass.const_expr(self.dynamic):
+        """Producer warp: over this CTA's tiles (the unscheduled static walk, or the ring's: the scheduled one or
+        the dynamic one, whose writer ``is_writer`` is warp 0), each tile's loads (the scheduler's ``load_tile``)."""
+        if cutlass.const_expr(self.walked):
             prod_state = self.load_walked_tiles(mainloop, prod_state, p, tAgA, tAsA, b_loads, is_writer)
         else:
             bidx, gdim = self.cta_tiles()
             for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
-                prod_state = self.load_tile(mainloop, prod_state, p, tAgA, tAsA, b_loads, tile)
+                prod_state = self.load_tile(mainloop, prod_state, p, tAgA, tAsA, b_loads, self.tile_info(p, tile))
         return prod_state
 
     @cute.jit

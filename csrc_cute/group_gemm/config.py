@@ -5,7 +5,7 @@ from __future__ import annotations
 
 class GroupGemmConfig(tuple):
     """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n,
-    dynamic, cluster_m).
+    dynamic, cluster_m, scheduler_warp).
     ``pingpong``: the kernels whose consumers are cooperative by default (the row kernels: forward, dgrad,
     dgrad2, row scale; the wgrad; the fused SwiGLU) run two consumer warp groups that take alternate whole
     tiles instead, each one's epilogue under the other's mainloop (the SwiGLU backward is always pingpong).
@@ -29,10 +29,14 @@ class GroupGemmConfig(tuple):
     at the same N tile (the row kernels: a group's tiles in pairs, an odd group's last one at two n tiles, one a
     CTA, ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each
     loading half of every B tile (the weights; the wgrads' dy^T) by TMA multicast into both, so the pair
-    reads each B tile from L2 once."""
+    reads each B tile from L2 once. ``scheduler_warp`` (the static walk of the kernels whose producer is one
+    warp: not the gathered nor the remote ones, which ignore it): the producer's warp 1 computes each tile's
+    coordinates ahead and hands them to the loading warp and the consumers through a shared ring
+    (``walk.TileWalk``), so neither computes them between two tiles; False: each computes them itself."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
-                tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1):
+                tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1,
+                scheduler_warp: bool = True):
         if isinstance(band_m, bool) or int(band_m) < 0:
             raise ValueError(f"GroupGemmConfig: band_m must be an int >= 0, got {band_m!r}")
         if tall_m_major and not band_m:
@@ -54,7 +58,8 @@ class GroupGemmConfig(tuple):
             raise ValueError(f"GroupGemmConfig: cluster_m = 2 needs an even band_m (bands of whole M-tile pairs), "
                              f"got {band_m!r}")
         return super().__new__(cls, (int(tile_m), int(tile_n), int(num_sms), bool(pingpong), int(band_m),
-                                     bool(tall_m_major), int(cluster_n), bool(dynamic), int(cluster_m)))
+                                     bool(tall_m_major), int(cluster_n), bool(dynamic), int(cluster_m),
+                                     bool(scheduler_warp)))
 
     def __getnewargs__(self):  # pickled (a compile-ahead call, csrc_cute/jit.py) as its values
         return tuple(self)
@@ -68,6 +73,7 @@ class GroupGemmConfig(tuple):
     cluster_n = property(lambda self: self[6])
     dynamic = property(lambda self: self[7])
     cluster_m = property(lambda self: self[8])
+    scheduler_warp = property(lambda self: self[9])
 
 
 H100_H200_NUM_SMS = 132

@@ -96,6 +96,7 @@ class GatherOperandMixin:
     gather_m_major = False
     multicast_a = False  # the gathered operand is not loaded by TMA (B may be shared: ``cluster_m``)
     walk_producer_readers = GATHER_THREADS // 32 - 1  # every producer warp walks the tiles; warp 0 writes the walk
+    scheduled_walk = False  # no producer warp is free to schedule the static walk: all four load
 
     def _init_gather(self):
         # every producer thread holds the source rows and addresses of up to 8 rows: with two consumer

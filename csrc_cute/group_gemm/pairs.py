@@ -34,17 +34,18 @@ class OperandPairsMixin(RowTileScheduler):
         return (tAgA0, tAgA1), (tAsA0, tAsA1), b_loads, k_tiles
 
     @cute.jit
-    def row_work(self, p, tile: cutlass.Int32):
-        """``RowTileScheduler.row_work`` with both pairs' k tiles in one k loop."""
-        m_idx, n_idx, k_count = RowTileScheduler.row_work(self, p, tile)
+    def tile_work(self, p, info):
+        """``RowTileScheduler.tile_work`` with both pairs' k tiles in one k loop."""
+        m_idx, n_idx, k_count = RowTileScheduler.tile_work(self, p, info)
         return m_idx, n_idx, k_count * self.num_pairs
 
     @cute.jit
-    def load_tile(self, mainloop, prod_state, p, tAgA, tAsA, b_loads, tile: cutlass.Int32):
-        """Producer warp (``load_tiles``' step): tile ``tile``'s k tiles of the first pair (A0, W0_g), then the
-        second's (A1, W1_g), into the one ring; a tile past the last group loads nothing."""
+    def load_tile(self, mainloop, prod_state, p, tAgA, tAsA, b_loads, info):
+        """Producer warp (``load_tiles``' step): a tile's (``tile_info``) k tiles of the first pair (A0, W0_g), then
+        the second's (A1, W1_g), into the one ring; a tile past the last group loads nothing."""
         num_home = b_loads[p.home_rings[0]].num_experts()
-        m_idx, n_idx, g, lone = self.walk_tile(p, tile)
+        m_idx, n_idx, g, _ = info
+        lone = self.weight_tile_lone(info)
         for pair in cutlass.range_constexpr(self.num_pairs):
             load = (mainloop, prod_state, p.tma_a[pair], tAgA[pair], tAsA[pair], m_idx, n_idx, p.k_tiles)
             if g < num_home:

@@ -34,6 +34,7 @@ class RemoteWeightsMixin(RowTileScheduler):
     multicast_a = False  # each CTA's remote descriptors are its own; clusters are not tested with them
     multicast_b = False  # likewise: the remote groups' B loads go through this CTA's own descriptors
     dynamic_walk = False  # the descriptors are built at the CTA's first remote tile of its static walk
+    scheduled_walk = False  # its loading warp walks the static tiles itself (``load_tiles``)
 
     @cute.jit
     def load_tiles(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, is_writer):

@@ -147,9 +147,10 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
-        """One output tile: the MMA over its k tiles, the optional row scale, the bf16 store."""
-        m_idx, n_idx, k_count = self.row_work(p, tile)
+                     info, turn, epi_count: cutlass.Int32):
+        """One output tile (its coordinates: ``tile_info``): the MMA over its k tiles, the optional row scale, the
+        bf16 store."""
+        m_idx, n_idx, k_count = self.tile_work(p, info)
         # pingpong: the mainloop takes its turn; the other warp group's runs under this epilogue
         read_state, release_state = self.mma_k_tiles(
             p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn

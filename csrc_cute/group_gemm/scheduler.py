@@ -196,40 +196,48 @@ class RowTileScheduler:
             rows_past = cutlass.max(cute.ceil_div(self.output_rows(p), self.tile_m) - groups_end, 0)
             p.num_tiles = group_tiles + (rows_past + 1) // 2 * p.num_n_tiles
 
+    # the words of a tile's coordinates (``tile_info``) that the scheduler warp hands on (``walk.TileWalk``)
+    tile_info_words = 4
+
     @cute.jit
-    def row_work(self, p, tile: cutlass.Int32):
-        """Consumers: tile ``tile`` -> (m tile, n tile, number of k tiles); a tile past the last group
-        has none (its accumulators stay zero)."""
-        m_idx, n_idx, g, _ = self.walk_tile(p, tile)
+    def tile_info(self, p, tile: cutlass.Int32):
+        """Tile ``tile`` of the walk -> its coordinates, the words that ``tile_work`` and ``load_tile`` read: (m
+        tile, n tile, group (G past the last group), 1 where its weight tile is loaded whole: ``load_b_tile``'s
+        ``lone``, else 0): ``row_tile``, or ``pair_tile`` in clusters sharing B. One warp."""
+        lone = cutlass.Int32(0)
+        if cutlass.const_expr(self.cluster_m > 1):
+            m_idx, n_idx, g, is_lone = self.pair_tile(p, tile)
+            lone = cutlass.Int32(cutlass.select_(is_lone, 1, 0))
+        else:
+            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
+        return m_idx, n_idx, g, lone
+
+    @cute.jit
+    def tile_work(self, p, info):
+        """Consumers: a tile's coordinates (``tile_info``) -> (m tile, n tile, number of k tiles); a tile past the
+        last group has none (its accumulators stay zero)."""
+        m_idx, n_idx, g, _ = info
         k_count = p.k_tiles if g < p.num_groups else 0
         return m_idx, n_idx, k_count
 
     @cute.jit
-    def walk_tile(self, p, tile: cutlass.Int32):
-        """Tile ``tile`` of the walk -> (m tile, n tile, group, whether its weight tile is loaded whole:
-        ``load_b_tile``'s ``lone``): ``row_tile`` (None: no clusters sharing B), or ``pair_tile`` in clusters
-        sharing B."""
-        if cutlass.const_expr(self.cluster_m > 1):
-            m_idx, n_idx, g, lone = self.pair_tile(p, tile)
-        else:
-            m_idx, n_idx, g = self.row_tile(p.cu_seqlens, tile, p.num_n_tiles)
-            lone = None
-        return m_idx, n_idx, g, lone
+    def tile_stages(self, p, info):
+        """The ring stages (k tiles) the producer loads for a tile (``tile_info``; 0 past the last group)."""
+        return self.tile_work(p, info)[2]
+
+    def weight_tile_lone(self, info):
+        """``load_b_tile``'s ``lone`` of a tile (``tile_info``): None without clusters sharing B."""
+        return None if self.cluster_m == 1 else info[3] != 0
 
     @cute.jit
-    def tile_stages(self, p, tile: cutlass.Int32):
-        """The ring stages (k tiles) the producer loads for tile ``tile`` (0 past the last group or
-        past the last tile)."""
-        return self.row_work(p, tile)[2]
-
-    @cute.jit
-    def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, tile: cutlass.Int32):
-        """Producer warp (``load_tiles``' step): all k tiles of A and of the B operand(s) of tile ``tile``'s
-        group; a tile past the last group loads nothing."""
+    def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, info):
+        """Producer warp (``load_tiles``' step): all k tiles of A and of the B operand(s) of a tile's group (its
+        coordinates: ``tile_info``); a tile past the last group loads nothing."""
         b_home = [b_loads[i] for i in p.home_rings]
         b_slot = [b_loads[i] for i in p.slot_rings]
         num_home = b_home[0].num_experts()
-        m_idx, n_idx, g, lone = self.walk_tile(p, tile)
+        m_idx, n_idx, g, _ = info
+        lone = self.weight_tile_lone(info)
         load = (mainloop, prod_state, p.tma_a, tAgA, tAsA, m_idx, n_idx, p.k_tiles)
         if g < num_home:
             prod_state = self.load_expert_tile(*load, b_home, g, lone=lone)
@@ -271,14 +279,19 @@ class GroupTileScheduler:
         k_count = (row_end - row_start) // self.tile_k
         return g, m_idx, n_idx, k_start, k_count
 
+    # the words of a work item's coordinates (``tile_info``) that the scheduler warp hands on (``walk.TileWalk``)
+    tile_info_words = 5
+
     @cute.jit
-    def tile_stages(self, p, tile: cutlass.Int32):
-        """The ring stages (k tiles) the producer loads for work item ``tile`` (its group's rows / tile_k;
-        0 past the last item: ``cu_seqlens`` is not read there)."""
-        k_count = cutlass.Int32(0)
-        if tile < p.num_tiles:
-            k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)[4]
-        return k_count
+    def tile_info(self, p, tile: cutlass.Int32):
+        """Work item ``tile`` (< ``p.num_tiles``) -> (group, m tile, n tile, first k tile, number of k tiles):
+        ``work_item``."""
+        return self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
+
+    @cute.jit
+    def tile_stages(self, p, info):
+        """The ring stages (k tiles) the producer loads for a work item (``tile_info``): its group's rows / tile_k."""
+        return info[4]
 
     @cute.jit
     def count_groups(self, p):
@@ -286,11 +299,11 @@ class GroupTileScheduler:
         p.num_home = cute.size(p.mC, mode=[2])
 
     @cute.jit
-    def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, tile: cutlass.Int32):
-        """Producer warp (``load_tiles``' step): work item ``tile``'s k tiles of A = x^T and B = dy^T
+    def load_tile(self, mainloop, prod_state, p, tAgA: cute.Tensor, tAsA: cute.Tensor, b_loads, info):
+        """Producer warp (``load_tiles``' step): a work item's (``tile_info``) k tiles of A = x^T and B = dy^T
         (``load_work_item``)."""
         (b_load,) = b_loads
-        g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
+        _, m_idx, n_idx, k_start, k_count = info
         return self.load_work_item(mainloop, prod_state, p.tma_a, tAgA, tAsA, b_load, m_idx, n_idx, k_start, k_count)
 
     @cute.jit

@@ -192,10 +192,10 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
-        """One output tile: the MMA of gate and up, then h = silu(gate) * up (fp32) stored bf16, then
-        (``store_preact``) gate and up."""
-        m_idx, n_idx, k_count = self.row_work(p, tile)
+                     info, turn, epi_count: cutlass.Int32):
+        """One output tile (its coordinates: ``tile_info``): the MMA of gate and up, then h = silu(gate) * up
+        (fp32) stored bf16, then (``store_preact``) gate and up."""
+        m_idx, n_idx, k_count = self.tile_work(p, info)
         read_state, release_state = self.mma_k_tiles(  # pingpong: the mainloop takes its turn
             p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
         )

@@ -300,11 +300,11 @@ class GroupGemmSwigluBwdSm90(SwigluBwdSmemEpilogue, RowTileScheduler, GroupGemmS
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
-        """One output tile: the dgrad MMA, the SwiGLU backward epilogue, the rows' partial sums
-        (``epi_count``: the warp group's sub-tiles so far in the shared-memory epilogue; passed through
-        by the register epilogue)."""
-        m_idx, n_idx, k_count = self.row_work(p, tile)  # past the last group: d = 0
+                     info, turn, epi_count: cutlass.Int32):
+        """One output tile (its coordinates: ``tile_info``): the dgrad MMA, the SwiGLU backward epilogue, the
+        rows' partial sums (``epi_count``: the warp group's sub-tiles so far in the shared-memory epilogue;
+        passed through by the register epilogue)."""
+        m_idx, n_idx, k_count = self.tile_work(p, info)  # past the last group: d = 0
         if cutlass.const_expr(self.epilogue == "smem"):
             t = self.smem_epilogue_tiles(p, c, m_idx, n_idx)
             self.smem_epilogue_prefetch(p, c, t, warp_idx, epi_count)  # gate/up load under the mainloop

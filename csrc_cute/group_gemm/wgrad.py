@@ -178,10 +178,11 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
 
     @cute.jit
     def consume_tile(self, p, c, warp_idx, mainloop, read_state, release_state, tCrA: cute.Tensor, tCrBs,
-                     tile: cutlass.Int32, turn, epi_count: cutlass.Int32):
-        """One work item: home items always run (an empty group: no k tiles, zeros stored) and store
-        bf16; slot items with rows add fp32 into the reduce buffer; empty slot groups' items are skipped."""
-        g, m_idx, n_idx, k_start, k_count = self.work_item(p.cu_seqlens, tile, p.num_n_tiles, p.tiles_per_group)
+                     info, turn, epi_count: cutlass.Int32):
+        """One work item (its coordinates: ``tile_info``): home items always run (an empty group: no k tiles,
+        zeros stored) and store bf16; slot items with rows add fp32 into the reduce buffer; empty slot groups'
+        items are skipped."""
+        g, m_idx, n_idx, k_start, k_count = info
         is_home = g < p.num_home
         if is_home | (k_count > 0):  # the mainloop takes its turn (pingpong) in mma_k_tiles
             read_state, release_state = self.mma_k_tiles(
