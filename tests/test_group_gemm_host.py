@@ -28,18 +28,18 @@ from group_gemm_cases import zero_inputs, zero_swiglu_inputs
 
 def test_select_config_rejects_small_pad():
     # cooperative, M-major
-    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False, 1)
-    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False, 1)
-    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1, False, 1)  # M-major too
+    assert tuple(select_config(128, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False, 1, True)
+    assert tuple(select_config(256, 2048, 132)) == (128, 256, 132, False, 0, False, 1, False, 1, True)
+    assert tuple(select_config(128, 7168, 132)) == (128, 256, 132, False, 0, False, 1, False, 1, True)  # M-major too
     # the dgrad's, the dgrad2's and the down projection's at H = 7168 (28 tiles of 256): pingpong 128 x 192 in
     # bands of 16 M tiles (WIDE_ROWS_BAND)
-    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1, False, 1)
+    assert tuple(select_wide_rows_config(128, 7168, 132)) == (128, 192, 132, True, 16, False, 1, False, 1, True)
     assert select_wide_rows_config(128, 2048, 132) == select_config(128, 2048, 132)  # 8 tiles: cooperative
     assert select_wide_rows_config(128, 2049, 132).pingpong and select_wide_rows_config(128, 2049, 132).band_m == 16
     assert select_wide_rows_config(64, 7168, 132) == select_config(64, 7168, 132)  # tile_M 64: cooperative
     # the fused SwiGLU: every group in bands of 16 M tiles (SWIGLU_BAND); M-major at 8 n tiles
-    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1, False, 1)
-    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1, False, 1)
+    assert tuple(select_swiglu_config(128, 2048, 132)) == (128, 128, 132, False, 16, False, 1, False, 1, True)
+    assert tuple(select_swiglu_config(128, 1024, 132)) == (128, 128, 132, False, 0, False, 1, False, 1, True)
     assert select_config(64, 2048, 132).tile_m == 64
     for bad in (32, 16):
         with pytest.raises(ValueError, match=r"P \(pad\)"):
@@ -51,14 +51,15 @@ def test_select_config_rejects_small_pad():
 
 def test_select_swiglu_bwd_config():
     # 160 columns where they pad F by at most 5%, else 128; tile_M as the forward's
-    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False, 1, False, 1)
-    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False, 1, False, 1)
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132)) == (128, 160, 132, False, 16, False, 1, False, 1, True)
+    assert tuple(select_swiglu_bwd_config(64, 1568, 132)) == (64, 160, 132, False, 16, False, 1, False, 1, True)
     assert select_swiglu_bwd_config(128, 1024).band_m == 0  # 8 n tiles
     assert select_swiglu_bwd_config(128, 1024).tile_n == 128  # 1120 columns: 9% more
     assert select_swiglu_bwd_config(128, 200).tile_n == 128
     assert select_swiglu_bwd_config(128, 160).tile_n == 160
     # HBM below 4 TB/s (an H100): 192 columns in clusters sharing W_down, where 192 pads F by at most 5% at tile_M 128
-    assert tuple(select_swiglu_bwd_config(128, 2048, 132, 3352.3)) == (128, 192, 132, False, 16, False, 1, False, 2)
+    assert tuple(select_swiglu_bwd_config(128, 2048, 132, 3352.3)) == (128, 192, 132, False, 16, False, 1, False, 2,
+                                                                       True)
     assert select_swiglu_bwd_config(128, 2048, 132, 4800.0) == select_swiglu_bwd_config(128, 2048, 132)
     assert select_swiglu_bwd_config(64, 2048, 132, 3352.3).tile_n == 160  # tile_M 64
     assert select_swiglu_bwd_config(128, 1568, 132, 3352.3).tile_n == 160  # 1728 columns: 10% more
@@ -127,16 +128,16 @@ def test_config_cluster_m_is_1_or_2_and_only_the_kernels_sharing_b_take_2():
 
 def test_select_wgrad_config():
     # pingpong
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1, False, 1)
-    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1, False, 1)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132)) == (128, 192, 132, True, 0, False, 1, False, 1, True)
+    assert tuple(select_wgrad_config(64, 520, 136, 132)) == (128, 128, 132, False, 0, False, 1, False, 1, True)
     assert select_wgrad_config(64, 64, 64).tile_m == 64
     # by the device's HBM bandwidth (GB/s): the H100 SXM's takes the pingpong 128 x 192 tile in clusters of two CTAs
     # sharing B, the H200's (and an unknown one) without clusters; tiles other than 128 x 256 do not depend on it,
     # nor does one SM (no cluster of two)
     h100, h200 = 3352.0, 4915.0
-    assert tuple(select_wgrad_config(128, 7168, 2048, 132, h100)) == (128, 192, 132, True, 0, False, 1, False, 2)
+    assert tuple(select_wgrad_config(128, 7168, 2048, 132, h100)) == (128, 192, 132, True, 0, False, 1, False, 2, True)
     assert select_wgrad_config(128, 7168, 2048, 132, h200) == select_wgrad_config(128, 7168, 2048, 132)
-    assert tuple(select_wgrad_config(64, 520, 136, 132, h100)) == (128, 128, 132, False, 0, False, 1, False, 1)
+    assert tuple(select_wgrad_config(64, 520, 136, 132, h100)) == (128, 128, 132, False, 0, False, 1, False, 1, True)
     assert select_wgrad_config(128, 7168, 2048, 1, h100) == select_wgrad_config(128, 7168, 2048, 1)
     with pytest.raises(ValueError, match=r"P \(pad\)"):
         select_wgrad_config(32, 256, 256)
@@ -147,10 +148,10 @@ def test_select_wgrad_config():
 
 @pytest.mark.parametrize("op, slow_hbm_tile", [
     # the dgrad2's and the row scale's: the cooperative 128 x 256 tile in bands of 64 M tiles
-    ("dgrad2", (128, 256, 132, False, 64, False, 1, False, 1)),
+    ("dgrad2", (128, 256, 132, False, 64, False, 1, False, 1, True)),
     # the dgrad's: the wide-rows pingpong tile in clusters of two CTAs sharing the weight tiles (cluster_m = 2,
     # same raster; the H100 SXM is where it was swept)
-    ("dgrad", (128, 192, 132, True, 16, False, 1, False, 2)),
+    ("dgrad", (128, 192, 132, True, 16, False, 1, False, 2, True)),
 ])
 def test_select_slow_hbm_rows_configs(op, slow_hbm_tile):
     # the dgrad2's / row scale's (select_hbm_rows_config) and the dgrad's (select_dgrad_config) tiles: the
