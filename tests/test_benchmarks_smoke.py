@@ -542,7 +542,7 @@ def check_tile_choices_win_sweeps(gpu: str, names: tuple[str, ...], chosen: dict
         assert len(rows) == 3, fam
         pingpong = cfg.pingpong or fam.startswith("swiglu_bwd")  # the SwiGLU backward is always pingpong
         name = config_name(cfg.tile_m, cfg.tile_n, pingpong, cfg.band_m, cfg.tall_m_major, cfg.cluster_n, cfg.dynamic,
-                           cfg.cluster_m)
+                           cfg.cluster_m, cfg.scheduler_warp)
         wins = 0
         for r in rows:
             field = "sustained_ms" if any(isinstance(c, dict) and "sustained_ms" in c for c in r.values()) else "ms"
@@ -584,7 +584,8 @@ def test_tile_choices_are_the_fastest_of_the_committed_h200_sweeps():
 def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
     """On an H100 SXM (HBM bandwidth 3.35 TB/s: the dgrad2 and the row scale take cooperative tiles, the dgrad, the
     wgrads and the SwiGLU backwards (at 128 x 192) clusters sharing B) the tiles of the families swept there win
-    those sweeps (``check_tile_choices_win_sweeps``)."""
+    those sweeps (``check_tile_choices_win_sweeps``); the dgrad's, the row scale's and the SwiGLU backward's with the
+    scheduler warp (the default) against the same tiles without it (session 44)."""
     from csrc_cute.group_gemm import (
         select_config,
         select_dgrad_config,
@@ -600,7 +601,8 @@ def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
     chosen = dict(fwd=select_config(128, 2048), dgrad=select_dgrad_config(128, 7168, hbm_gbs=h100), dgrad2=rows,
                   row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad, wgrad_gather_t=wgrad, swiglu_bwd=swiglu_bwd,
                   swiglu_bwd_gather=swiglu_bwd)
-    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session37_h100_dgrad_clusters.json",
+    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session44_h100_scheduler_ab.json",
+                                                            "bench_tiles_session37_h100_dgrad_clusters.json",
                                                             "bench_tiles_session37_h100_wgrad_clusters.json",
                                                             "bench_tiles_session37_h100_swiglu_bwd_clusters.json",
                                                             "bench_tiles_session36_h100_swiglu_bwd_192.json",

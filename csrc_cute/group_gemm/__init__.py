@@ -6,7 +6,8 @@ inference kernels included).
 Modules: ``config`` (tile configurations), ``host`` (validation, compile cache, launch; imports no
 DSL until a kernel is compiled), ``base`` (the shared mainloop, epilogue helpers and the one
 warp-specialized producer/consumer skeleton), ``scheduler`` (tile schedulers), ``walk`` (which tiles a
-persistent CTA takes: the static walk, or in order from a global counter), ``remote`` (remote-weight
+persistent CTA takes, the static walk or in order from a global counter, and the scheduler warp that computes
+their coordinates ahead), ``remote`` (remote-weight
 descriptors), ``pairs`` (dgrad2's two operand pairs), and one module per kernel family: ``rows`` (forward,
 dgrad, dgrad2, row scale), ``swiglu``
 (with ``gather``: the gathered A operand, rows of x by index),
