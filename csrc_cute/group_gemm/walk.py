@@ -43,10 +43,10 @@ WALK_STAGES = 4
 
 class TileWalk:
     """Mixin of ``GroupGemmSm90Base``: the walk ring's shared memory (``walk_fields``), the ring (``make_walk``),
-    its writers (the dynamic walk's ``publish_next``, the scheduler warp's ``schedule_tiles``) and its readers'
-    steps (``walk_first`` / ``walk_next``); the loops over an unscheduled static walk are ``cutlass.range``
-    loops of ``GroupGemmSm90Base``. A slot holds a tile number and the tile's coordinates (the scheduler's
-    ``tile_info``, ``tile_info_words`` of them)."""
+    its writers (the dynamic walk's ``publish_next``, the scheduler warp's ``schedule_tiles``), its readers' step
+    (``read_tile``), the dynamic walk's loading cursor (``walk_first`` / ``walk_next``) and the loops over the
+    ring; the loops over an unscheduled static walk are ``cutlass.range`` loops of ``GroupGemmSm90Base``. A slot
+    holds a tile number and the tile's coordinates (the scheduler's ``tile_info``, ``tile_info_words`` of them)."""
 
     # producer warps besides the writer that walk the tiles themselves (the gathered kernels: all four)
     walk_producer_readers = 0
@@ -146,9 +146,8 @@ class TileWalk:
     def read_tile(self, p, step):
         """Reader warp: the tile number and coordinates of the walk's ``step``-th tile of this CTA (every lane
         reads them, the same words; after the warp's reads lane 0 releases the slot) -> (tile, coordinates). A
-        reader carries its step alone (the slot and its phase follow from it), as few registers as the consumers'
-        loops can spare over a tile (the 128 x 192 row-scaled pingpong kernel in clusters spilled with a
-        pipeline state and a step)."""
+        reader carries its step alone through its loop (the slot and its phase follow from it): one register over
+        a tile where a pipeline state would keep three."""
         ring, slots = p.walk
         state = pipeline.PipelineState(WALK_STAGES, step, step % WALK_STAGES, (step // WALK_STAGES) % 2)
         ring.consumer_wait(state)
