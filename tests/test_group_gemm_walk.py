@@ -83,6 +83,18 @@ def test_dynamic_walk_row_kernels_equal_the_static_walk(pingpong, band_m):
     walks_agree("dgrad2", 1216, 320, static, (dy_a, wa_h, wa_s, dy_b, wb_h, wb_s, cu), [nan_rows(n_total, 1216)])
 
 
+def swiglu_bwd_operands(n_total, seed):
+    """The SwiGLU backward's operands besides its A (F = 600, H = 320): home and slot W_down, the forward's gate
+    and up, the rows' route weights."""
+    gen = torch.Generator().manual_seed(seed)
+    wdh = (torch.randn(EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
+    wds = (torch.randn(len(LENGTHS) - EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
+    gate = (torch.randn(n_total, 600, generator=gen) * 2).bfloat16().cuda()
+    up = torch.randn(n_total, 600, generator=gen).bfloat16().cuda()
+    row_w = torch.rand(n_total, generator=gen).cuda()
+    return wdh, wds, gate, up, row_w
+
+
 @gpu
 def test_dynamic_walk_gathered_swiglu_kernels_equal_the_static_walk():
     # the layer's gathered SwiGLU (cooperative, four producer warps walking the tiles: warp 0 writes the walk,
@@ -94,12 +106,7 @@ def test_dynamic_walk_gathered_swiglu_kernels_equal_the_static_walk():
     h = walks_agree("swiglu_gather", 320, 600, GroupGemmConfig(128, 128, 4, False, 16),
                     (tokens, row_src, wgh, wgs, wuh, wus, cu), [nan_rows(n_total, 600) for _ in range(3)])[0]
     assert not h[:sum(LENGTHS)].isnan().any(), "rows of the groups unwritten"
-    gen = torch.Generator().manual_seed(88)
-    wdh = (torch.randn(EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
-    wds = (torch.randn(len(LENGTHS) - EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
-    gate = (torch.randn(n_total, 600, generator=gen) * 2).bfloat16().cuda()
-    up = torch.randn(n_total, 600, generator=gen).bfloat16().cuda()
-    row_w = torch.rand(n_total, generator=gen).cuda()
+    wdh, wds, gate, up, row_w = swiglu_bwd_operands(n_total, seed=88)
     g_out = random_tokens(1000, 320, seed=89)
     outs = [nan_rows(n_total, 600) for _ in range(3)] + [nan_rows(n_total, -(-600 // 160), torch.float32)]
     walks_agree("swiglu_bwd_gather", 320, 600, GroupGemmConfig(128, 160, 4, False, 16),
@@ -187,12 +194,7 @@ def test_scheduler_warp_swiglu_kernels_equal_the_unscheduled_walk(cluster_m):
     h = walks_agree("swiglu", 320, 600, unscheduled(config), (x, wgh, wgs, wuh, wus, cu),
                     [nan_rows(n_total, 600) for _ in range(3)], config)[0]
     assert not h[:sum(LENGTHS)].isnan().any(), "rows of the groups unwritten"
-    gen = torch.Generator().manual_seed(106)
-    wdh = (torch.randn(EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
-    wds = (torch.randn(len(LENGTHS) - EPN, 600, 320, generator=gen) / 600**0.5).bfloat16().cuda()
-    gate = (torch.randn(n_total, 600, generator=gen) * 2).bfloat16().cuda()
-    up = torch.randn(n_total, 600, generator=gen).bfloat16().cuda()
-    row_w = torch.rand(n_total, generator=gen).cuda()
+    wdh, wds, gate, up, row_w = swiglu_bwd_operands(n_total, seed=106)
     g_y = random_tokens(n_total, 320, seed=107)
     outs = [nan_rows(n_total, 600) for _ in range(3)] + [nan_rows(n_total, -(-600 // 192), torch.float32)]
     config = GroupGemmConfig(128, 192, 4, False, 16, cluster_m=cluster_m)

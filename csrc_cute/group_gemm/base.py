@@ -666,14 +666,23 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
             passed = cutlass.Int32(0)
             step = cutlass.Int32(0)
             for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
-                info = self.tile_info(p, tile)
-                start = self.consumer_state_at(passed)
-                passed = passed + self.tile_stages(p, info)  # before the tile: no coordinate stays live over it
-                if step % 2 == wg:
-                    _, _, epi_count = self.consume_tile(
-                        p, c, warp_idx, mainloop, start, start.clone(), tCrA, tCrBs, info, tile, epi_count
-                    )
+                passed, epi_count = self.consume_alternate_step(p, c, warp_idx, wg, mainloop, tCrA, tCrBs,
+                                                                self.tile_info(p, tile), tile, step, passed, epi_count)
                 step = step + 1
+
+    @cute.jit
+    def consume_alternate_step(self, p, c, warp_idx, wg, mainloop, tCrA: cute.Tensor, tCrBs, info, turn, step,
+                               passed, epi_count):
+        """Pingpong warp group ``wg``: the ``step``-th tile of the CTA's walk (coordinates ``info``; ``turn`` as
+        ``wait_mainloop_turn``'s), computed where the step is of the warp group's parity, from the pipeline state
+        ``passed`` stages in -> (the stages passed after the tile, the warp group's sub-tile count)."""
+        start = self.consumer_state_at(passed)
+        passed = passed + self.tile_stages(p, info)  # before the tile: no coordinate stays live over it
+        if step % 2 == wg:
+            _, _, epi_count = self.consume_tile(
+                p, c, warp_idx, mainloop, start, start.clone(), tCrA, tCrBs, info, turn, epi_count
+            )
+        return passed, epi_count
 
     @cute.jit
     def wait_mainloop_turn(self, turn):

@@ -243,12 +243,8 @@ class TileWalk:
         step = cutlass.Int32(0)
         tile, info = self.read_tile(p, step)
         while tile < p.num_tiles:
-            start = self.consumer_state_at(passed)
-            passed = passed + self.tile_stages(p, info)  # before the tile: no coordinate stays live over it
-            if step % 2 == wg:
-                _, _, epi_count = self.consume_tile(
-                    p, c, warp_idx, mainloop, start, start.clone(), tCrA, tCrBs, info, step, epi_count
-                )
+            passed, epi_count = self.consume_alternate_step(p, c, warp_idx, wg, mainloop, tCrA, tCrBs, info, step,
+                                                            step, passed, epi_count)
             step = step + 1
             tile, info = self.read_tile(p, step)
         if step % 2 == wg:
