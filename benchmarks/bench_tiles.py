@@ -86,14 +86,23 @@ DGRAD_CLUSTER_BAND_CANDIDATES = ((128, 192, True, 8, False, 1, False, 2), (128, 
 # below) and the cooperative banded one (row-scaled forward; its consumers read the scheduler's ring too)
 UNSCHEDULED_ROW_CANDIDATES = ((128, 192, True, 16, False, 1, False, 2, False),
                               (128, 256, False, 64, False, 1, False, 1, False))
-CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=ROW_CANDIDATES + DGRAD_CLUSTER_BAND_CANDIDATES + UNSCHEDULED_ROW_CANDIDATES,
+# the same without the scheduler warp for the H100's clustered pingpong wgrad (session 45: its consumers read the ring)
+# and the H200's unclustered pingpong dgrad, SwiGLU backward and wgrad tiles (not yet run on an H200)
+UNSCHEDULED_PINGPONG_CANDIDATES = dict(
+    dgrad=((128, 192, True, 16, False, 1, False, 1, False),),
+    swiglu_bwd=((128, 160, True, 16, False, 1, False, 1, False),),
+    wgrad=((128, 192, True, 0, False, 1, False, 2, False), (128, 192, True, 0, False, 1, False, 1, False)))
+CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=(ROW_CANDIDATES + DGRAD_CLUSTER_BAND_CANDIDATES + UNSCHEDULED_ROW_CANDIDATES
+                         + UNSCHEDULED_PINGPONG_CANDIDATES["dgrad"]),
                   dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES + UNSCHEDULED_ROW_CANDIDATES,
-                  wgrad=WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2)),
+                  wgrad=(WGRAD_CANDIDATES + ((128, 256, False, 0, False, 2), (128, 192, True, 0, False, 2))
+                         + UNSCHEDULED_PINGPONG_CANDIDATES["wgrad"]),
                   wgrad_gather=WGRAD_CANDIDATES + ((128, 192, True, 0, False, 1, True),),
                   wgrad_gather_t=WGRAD_CANDIDATES,
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
                           (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
-                  swiglu_bwd=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES,
+                  swiglu_bwd=(SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES
+                              + UNSCHEDULED_PINGPONG_CANDIDATES["swiglu_bwd"]),
                   swiglu_bwd_gather=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES)
 
 

@@ -162,6 +162,29 @@ def unscheduled(config: GroupGemmConfig) -> GroupGemmConfig:
     return GroupGemmConfig(*config[:9], scheduler_warp=False)
 
 
+def test_which_warps_read_the_scheduled_walk():
+    """With the scheduler warp, the loading warp and the consumers, pingpong ones included, read the tiles'
+    coordinates from the ring; the row-scaled kernel's pingpong consumers in clusters sharing B compute their own
+    (reading the ring, they spilled at sm_90a); without it nothing reads a ring and the kernel has none."""
+    from csrc_cute.group_gemm.rows import GroupGemmRowScaleSm90, GroupGemmSm90
+    from csrc_cute.group_gemm.swiglu_bwd import GroupGemmSwigluBwdSm90
+    from csrc_cute.group_gemm.wgrad import GroupGemmWgradSm90
+
+    def readers(kernel):
+        return kernel.walked, kernel.consumers_read_walk
+
+    clustered = GroupGemmConfig(128, 192, 132, True, 16, cluster_m=2)  # the H100's dgrad and SwiGLU backward
+    unclustered = GroupGemmConfig(128, 192, 132, True, 16)  # the H200's dgrad and row-scaled forward
+    for config in (clustered, unclustered):
+        assert readers(GroupGemmSm90(config, b_k_major=True)) == (True, True)
+        assert readers(GroupGemmSwigluBwdSm90(config)) == (True, True)
+        assert readers(GroupGemmWgradSm90(config)) == (True, True)
+        assert readers(GroupGemmSm90(unscheduled(config), b_k_major=True)) == (False, False)
+    assert readers(GroupGemmRowScaleSm90(unclustered)) == (True, True)
+    assert readers(GroupGemmRowScaleSm90(clustered)) == (True, False)
+    assert readers(GroupGemmRowScaleSm90(GroupGemmConfig(128, 256, 132, False, 64, cluster_m=2))) == (True, True)
+
+
 @gpu
 @pytest.mark.parametrize("pingpong,band_m,cluster_m", [(False, 64, 1), (True, 16, 2), (False, 16, 2), (True, 0, 1)])
 def test_scheduler_warp_row_kernels_equal_the_unscheduled_walk(pingpong, band_m, cluster_m):

@@ -392,13 +392,14 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         return bSG_sD, bSG_gD, cute.size(gC_epi, mode=[1]), cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
 
     @cute.jit
-    def store_acc_tile(self, p, c, warp_idx, gC_tile: cute.Tensor, epi_count: cutlass.Int32):
+    def store_acc_tile(self, p, c, warp_idx, gC_tile: cute.Tensor, epi_count: cutlass.Int32, scales=None):
         """The accumulators (``c.tRS_rAcc``) of one output tile -> bf16 -> ``gC_tile``, sub-tile by
         sub-tile through the storing group's shared slots (``c``: ``make_tma_store_epilogue``'s registers,
-        slots and barrier). Returns the storing group's sub-tile count after the tile."""
+        slots and barrier), each times its ``scales`` value where given (laid out as ``c.tRS_rAcc``). Returns
+        the storing group's sub-tile count after the tile."""
         bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(p.tma_c, c.sC, gC_tile)
         for e in cutlass.range_constexpr(epi_tiles):
-            self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
+            self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut, scales)
             self.store_subtile(
                 c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
                 warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
@@ -407,11 +408,15 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
 
     @cute.jit
     def acc_subtile_to_bf16(self, tRS_rAcc: cute.Tensor, e: cutlass.Constexpr, tRS_rD: cute.Tensor,
-                            tRS_rOut: cute.Tensor):
-        """Sub-tile ``e`` of the (retiled) fp32 accumulators -> bf16 registers ``tRS_rOut``."""
+                            tRS_rOut: cute.Tensor, scales=None):
+        """Sub-tile ``e`` of the (retiled) fp32 accumulators, each times its ``scales`` value where given (laid
+        out as ``tRS_rAcc``) -> bf16 registers ``tRS_rOut``."""
         size_rD = cute.size(tRS_rD)
         for v in cutlass.range_constexpr(size_rD):
-            tRS_rD[v] = tRS_rAcc[e * size_rD + v]
+            value = tRS_rAcc[e * size_rD + v]
+            if cutlass.const_expr(scales is not None):
+                value = value * scales[e * size_rD + v]
+            tRS_rD[v] = value
         tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
 
     @cute.jit
@@ -655,11 +660,11 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         the pipeline state that many stages in. The family's ``consume_tile`` runs its mainloop as
         ``mma_k_tiles(p, ..., turn)`` (a tile without one calls ``wait_mainloop_turn`` /
         ``pass_mainloop_turn`` itself), so the mainloops take turns and each epilogue runs under the other
-        warp group's mainloop. Each warp group takes the coordinates of every tile of the CTA: in the dynamic
-        walk from its ring (``walk.TileWalk.consume_walked_alternate_tiles``), else computed itself
-        (``tile_info``: under the other warp group's mainloop; ``walk.TileWalk._init_walk`` says why not from the
-        scheduler warp)."""
-        if cutlass.const_expr(self.dynamic):
+        warp group's mainloop. Each warp group takes the coordinates of every tile of the CTA: from the walk's
+        ring (``walk.TileWalk.consume_walked_alternate_tiles``), or, in an unscheduled static walk and where
+        ``walk.TileWalk.pingpong_consumers_read_walk`` says so, computed itself (``tile_info``, under the other
+        warp group's mainloop)."""
+        if cutlass.const_expr(self.consumers_read_walk):
             self.consume_walked_alternate_tiles(p, c, warp_idx, wg, mainloop, tCrA, tCrBs)
         else:
             epi_count = cutlass.Int32(0)
@@ -692,7 +697,7 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         mbarrier wait sees only the phase parity: it would take the slot's previous pass for this one (on the
         H200: hangs and faults once a CTA had two tiles). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            if cutlass.const_expr(self.dynamic):
+            if cutlass.const_expr(self.consumers_read_walk):
                 if turn != 0:
                     cute.arch.barrier(barrier_id=self.turn_barrier_id(turn), number_of_threads=2 * self.threads_per_wg)
             else:
@@ -707,7 +712,7 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         group start the CTA's next tile (the dynamic walk passes it after every tile:
         ``walk.TileWalk.consume_walked_alternate_tiles``). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            if cutlass.const_expr(self.dynamic):
+            if cutlass.const_expr(self.consumers_read_walk):
                 cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(turn + 1),
                                          number_of_threads=2 * self.threads_per_wg)
             else:

@@ -57,14 +57,20 @@ class TileWalk:
     def _init_walk(self, config):
         """The walk of ``config``: ``self.dynamic``; ``self.scheduled`` (the static walk with the scheduler warp);
         ``self.walked`` (either: the loading warp takes its tiles through the ring); ``self.consumers_read_walk``
-        (the consumers do too: in the dynamic walk, and the cooperative ones in the scheduled walk). The pingpong
-        consumers of the scheduled walk compute their tiles' coordinates themselves (``tile_info``) under the
-        other warp group's mainloop, where they cost no tensor-core time; read from the ring, the coordinates
-        took regular registers through the mainloop where computed ones sit in uniform registers, and the 128 x
-        192 row-scaled pingpong kernel in clusters spilled (sm_90a, session 44)."""
+        (the consumers do too: wherever the walk is in the ring, except where ``pingpong_consumers_read_walk``
+        says no: they then compute each tile's coordinates themselves, ``tile_info``)."""
         self.scheduled = not self.dynamic and config.scheduler_warp and self.scheduled_walk
         self.walked = self.dynamic or self.scheduled
-        self.consumers_read_walk = self.dynamic or (self.scheduled and not self.pingpong)
+        self.consumers_read_walk = self.walked and (self.dynamic or not self.pingpong
+                                                    or self.pingpong_consumers_read_walk())
+
+    def pingpong_consumers_read_walk(self) -> bool:
+        """Whether the pingpong consumers of the scheduled walk read their tiles' coordinates from the ring (the
+        default: the coordinates computed in the consumers took 7.6% of the H100 dgrad's warp samples under ncu,
+        session 44; read from the ring, the clustered dgrad ran 0.6-0.9% faster at the power cap, session 45).
+        Words read from shared memory stay in regular registers through the mainloop, where computed ones may
+        sit in uniform registers: a kernel whose consumers have no register to spare keeps computing them."""
+        return True
 
     def walk_fields(self) -> dict:
         """The walk ring's shared-memory fields (none for an unscheduled static walk): a slot's words are the
