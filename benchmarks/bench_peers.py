@@ -61,7 +61,7 @@ to 15% between runs (the wgrad at 48 equal groups: ours 0.87x QuACK's speed in s
 results/bench_peers_session32_h100_gemm.json, and 1.00x in session 31's bench_tiles burst); a training step runs
 at the cap (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
 the same QuACK dgrad at 16 x 4096 took 2.50 ms there and 2.81 ms in a bench_tiles run of the same session on
-another machine, 1 H200: results/bench_peers_4cde1fc_h200.log, bench_tiles_session18_h200.log). The layer's
+another machine, 1 H200: results/bench_peers_4cde1fc_h200.log.gz, bench_tiles_session18_h200.log.gz). The layer's
 implementations are timed each in a block of its own (fwd, inference, fwd + backward), not in rotated rounds:
 tried in session 28, rounds of 3 warm-up + 5 timed steps each (about 0.25 s) met the board's power limiter in
 the transient the other implementation left, and ours came out slower than its own steady state at the 700 W
