@@ -691,8 +691,8 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
 
     @cute.jit
     def wait_mainloop_turn(self, turn):
-        """Pingpong, before the mainloop of a tile (``turn``: the tile, or with the dynamic walk its step in the
-        CTA's walk): wait until the other warp group has finished the mainloop of the CTA's previous tile.
+        """Pingpong, before the mainloop of a tile (``turn``: the tile, or where the consumers read the walk's ring
+        its step in the CTA's walk): wait until the other warp group has finished the mainloop of the CTA's previous tile.
         Without it a warp group would wait on ring stages more than one ring pass ahead of the loads, and an
         mbarrier wait sees only the phase parity: it would take the slot's previous pass for this one (on the
         H200: hangs and faults once a CTA had two tiles). Cooperative consumers: nothing."""
@@ -709,7 +709,7 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
     @cute.jit
     def pass_mainloop_turn(self, p, turn):
         """Pingpong, after the mainloop of a tile (``turn`` as ``wait_mainloop_turn``'s): let the other warp
-        group start the CTA's next tile (the dynamic walk passes it after every tile:
+        group start the CTA's next tile (consumers that read the ring pass it after every tile:
         ``walk.TileWalk.consume_walked_alternate_tiles``). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
             if cutlass.const_expr(self.consumers_read_walk):

@@ -31,9 +31,10 @@ class GroupGemmConfig(tuple):
     loading half of every B tile (the weights; the wgrads' dy^T) by TMA multicast into both, so the pair
     reads each B tile from L2 once. ``scheduler_warp`` (the static walk of the kernels whose producer is one
     warp: not the gathered nor the remote ones, which ignore it): the producer's warp 1 computes each tile's
-    coordinates ahead and hands them to the loading warp and the cooperative consumers through a shared ring
-    (``walk.TileWalk``), so that neither computes them between two tiles (pingpong consumers compute theirs under
-    the other warp group's mainloop); False: every warp computes them itself."""
+    coordinates ahead and hands them to the loading warp and the consumers through a shared ring
+    (``walk.TileWalk``), so that none computes them between two tiles (but the row-scaled kernel's pingpong
+    consumers in clusters sharing B: ``TileWalk.pingpong_consumers_read_walk``); False: every warp computes them
+    itself."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,
                 tall_m_major: bool = False, cluster_n: int = 1, dynamic: bool = False, cluster_m: int = 1,
