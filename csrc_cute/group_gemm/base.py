@@ -392,14 +392,13 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         return bSG_sD, bSG_gD, cute.size(gC_epi, mode=[1]), cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
 
     @cute.jit
-    def store_acc_tile(self, p, c, warp_idx, gC_tile: cute.Tensor, epi_count: cutlass.Int32, scales=None):
+    def store_acc_tile(self, p, c, warp_idx, gC_tile: cute.Tensor, epi_count: cutlass.Int32):
         """The accumulators (``c.tRS_rAcc``) of one output tile -> bf16 -> ``gC_tile``, sub-tile by
         sub-tile through the storing group's shared slots (``c``: ``make_tma_store_epilogue``'s registers,
-        slots and barrier), each times its ``scales`` value where given (laid out as ``c.tRS_rAcc``). Returns
-        the storing group's sub-tile count after the tile."""
+        slots and barrier). Returns the storing group's sub-tile count after the tile."""
         bSG_sD, bSG_gD, epi_tiles, epi_layout = self.partition_epilogue(p.tma_c, c.sC, gC_tile)
         for e in cutlass.range_constexpr(epi_tiles):
-            self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut, scales)
+            self.acc_subtile_to_bf16(c.tRS_rAcc, e, c.tRS_rD, c.tRS_rOut)
             self.store_subtile(
                 c.tiled_copy_r2s, c.tRS_rOut, c.tRS_sD, self.epi_slot(c.epi_slot0, epi_count + e), c.epi_bar,
                 warp_idx, c.store_pipe, p.tma_c, bSG_sD, bSG_gD, epi_layout.get_hier_coord(e),
@@ -408,15 +407,11 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
 
     @cute.jit
     def acc_subtile_to_bf16(self, tRS_rAcc: cute.Tensor, e: cutlass.Constexpr, tRS_rD: cute.Tensor,
-                            tRS_rOut: cute.Tensor, scales=None):
-        """Sub-tile ``e`` of the (retiled) fp32 accumulators, each times its ``scales`` value where given (laid
-        out as ``tRS_rAcc``) -> bf16 registers ``tRS_rOut``."""
+                            tRS_rOut: cute.Tensor):
+        """Sub-tile ``e`` of the (retiled) fp32 accumulators -> bf16 registers ``tRS_rOut``."""
         size_rD = cute.size(tRS_rD)
         for v in cutlass.range_constexpr(size_rD):
-            value = tRS_rAcc[e * size_rD + v]
-            if cutlass.const_expr(scales is not None):
-                value = value * scales[e * size_rD + v]
-            tRS_rD[v] = value
+            tRS_rD[v] = tRS_rAcc[e * size_rD + v]
         tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
 
     @cute.jit

@@ -60,8 +60,9 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
 
     def pingpong_consumers_read_walk(self) -> bool:
         """Not in the row-scaled kernel in clusters sharing B (a tile no op chooses): reading the ring, its pingpong
-        consumers spilled 4-8 B at sm_90a (sessions 44-45; each holds a whole tile's 192 accumulators and their
-        row scales), so they compute their coordinates themselves."""
+        consumers spilled 8 B at sm_90a (sessions 44-45: a row-scaled product of the whole tile's 192 accumulators
+        in the epilogue, where the walk's #tiles held one register through every loop), so they compute their
+        coordinates themselves."""
         return not (self.row_scale and self.cluster_m > 1)
 
     @cute.jit
@@ -161,28 +162,25 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
         read_state, release_state = self.mma_k_tiles(
             p, mainloop, read_state, release_state, [c.acc], tCrA, tCrBs, k_count, turn
         )
-        row_scales = None
         if cutlass.const_expr(p.row_w is not None):
-            row_scales = self.row_scales(p, c, m_idx * self.tile_m)
+            self.scale_rows(p.tiled_mma, c.mma_tidx, c.acc, p.row_w, m_idx * self.tile_m)
         return read_state, release_state, self.store_acc_tile(p, c, warp_idx, c.gC[(None, None, m_idx, n_idx)],
-                                                              epi_count, row_scales)
+                                                              epi_count)
 
     @cute.jit
-    def row_scales(self, p, c, row0: cutlass.Int32) -> cute.Tensor:
-        """The row scale of each accumulator of the tile whose rows start at ``row0``, ``p.row_w[row]`` (fp32), laid
-        out as the epilogue reads the accumulators (``c.tRS_rAcc``); rows past the end of ``row_w`` (the tail of a
-        partial last tile, never stored) take its last entry. Loaded before the epilogue's first barrier, so that
-        the loads of equal rows are one load (a thread's accumulators lie in 2 or, pingpong, 4 rows); applied
-        sub-tile by sub-tile as the epilogue converts (``acc_subtile_to_bf16``): scaled all at once before it, the
-        products took a second set of registers (the SASS of the clustered pingpong tile, session 45, whose spill
-        was there), where each sub-tile's now go straight to the conversion."""
-        coords = p.tiled_mma.get_slice(c.mma_tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        scales = cute.make_rmem_tensor(c.acc.shape, self.acc_dtype)
-        last = cute.size(p.row_w, mode=[0]) - 1
-        for i in cutlass.range_constexpr(cute.size(scales)):
-            # clamped, branch-free: equal rows give equal addresses
-            scales[i] = p.row_w[cutlass.min(row0 + coords[i][0], last)]
-        return c.tiled_copy_r2s.retile(scales)
+    def scale_rows(self, tiled_mma: cute.TiledMma, mma_tidx, acc: cute.Tensor, row_w: cute.Tensor,
+                   row0: cutlass.Int32):
+        """acc[i] *= row_w[row of acc[i]] (fp32), rows of the tile starting at ``row0``; rows past
+        the end of ``row_w`` (the tail of a partial last tile, never stored) read its last entry. The
+        rows come from the thread's slice of an identity tile (the same map the wgrad epilogue uses
+        and its coverage test checks)."""
+        coords = tiled_mma.get_slice(mma_tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))
+        )
+        last = cute.size(row_w, mode=[0]) - 1
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            # clamped, branch-free: equal rows give equal addresses, so the loads are CSE'd
+            acc[i] = acc[i] * row_w[cutlass.min(row0 + coords[i][0], last)]
 
 
 class GroupGemmRowScaleSm90(GroupGemmSm90):
