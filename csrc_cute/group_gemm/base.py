@@ -657,7 +657,7 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         ``pass_mainloop_turn`` itself), so the mainloops take turns and each epilogue runs under the other
         warp group's mainloop. Each warp group takes the coordinates of every tile of the CTA: from the walk's
         ring (``walk.TileWalk.consume_walked_alternate_tiles``), or, in an unscheduled static walk and where
-        ``walk.TileWalk.pingpong_consumers_read_walk`` says so, computed itself (``tile_info``, under the other
+        ``walk.TileWalk.pingpong_consumers_read_walk`` says no, computed itself (``tile_info``, under the other
         warp group's mainloop)."""
         if cutlass.const_expr(self.consumers_read_walk):
             self.consume_walked_alternate_tiles(p, c, warp_idx, wg, mainloop, tCrA, tCrBs)
@@ -687,10 +687,10 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
     @cute.jit
     def wait_mainloop_turn(self, turn):
         """Pingpong, before the mainloop of a tile (``turn``: the tile, or where the consumers read the walk's ring
-        its step in the CTA's walk): wait until the other warp group has finished the mainloop of the CTA's previous tile.
-        Without it a warp group would wait on ring stages more than one ring pass ahead of the loads, and an
-        mbarrier wait sees only the phase parity: it would take the slot's previous pass for this one (on the
-        H200: hangs and faults once a CTA had two tiles). Cooperative consumers: nothing."""
+        its step in the CTA's walk): wait until the other warp group has finished the mainloop of the CTA's
+        previous tile. Without it a warp group would wait on ring stages more than one ring pass ahead of the
+        loads, and an mbarrier wait sees only the phase parity: it would take the slot's previous pass for this
+        one (on the H200: hangs and faults once a CTA had two tiles). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
             if cutlass.const_expr(self.consumers_read_walk):
                 if turn != 0:

@@ -21,9 +21,10 @@ Scheduled (``GroupGemmConfig.scheduler_warp``, the static walk of the kernels wh
 producer's warp 1, idle otherwise, is the writer of the static walk: it computes each tile's coordinates
 (``tile_info``: in clusters sharing B ``pair_tile``'s warp scans over ``cu_seqlens``, dependent global loads)
 and publishes them in the same ring, up to ``WALK_STAGES`` tiles ahead, then #tiles as the end; the loading
-warp 0 and the consumers (cooperative and pingpong: ``TileWalk._init_walk``) read them. Why: computed by the loading warp, a clustered tile's coordinates took
-about 1.4 us between a tile's last TMA load and the next one's first, where the 5-stage ring gives that first
-load about 1.5 us of lead, so the consumers found a tile's first k block not yet loaded at 99.3% of tile starts
+warp 0 and the consumers (cooperative and pingpong: ``TileWalk._init_walk``) read them. Why: computed by the
+loading warp, a clustered tile's coordinates took about 1.4 us between a tile's last TMA load and the next one's
+first, where the 5-stage ring gives that first load about 1.5 us of lead, so the consumers found a tile's first k
+block not yet loaded at 99.3% of tile starts
 (ncu of the H100 dgrad at 48 equal groups, session 43); and computed by the cooperative consumers themselves,
 they sit between a tile's epilogue and its first wgmma. The results are bitwise the unscheduled walk's (the
 same tiles in the same order).
