@@ -24,9 +24,9 @@ and publishes them in the same ring, up to ``WALK_STAGES`` tiles ahead, then #ti
 warp 0 and the consumers (cooperative and pingpong: ``TileWalk._init_walk``) read them. Why: computed by the
 loading warp, a clustered tile's coordinates took about 1.4 us between a tile's last TMA load and the next one's
 first, where the 5-stage ring gives that first load about 1.5 us of lead, so the consumers found a tile's first k
-block not yet loaded at 99.3% of tile starts
-(ncu of the H100 dgrad at 48 equal groups, session 43); and computed by the cooperative consumers themselves,
-they sit between a tile's epilogue and its first wgmma. The results are bitwise the unscheduled walk's (the
+block not yet loaded at 99.3% of tile starts (ncu of the H100 dgrad at 48 equal groups, session 43); and computed
+by the consumers themselves, they sit between a tile's epilogue and its first wgmma (cooperative) or take 7.6% of
+the warp samples (pingpong, the same ncu in session 44). The results are bitwise the unscheduled walk's (the
 same tiles in the same order).
 """
 
