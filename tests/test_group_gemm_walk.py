@@ -162,34 +162,29 @@ def unscheduled(config: GroupGemmConfig) -> GroupGemmConfig:
     return GroupGemmConfig(*config[:9], scheduler_warp=False)
 
 
-def test_which_warps_read_the_scheduled_walk():
-    """With the scheduler warp, the loading warp and the consumers, pingpong ones included, read the tiles'
-    coordinates from the ring; the row-scaled kernel's pingpong consumers in clusters sharing B compute their own
-    (reading the ring, they spilled at sm_90a); without it nothing reads a ring and the kernel has none."""
+def test_which_kernels_walk_the_ring():
+    """With the scheduler warp, every kernel whose producer is one warp has the ring (the loading warp and the
+    consumers, pingpong ones included, read the tiles' coordinates from it; the row-scaled pingpong kernel in
+    clusters sharing B too, since the walk ends with ``WALK_END`` rather than #tiles); without it none has."""
     from csrc_cute.group_gemm.rows import GroupGemmRowScaleSm90, GroupGemmSm90
     from csrc_cute.group_gemm.swiglu_bwd import GroupGemmSwigluBwdSm90
     from csrc_cute.group_gemm.wgrad import GroupGemmWgradSm90
 
-    def readers(kernel):
-        return kernel.walked, kernel.consumers_read_walk
-
     clustered = GroupGemmConfig(128, 192, 132, True, 16, cluster_m=2)  # the H100's dgrad and SwiGLU backward
     unclustered = GroupGemmConfig(128, 192, 132, True, 16)  # the H200's dgrad and row-scaled forward
-    for config in (clustered, unclustered):
-        assert readers(GroupGemmSm90(config, b_k_major=True)) == (True, True)
-        assert readers(GroupGemmSwigluBwdSm90(config)) == (True, True)
-        assert readers(GroupGemmWgradSm90(config)) == (True, True)
-        assert readers(GroupGemmSm90(unscheduled(config), b_k_major=True)) == (False, False)
-    assert readers(GroupGemmRowScaleSm90(unclustered)) == (True, True)
-    assert readers(GroupGemmRowScaleSm90(clustered)) == (True, False)
-    assert readers(GroupGemmRowScaleSm90(GroupGemmConfig(128, 256, 132, False, 64, cluster_m=2))) == (True, True)
+    cooperative = GroupGemmConfig(128, 256, 132, False, 64, cluster_m=2)
+    for config in (clustered, unclustered, cooperative):
+        kernels = (GroupGemmSm90(config, b_k_major=True), GroupGemmRowScaleSm90(config),
+                   GroupGemmSwigluBwdSm90(config), GroupGemmWgradSm90(config))
+        assert [(k.scheduled, k.walked) for k in kernels] == [(True, True)] * 4
+        assert not GroupGemmSm90(unscheduled(config), b_k_major=True).walked
 
 
 @gpu
 @pytest.mark.parametrize("pingpong,band_m,cluster_m", [(False, 64, 1), (True, 16, 2), (False, 16, 2), (True, 0, 1)])
 def test_scheduler_warp_row_kernels_equal_the_unscheduled_walk(pingpong, band_m, cluster_m):
-    # forward, row-scaled forward, dgrad2: the cooperative consumers read the scheduler's ring, the pingpong ones
-    # compute their coordinates; in clusters sharing B (pairs of M tiles of a group, odd groups' lone tiles)
+    # forward, row-scaled forward, dgrad2: the consumers, cooperative and pingpong, read the scheduler's ring; in
+    # clusters sharing B (pairs of M tiles of a group, odd groups' lone tiles)
     tile_n = 192 if pingpong else 256
     config = GroupGemmConfig(128, tile_n, 4, pingpong, band_m, cluster_m=cluster_m)
     assert config.scheduler_warp

@@ -636,7 +636,7 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
             epi_count = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
                 self.consume_alternate_tiles(p, c, warp_idx, wg_idx - 1, mainloop, tCrA, tCrBs, bidx, gdim)
-            elif cutlass.const_expr(self.consumers_read_walk):
+            elif cutlass.const_expr(self.walked):
                 self.consume_walked_tiles(p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs)
             else:
                 for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
@@ -656,10 +656,9 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         ``mma_k_tiles(p, ..., turn)`` (a tile without one calls ``wait_mainloop_turn`` /
         ``pass_mainloop_turn`` itself), so the mainloops take turns and each epilogue runs under the other
         warp group's mainloop. Each warp group takes the coordinates of every tile of the CTA: from the walk's
-        ring (``walk.TileWalk.consume_walked_alternate_tiles``), or, in an unscheduled static walk and where
-        ``walk.TileWalk.pingpong_consumers_read_walk`` says no, computed itself (``tile_info``, under the other
-        warp group's mainloop)."""
-        if cutlass.const_expr(self.consumers_read_walk):
+        ring (``walk.TileWalk.consume_walked_alternate_tiles``), or, in an unscheduled static walk, computed
+        itself (``tile_info``, under the other warp group's mainloop)."""
+        if cutlass.const_expr(self.walked):
             self.consume_walked_alternate_tiles(p, c, warp_idx, wg, mainloop, tCrA, tCrBs)
         else:
             epi_count = cutlass.Int32(0)
@@ -686,13 +685,13 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
 
     @cute.jit
     def wait_mainloop_turn(self, turn):
-        """Pingpong, before the mainloop of a tile (``turn``: the tile, or where the consumers read the walk's ring
-        its step in the CTA's walk): wait until the other warp group has finished the mainloop of the CTA's
+        """Pingpong, before the mainloop of a tile (``turn``: the tile, or in a walk of the ring its step
+        in the CTA's walk): wait until the other warp group has finished the mainloop of the CTA's
         previous tile. Without it a warp group would wait on ring stages more than one ring pass ahead of the
         loads, and an mbarrier wait sees only the phase parity: it would take the slot's previous pass for this
         one (on the H200: hangs and faults once a CTA had two tiles). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            if cutlass.const_expr(self.consumers_read_walk):
+            if cutlass.const_expr(self.walked):
                 if turn != 0:
                     cute.arch.barrier(barrier_id=self.turn_barrier_id(turn), number_of_threads=2 * self.threads_per_wg)
             else:
@@ -704,10 +703,10 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
     @cute.jit
     def pass_mainloop_turn(self, p, turn):
         """Pingpong, after the mainloop of a tile (``turn`` as ``wait_mainloop_turn``'s): let the other warp
-        group start the CTA's next tile (consumers that read the ring pass it after every tile:
+        group start the CTA's next tile (in a walk of the ring they pass it after every tile:
         ``walk.TileWalk.consume_walked_alternate_tiles``). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            if cutlass.const_expr(self.consumers_read_walk):
+            if cutlass.const_expr(self.walked):
                 cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(turn + 1),
                                          number_of_threads=2 * self.threads_per_wg)
             else:

@@ -32,8 +32,7 @@ class GroupGemmConfig(tuple):
     reads each B tile from L2 once. ``scheduler_warp`` (the static walk of the kernels whose producer is one
     warp: not the gathered nor the remote ones, which ignore it): the producer's warp 1 computes each tile's
     coordinates ahead and hands them to the loading warp and the consumers through a shared ring
-    (``walk.TileWalk``), so that none computes them between two tiles (but the row-scaled kernel's pingpong
-    consumers in clusters sharing B: ``TileWalk.pingpong_consumers_read_walk``); False: every warp computes them
+    (``walk.TileWalk``), so that none computes them between two tiles; False: every warp computes them
     itself."""
 
     def __new__(cls, tile_m: int, tile_n: int, num_sms: int, pingpong: bool = False, band_m: int = 0,

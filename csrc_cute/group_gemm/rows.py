@@ -58,13 +58,6 @@ class GroupGemmSm90(RowTileScheduler, GroupGemmSm90Base):
             pingpong=config.pingpong,
         )
 
-    def pingpong_consumers_read_walk(self) -> bool:
-        """Not in the row-scaled kernel in clusters sharing B (a tile no op chooses): reading the ring, its pingpong
-        consumers spilled 8 B at sm_90a (sessions 44-45: a row-scaled product of the whole tile's 192 accumulators
-        in the epilogue, where the walk's #tiles held one register through every loop), so they compute their
-        coordinates themselves."""
-        return not (self.row_scale and self.cluster_m > 1)
-
     @cute.jit
     def __call__(
         self,

@@ -11,16 +11,17 @@ Dynamic (``GroupGemmConfig.dynamic``): the tiles are handed out in order from on
 shared-memory ring of ``WALK_STAGES`` slots, one mbarrier pair a slot; every other warp that walks the tiles
 (the consumers and, in the gathered kernels, the other producer warps: the walk's readers) reads the slots in
 order. The writer publishes the next tile before it loads the current one, so a reader that has finished a
-tile never waits for the next one's number (it was published before the finished tile's last loads). A
-number >= #tiles ends the walk: each CTA's writer takes numbers until its first such one, so a launch adds
-#tiles + #CTAs to the counter. Tiles are numbered as in the static walk (``RowTileScheduler.row_tile``,
-``GroupTileScheduler.work_item``), so the CTAs that run at once work on neighbouring tiles of the raster,
-and every output element has the same k loop in either walk: the results are bitwise equal.
+tile never waits for the next one's number (it was published before the finished tile's last loads). Each
+CTA's writer takes numbers until its first one >= #tiles (a launch adds #tiles + #CTAs to the counter) and
+publishes that one as -1, the walk's end (``WALK_END``). Tiles are numbered as in the static walk
+(``RowTileScheduler.row_tile``, ``GroupTileScheduler.work_item``), so the CTAs that run at once work on
+neighbouring tiles of the raster, and every output element has the same k loop in either walk: the results
+are bitwise equal.
 
 Scheduled (``GroupGemmConfig.scheduler_warp``, the static walk of the kernels whose producer is one warp): the
 producer's warp 1, idle otherwise, is the writer of the static walk: it computes each tile's coordinates
 (``tile_info``: in clusters sharing B ``pair_tile``'s warp scans over ``cu_seqlens``, dependent global loads)
-and publishes them in the same ring, up to ``WALK_STAGES`` tiles ahead, then #tiles as the end; the loading
+and publishes them in the same ring, up to ``WALK_STAGES`` tiles ahead, then ``WALK_END``; the loading
 warp 0 and the consumers (cooperative and pingpong: ``TileWalk._init_walk``) read them. Why: computed by the
 loading warp, a clustered tile's coordinates took about 1.4 us between a tile's last TMA load and the next one's
 first, where the 5-stage ring gives that first load about 1.5 us of lead, so the consumers found a tile's first k
@@ -40,6 +41,10 @@ from ..warp import ptr
 
 # slots of the tile ring: the writer runs at most this many tiles ahead of the slowest reader
 WALK_STAGES = 4
+# the tile number that ends a walk in the ring: a reader's loop runs while its tile is >= 0, so it holds no
+# #tiles through its loop (in the clustered row kernels #tiles is computed, ``count_groups``: holding it cost
+# the row-scaled pingpong consumers a register they did not have, 8 B of spills at sm_90a, session 45)
+WALK_END = -1
 
 
 class TileWalk:
@@ -57,21 +62,12 @@ class TileWalk:
 
     def _init_walk(self, config):
         """The walk of ``config``: ``self.dynamic``; ``self.scheduled`` (the static walk with the scheduler warp);
-        ``self.walked`` (either: the loading warp takes its tiles through the ring); ``self.consumers_read_walk``
-        (the consumers do too: wherever the walk is in the ring, except where ``pingpong_consumers_read_walk``
-        says no: they then compute each tile's coordinates themselves, ``tile_info``)."""
+        ``self.walked`` (either: the loading warp and the consumers, pingpong ones included, take their tiles and
+        the tiles' coordinates from the ring; in the pingpong kernels the coordinates computed in the consumers
+        took 7.6% of the H100 dgrad's warp samples under ncu, session 44, and read from the ring the clustered
+        dgrad ran 0.6-0.9% faster at the power cap, session 45)."""
         self.scheduled = not self.dynamic and config.scheduler_warp and self.scheduled_walk
         self.walked = self.dynamic or self.scheduled
-        self.consumers_read_walk = self.walked and (self.dynamic or not self.pingpong
-                                                    or self.pingpong_consumers_read_walk())
-
-    def pingpong_consumers_read_walk(self) -> bool:
-        """Whether the pingpong consumers of the scheduled walk read their tiles' coordinates from the ring (the
-        default: the coordinates computed in the consumers took 7.6% of the H100 dgrad's warp samples under ncu,
-        session 44; read from the ring, the clustered dgrad ran 0.6-0.9% faster at the power cap, session 45).
-        Words read from shared memory stay in regular registers through the mainloop, where computed ones may
-        sit in uniform registers: a kernel whose consumers have no register to spare keeps computing them."""
-        return True
 
     def walk_fields(self) -> dict:
         """The walk ring's shared-memory fields (none for an unscheduled static walk): a slot's words are the
@@ -93,8 +89,7 @@ class TileWalk:
         barrier (``pipeline_init_arrive`` / ``pipeline_init_wait``)."""
         walk = None
         if cutlass.const_expr(self.walked):
-            consumers = self.num_mma_threads // 32 if self.consumers_read_walk else 0
-            readers = consumers + (1 if self.scheduled else self.walk_producer_readers)
+            readers = self.num_mma_threads // 32 + (1 if self.scheduled else self.walk_producer_readers)
             ring = pipeline.PipelineAsync.create(
                 barrier_storage=storage.walk_mbar.data_ptr(),
                 num_stages=WALK_STAGES,
@@ -136,18 +131,20 @@ class TileWalk:
         info = self.no_tile_info()
         if tile < p.num_tiles:
             info = self.tile_info(p, tile)
+        else:
+            tile = cutlass.Int32(WALK_END)
         state = self.publish(p, state, tile, info)
         return tile, info, state
 
     @cute.jit
     def schedule_tiles(self, p):
         """The scheduler warp (producer warp 1, the scheduled static walk): publishes this CTA's tiles (b, b + G,
-        ...) with their coordinates, then #tiles, the walk's end."""
+        ...) with their coordinates, then ``WALK_END``."""
         bidx, gdim = self.cta_tiles()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, WALK_STAGES)
         for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
             state = self.publish(p, state, tile, self.tile_info(p, tile))
-        self.publish(p, state, p.num_tiles, self.no_tile_info())
+        self.publish(p, state, cutlass.Int32(WALK_END), self.no_tile_info())
 
     @cute.jit
     def read_tile(self, p, step):
@@ -181,7 +178,7 @@ class TileWalk:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, WALK_STAGES)
             tile, info, state = self.publish_next(p, state)
             ahead = (tile, info)
-            if tile < p.num_tiles:
+            if tile >= 0:
                 ahead_tile, ahead_info, state = self.publish_next(p, state)
                 ahead = (ahead_tile, ahead_info)
         else:
@@ -195,7 +192,7 @@ class TileWalk:
         ring state, the tile after it and its coordinates)."""
         tile, info = ahead
         if is_writer:
-            if tile < p.num_tiles:
+            if tile >= 0:
                 ahead_tile, ahead_info, state = self.publish_next(p, state)
                 ahead = (ahead_tile, ahead_info)
         else:
@@ -212,13 +209,13 @@ class TileWalk:
         takes the tiles)."""
         if cutlass.const_expr(self.dynamic):
             tile, info, walk_state, ahead = self.walk_first(p, is_writer)
-            while tile < p.num_tiles:
+            while tile >= 0:
                 prod_state = self.load_tile(mainloop, prod_state, p, tAgA, tAsA, b_loads, info)
                 tile, info, walk_state, ahead = self.walk_next(p, is_writer, walk_state, ahead)
         else:  # a reader of the scheduler warp's walk
             step = cutlass.Int32(0)
             tile, info = self.read_tile(p, step)
-            while tile < p.num_tiles:
+            while tile >= 0:
                 prod_state = self.load_tile(mainloop, prod_state, p, tAgA, tAsA, b_loads, info)
                 step = step + 1
                 tile, info = self.read_tile(p, step)
@@ -230,7 +227,7 @@ class TileWalk:
         epi_count = cutlass.Int32(0)
         step = cutlass.Int32(0)
         tile, info = self.read_tile(p, step)
-        while tile < p.num_tiles:
+        while tile >= 0:
             read_state, release_state, epi_count = self.consume_tile(
                 p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, info, tile, epi_count
             )
@@ -249,7 +246,7 @@ class TileWalk:
         passed = cutlass.Int32(0)
         step = cutlass.Int32(0)
         tile, info = self.read_tile(p, step)
-        while tile < p.num_tiles:
+        while tile >= 0:
             passed, epi_count = self.consume_alternate_step(p, c, warp_idx, wg, mainloop, tCrA, tCrBs, info, step,
                                                             step, passed, epi_count)
             step = step + 1
