@@ -571,7 +571,7 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
                                                         n_pro, k_full)
             read_state, release_state = self.mma_stages(p, mainloop, read_state, release_state, accs, tCrA, tCrBs,
                                                         k_full, k_count, k_rows)
-        self.pass_mainloop_turn(p, turn)
+        self.pass_mainloop_turn(turn)
         warpgroup.wait_group(0)
         for k in cutlass.range(n_pro, unroll=1):
             mainloop.consumer_release(release_state)
@@ -653,67 +653,59 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         stages without waiting on or releasing them: ``passed`` counts the ring stages before a tile (the
         k tiles of every earlier tile of the CTA, the scheduler's ``tile_stages``) and each tile starts from
         the pipeline state that many stages in. The family's ``consume_tile`` runs its mainloop as
-        ``mma_k_tiles(p, ..., turn)`` (a tile without one calls ``wait_mainloop_turn`` /
+        ``mma_k_tiles(p, ..., step)`` (a tile without one calls ``wait_mainloop_turn`` /
         ``pass_mainloop_turn`` itself), so the mainloops take turns and each epilogue runs under the other
         warp group's mainloop. Each warp group takes the coordinates of every tile of the CTA: from the walk's
         ring (``walk.TileWalk.consume_walked_alternate_tiles``), or, in an unscheduled static walk, computed
-        itself (``tile_info``, under the other warp group's mainloop)."""
+        itself (``tile_info``, under the other warp group's mainloop). Every mainloop passes the turn without
+        asking whether a tile follows; after the walk's last step the warp group of the step after it takes
+        that last turn, so the turn barriers end balanced."""
         if cutlass.const_expr(self.walked):
-            self.consume_walked_alternate_tiles(p, c, warp_idx, wg, mainloop, tCrA, tCrBs)
+            steps = self.consume_walked_alternate_tiles(p, c, warp_idx, wg, mainloop, tCrA, tCrBs)
         else:
             epi_count = cutlass.Int32(0)
             passed = cutlass.Int32(0)
-            step = cutlass.Int32(0)
+            steps = cutlass.Int32(0)
             for tile in cutlass.range(bidx, p.num_tiles, gdim, unroll=1):
                 passed, epi_count = self.consume_alternate_step(p, c, warp_idx, wg, mainloop, tCrA, tCrBs,
-                                                                self.tile_info(p, tile), tile, step, passed, epi_count)
-                step = step + 1
+                                                                self.tile_info(p, tile), steps, passed, epi_count)
+                steps = steps + 1
+        if steps % 2 == wg:
+            self.wait_mainloop_turn(steps)
 
     @cute.jit
-    def consume_alternate_step(self, p, c, warp_idx, wg, mainloop, tCrA: cute.Tensor, tCrBs, info, turn, step,
+    def consume_alternate_step(self, p, c, warp_idx, wg, mainloop, tCrA: cute.Tensor, tCrBs, info, step,
                                passed, epi_count):
-        """Pingpong warp group ``wg``: the ``step``-th tile of the CTA's walk (coordinates ``info``; ``turn`` as
-        ``wait_mainloop_turn``'s), computed where the step is of the warp group's parity, from the pipeline state
-        ``passed`` stages in -> (the stages passed after the tile, the warp group's sub-tile count)."""
+        """Pingpong warp group ``wg``: the ``step``-th tile of the CTA's walk (coordinates ``info``), computed
+        where the step is of the warp group's parity, from the pipeline state ``passed`` stages in -> (the
+        stages passed after the tile, the warp group's sub-tile count)."""
         start = self.consumer_state_at(passed)
         passed = passed + self.tile_stages(p, info)  # before the tile: no coordinate stays live over it
         if step % 2 == wg:
             _, _, epi_count = self.consume_tile(
-                p, c, warp_idx, mainloop, start, start.clone(), tCrA, tCrBs, info, turn, epi_count
+                p, c, warp_idx, mainloop, start, start.clone(), tCrA, tCrBs, info, step, epi_count
             )
         return passed, epi_count
 
     @cute.jit
     def wait_mainloop_turn(self, turn):
-        """Pingpong, before the mainloop of a tile (``turn``: the tile, or in a walk of the ring its step
-        in the CTA's walk): wait until the other warp group has finished the mainloop of the CTA's
-        previous tile. Without it a warp group would wait on ring stages more than one ring pass ahead of the
-        loads, and an mbarrier wait sees only the phase parity: it would take the slot's previous pass for this
-        one (on the H200: hangs and faults once a CTA had two tiles). Cooperative consumers: nothing."""
+        """Pingpong, before the mainloop of a tile (``turn``: the tile's step in the CTA's walk): wait until the
+        other warp group has finished the mainloop of the CTA's previous tile. Without it a warp group would
+        wait on ring stages more than one ring pass ahead of the loads, and an mbarrier wait sees only the phase
+        parity: it would take the slot's previous pass for this one (on the H200: hangs and faults once a CTA
+        had two tiles). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            if cutlass.const_expr(self.walked):
-                if turn != 0:
-                    cute.arch.barrier(barrier_id=self.turn_barrier_id(turn), number_of_threads=2 * self.threads_per_wg)
-            else:
-                bidx, gdim = self.cta_tiles()
-                if turn != bidx:
-                    cute.arch.barrier(barrier_id=self.turn_barrier_id((turn - bidx) // gdim),
-                                      number_of_threads=2 * self.threads_per_wg)
+            if turn != 0:
+                cute.arch.barrier(barrier_id=self.turn_barrier_id(turn), number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
-    def pass_mainloop_turn(self, p, turn):
+    def pass_mainloop_turn(self, turn):
         """Pingpong, after the mainloop of a tile (``turn`` as ``wait_mainloop_turn``'s): let the other warp
-        group start the CTA's next tile (in a walk of the ring they pass it after every tile:
-        ``walk.TileWalk.consume_walked_alternate_tiles``). Cooperative consumers: nothing."""
+        group start the CTA's next step (passed after every tile; ``consume_alternate_tiles`` balances the
+        last). Cooperative consumers: nothing."""
         if cutlass.const_expr(self.pingpong):
-            if cutlass.const_expr(self.walked):
-                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(turn + 1),
-                                         number_of_threads=2 * self.threads_per_wg)
-            else:
-                bidx, gdim = self.cta_tiles()
-                if turn + gdim < p.num_tiles:
-                    cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id((turn + gdim - bidx) // gdim),
-                                             number_of_threads=2 * self.threads_per_wg)
+            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id(turn + 1),
+                                     number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
     def turn_barrier_id(self, step: cutlass.Int32):

@@ -229,7 +229,7 @@ class TileWalk:
         tile, info = self.read_tile(p, step)
         while tile >= 0:
             read_state, release_state, epi_count = self.consume_tile(
-                p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, info, tile, epi_count
+                p, c, warp_idx, mainloop, read_state, release_state, tCrA, tCrBs, info, step, epi_count
             )
             step = step + 1
             tile, info = self.read_tile(p, step)
@@ -238,18 +238,16 @@ class TileWalk:
     def consume_walked_alternate_tiles(self, p, c, warp_idx, wg, mainloop, tCrA, tCrBs):
         """Pingpong consumers (``consume_alternate_tiles``) over the ring's walk: warp group ``wg`` reads every
         tile and computes those of its parity of the walk's steps, each with the pipeline state after the stages
-        of every earlier tile. Every mainloop passes the turn without reading whether a tile follows (session
-        29's first version read the next tile's number before each mainloop for that: docs/design-notes.md);
-        at the walk's end the warp group of the step after the last tile takes that last turn, so the turn
-        barriers end balanced."""
+        of every earlier tile -> the walk's steps. No mainloop reads whether a tile follows to pass its turn
+        (session 29's first version read the next tile's number before each mainloop for that:
+        docs/design-notes.md)."""
         epi_count = cutlass.Int32(0)
         passed = cutlass.Int32(0)
         step = cutlass.Int32(0)
         tile, info = self.read_tile(p, step)
         while tile >= 0:
             passed, epi_count = self.consume_alternate_step(p, c, warp_idx, wg, mainloop, tCrA, tCrBs, info, step,
-                                                            step, passed, epi_count)
+                                                            passed, epi_count)
             step = step + 1
             tile, info = self.read_tile(p, step)
-        if step % 2 == wg:
-            self.wait_mainloop_turn(step)
+        return step

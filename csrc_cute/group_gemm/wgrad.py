@@ -192,7 +192,7 @@ class GroupGemmWgradSm90(GroupTileScheduler, GroupGemmSm90Base):
             epi_count = self.store_item(p, c, warp_idx, g, m_idx, n_idx, is_home, epi_count)
         else:  # a skipped item takes and passes the turn too
             self.wait_mainloop_turn(turn)
-            self.pass_mainloop_turn(p, turn)
+            self.pass_mainloop_turn(turn)
         return read_state, release_state, epi_count
 
     def routed_k_rows(self, p, k_start, k_count):
