@@ -68,7 +68,9 @@ the transient the other implementation left, and ours came out slower than its o
 cap (H100: 32.65 ms against bench_sustained's 31.16 in the same call, SonicMoE 32.77 against 33.87;
 results/bench_peers_layer_session28_rotated5_h100.json, bench_sustained_session28_h100.json). Neither short
 protocol is that steady state (the blocks on that H100: ours 31.81, SonicMoE 37.10 ms,
-results/bench_peers_layer_session28_blocks_h100.json): bench_sustained measures it.
+results/bench_peers_layer_session28_blocks_h100.json): bench_sustained measures it. ``--graph N`` (GEMM
+section): the burst's calls replay a CUDA graph of N calls each, so the host's launches leave no gaps and what
+separates two kernels is the GPU's own (launch, prologue, tail: what programmatic dependent launch overlaps).
 Writes bench_peers.json (GPU, command, commit, date, versions of torch, cutlass, quack, sonicmoe) and
 bench_peers.png (benchmarks/plot_results.plot_peers, if matplotlib is there); the table is printed last.
 """
@@ -93,7 +95,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (Bench, apply_smoke_defaults, combine_pull_bytes, gpu_idle,  # noqa: E402
+from benchmarks.common import (Bench, apply_smoke_defaults, capture, combine_pull_bytes, gpu_idle,  # noqa: E402
                                kernel_breakdown, names_option, rotated, run_info, run_sustained, short_error,
                                sustained_text, symmetric_bytes, time_round_robin, write_json)
 from benchmarks.routing_gen import counts_of, routing_for_maxvio, sample_topk  # noqa: E402
@@ -665,7 +667,11 @@ def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool 
                     traceback.print_exc()
             b.sync()
             if calls and timed:  # in rotated rounds: the implementations share the GPU's clock and power state
-                for impl, ms in time_round_robin(calls, lambda c: b.time_ms(c, repeats=1), o["repeats"]).items():
+                timed_calls, n = calls, 1
+                if o["graph"]:  # each timed call replays a CUDA graph of n calls: no host launch cost between them
+                    timed_calls, n = {i: graph_of(c, o["graph"]) for i, c in calls.items()}, o["graph"]
+                for impl, ms in time_round_robin(timed_calls, lambda c: b.time_ms(c, repeats=1) / n,
+                                                 o["repeats"]).items():
                     row.update({f"{impl}_ms": ms, f"{impl}_tflops": row["flops"] / ms / 1e9})
                     b.log(f"gemm {fam:10s} {lname:12s} {impl:6s} {ms:8.3f} ms {row[f'{impl}_tflops']:7.1f} TF/s "
                           f"err {row[f'{impl}_err']:.2e}")
@@ -680,6 +686,16 @@ def gemm_section(b: Bench, st: dict, impls: list[str], peers: dict, timed: bool 
             del ref
         del d
         b.free()
+
+
+def graph_of(call, n: int):
+    """The replay of one CUDA graph of ``n`` back-to-back ``call()`` (captured after a warm call on a side stream;
+    each call's outputs freed before the next, so the graph's pool holds about one call's)."""
+    def calls():
+        for _ in range(n):
+            call()
+    graph, _ = capture(calls, warm=1)
+    return graph.replay
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -872,7 +888,7 @@ def run(opts: dict) -> dict:
     info = dict(run_info(), versions=versions(mods), peers=status, sections=opts["only"], section_errors=errors,
                 device=opts["device"],
                 smoke=opts["smoke"], tol=opts["tol"], iters=opts["iters"], repeats=opts["repeats"],
-                sustained_s=opts["sustained_s"], idle_s=opts["idle_s"],
+                sustained_s=opts["sustained_s"], idle_s=opts["idle_s"], graph=opts["graph"],
                 warmup=opts["warmup"], compile_backend=opts["compile_backend"], dtype="bfloat16", R=1,
                 comm_sms=opts["comm_sms"],
                 **{k: opts[k] for k in ("S", "H", "F", "E", "K", "P", "gemm_rows")})
@@ -900,6 +916,9 @@ def main(argv=None) -> None:
                     help="GEMM section: each implementation also launched back to back for about S seconds, its "
                          "time per call at the power cap (common.run_sustained); 0: off")
     ap.add_argument("--idle-s", dest="idle_s", type=float, default=1.0, help="idle seconds before each sustained run")
+    ap.add_argument("--graph", type=int, default=0, help="GEMM section: time each call from a CUDA graph of this "
+                    "many back-to-back calls (no host launch cost; what remains between two kernels is the GPU's); "
+                    "0: eager calls")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated implementations ({', '.join(IMPLS)})")
     ap.add_argument("--comm-sms", type=int, default=None, help="CTAs of our communication kernels (EPGroup.comm_sms; "
