@@ -927,6 +927,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         apply_smoke_defaults(args, argv, SMOKE)
+    if args.graph < 0 or (args.graph and args.smoke):
+        ap.error(f"--graph {args.graph}: a number of calls >= 0, and CUDA graphs need the GPU (not with --smoke)")
     args.compile_backend = args.compile_backend or "inductor"
     opts = vars(args)
     opts["only"] = names_option(ap, "--only", args.only, SECTIONS)

@@ -198,6 +198,16 @@ def test_bench_peers_table_reports_failures_and_missing_peers():
     assert text.count("ERROR") >= 2 and lines[-1].startswith("peers:") and "sonicmoe missing" in lines[-1]
 
 
+@pytest.mark.parametrize("argv", [["--smoke", "--graph", "2"], ["--graph", "-1"]])
+def test_bench_peers_graph_option_refuses_the_cpu_and_negative_counts(argv, capsys):
+    from benchmarks.bench_peers import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2  # argparse's usage error, before anything runs
+    assert f"--graph {argv[argv.index('--graph') + 1]}: a number of calls >= 0" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def peers_smoke(tmp_path_factory):
     return run_smoke(tmp_path_factory, "bench_peers")
