@@ -20,7 +20,8 @@ and band-16 ones also sharing B in clusters (the dgrad's also in bands of 8 and 
 forward (the layer's down projection, ours only); the wgrad cooperative at 128 x 256 or pingpong at 128 x 192, each
 without clusters, sharing A (``cluster_n``) or sharing B (``cluster_m``), and its two gathered variants at those two
 tiles without clusters or sharing B; the fused SwiGLU cooperative at 128 x 128 (columns of h; M-major, in bands of
-16, in bands of 16 for short groups alone) or pingpong at 128 x 96 (M-major or in bands of 16), and the SwiGLU
+16, in bands of 16 for short groups alone; M-major and in bands of 16 sharing B) or pingpong at 128 x 96 (M-major or in
+bands of 16), its gathered variant at 128 x 128 in bands of 16, alone and sharing B, and the SwiGLU
 backward (always pingpong, shared-memory epilogue) and its gathered variant at 128 x 160 in those three rasters, the
 M-major and band-16 ones also sharing B, and both at 128 x 192 in bands of 16, alone and sharing B (the H100's tile
 since session 36: 64 x 32 epilogue sub-tiles computed in 16-column halves).
@@ -65,7 +66,8 @@ from csrc_cute.group_gemm.config import GroupGemmConfig  # noqa: E402
 # ``wgrad_gather_b`` in the older sweeps) are ours only (QuACK has no GEMM with a row scale; the transposed
 # store is ours). ``wgrad_gather`` (the layer's gate/up wgrad at R = 1: the tokens' rows read by row_src,
 # bench_peers.token_rows; until session 24 a random permutation of x's M rows) against QuACK's gather_A.
-QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "wgrad_gather", "swiglu_bwd_gather")
+QUACK_FAMILIES = ("fwd", "dgrad", "dgrad2", "wgrad", "swiglu", "swiglu_bwd", "swiglu_gather", "wgrad_gather",
+                  "swiglu_bwd_gather")
 # the wgrads and the SwiGLU backward also in clusters of two CTAs sharing each B tile (``cluster_m`` = 2, session 34)
 WGRAD_CANDIDATES = ((128, 256, False, 0, False), (128, 192, True, 0, False), (128, 256, False, 0, False, 1, False, 2),
                     (128, 192, True, 0, False, 1, False, 2))
@@ -92,6 +94,9 @@ UNSCHEDULED_PINGPONG_CANDIDATES = dict(
     dgrad=((128, 192, True, 16, False, 1, False, 1, False),),
     swiglu_bwd=((128, 160, True, 16, False, 1, False, 1, False),),
     wgrad=((128, 192, True, 0, False, 1, False, 2, False), (128, 192, True, 0, False, 1, False, 1, False)))
+# the fused SwiGLU's cooperative 128 x 128 tile sharing its gate and up tiles in clusters (session 49), M-major and in
+# bands of 16; its gathered variant (the layer's forward at R = 1) at the ops' tile and those two
+SWIGLU_CLUSTER_CANDIDATES = ((128, 128, False, 0, False, 1, False, 2), (128, 128, False, 16, False, 1, False, 2))
 CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=(ROW_CANDIDATES + DGRAD_CLUSTER_BAND_CANDIDATES + UNSCHEDULED_ROW_CANDIDATES
                          + UNSCHEDULED_PINGPONG_CANDIDATES["dgrad"]),
                   dgrad2=ROW_CANDIDATES, row_scale=ROW_CANDIDATES + UNSCHEDULED_ROW_CANDIDATES,
@@ -100,7 +105,9 @@ CANDIDATES = dict(fwd=ROW_CANDIDATES, dgrad=(ROW_CANDIDATES + DGRAD_CLUSTER_BAND
                   wgrad_gather=WGRAD_CANDIDATES + ((128, 192, True, 0, False, 1, True),),
                   wgrad_gather_t=WGRAD_CANDIDATES,
                   swiglu=((128, 128, False, 0, False), (128, 128, False, 16, False), (128, 128, False, 16, True),
-                          (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True)),
+                          (128, 96, True, 0, False), (128, 96, True, 16, False), (128, 128, False, 16, False, 1, True))
+                  + SWIGLU_CLUSTER_CANDIDATES,
+                  swiglu_gather=((128, 128, False, 16, False),) + SWIGLU_CLUSTER_CANDIDATES,
                   swiglu_bwd=(SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES
                               + UNSCHEDULED_PINGPONG_CANDIDATES["swiglu_bwd"]),
                   swiglu_bwd_gather=SWIGLU_BWD_CANDIDATES + WIDE_SWIGLU_BWD_CANDIDATES)
@@ -205,10 +212,11 @@ def ours_call(fam: str, d: dict, P: int, cfg: GroupGemmConfig):
         dw = shared_empty(d, fam, 0, w.shape[0], F, H)
         dw_t, no_slot_t = dw.transpose(1, 2), host._no_slots_f32(dw).transpose(1, 2)
         return (lambda: fn(d["x_tok"], d["row_src"], dy, ends, dw_t, no_slot_t)), (lambda _: (dw,))
-    if fam == "swiglu":
-        fn = host.compile_op("swiglu", H, F, P, cfg.num_sms, cfg)
+    if fam in ("swiglu", "swiglu_gather"):  # the gathered one's A: the tokens' rows by row_src
+        fn = host.compile_op(fam, H, F, P, cfg.num_sms, cfg)
         h, gate, up = (shared_empty(d, fam, i, M, F) for i in range(3))
-        return (lambda: fn(x, w, w, w_up, w_up, ends, h, gate, up)), (lambda _: (h,))
+        a = (x,) if fam == "swiglu" else (d["x_tok"], d["row_src"])
+        return (lambda: fn(*a, w, w, w_up, w_up, ends, h, gate, up)), (lambda _: (h,))
     if fam in ("swiglu_bwd", "swiglu_bwd_gather"):  # the gathered one's A: g_tok's rows by row_src
         fn = host.compile_op("swiglu_bwd_smem" if fam == "swiglu_bwd" else fam, H, F, P, cfg.num_sms, cfg)
         outs = [shared_empty(d, fam, i, M, F) for i in range(3)]

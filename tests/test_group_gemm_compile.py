@@ -265,7 +265,7 @@ def test_cluster_option_compiles_sm90a_no_spills(tmp_path, op):
     ("dgrad", True, 16, 192), ("dgrad2", False, 64, 256), ("row_scale", True, 0, 192),
     ("swiglu_bwd_smem", True, 16, 160), ("swiglu_bwd_gather", True, 0, 160),
     ("wgrad", False, 0, 256), ("wgrad", True, 0, 192), ("wgrad_gather", False, 0, 256),
-    ("wgrad_gather_t", True, 0, 192),
+    ("wgrad_gather_t", True, 0, 192), ("swiglu", False, 16, 128), ("swiglu_gather", False, 16, 128),
 ])
 def test_weight_sharing_cluster_option_compiles_sm90a_no_spills(tmp_path, op, pingpong, band_m, tile_n):
     """``GroupGemmConfig.cluster_m`` = 2: clusters of two CTAs at two M tiles of one group and one n tile, each

@@ -101,7 +101,7 @@ def test_config_cluster_n_is_1_or_2_and_only_the_tma_a_kernels_take_2():
 def test_config_cluster_m_is_1_or_2_and_only_the_kernels_sharing_b_take_2():
     from csrc_cute.group_gemm import GroupGemmConfig
     from csrc_cute.group_gemm.rows import GroupGemmDgrad2Sm90, GroupGemmRowScaleRemoteSm90, GroupGemmSm90
-    from csrc_cute.group_gemm.swiglu import GroupGemmSwigluGatherSm90, GroupGemmSwigluSm90
+    from csrc_cute.group_gemm.swiglu import GroupGemmSwigluGatherSm90, GroupGemmSwigluRemoteSm90, GroupGemmSwigluSm90
     from csrc_cute.group_gemm.swiglu_bwd import GroupGemmSwigluBwdGatherSm90, GroupGemmSwigluBwdSm90
     from csrc_cute.group_gemm.wgrad import GroupGemmWgradGatherSm90, GroupGemmWgradSm90
 
@@ -119,9 +119,10 @@ def test_config_cluster_m_is_1_or_2_and_only_the_kernels_sharing_b_take_2():
     for kernel in (GroupGemmSm90(cluster), GroupGemmSm90(cluster, b_k_major=True), GroupGemmDgrad2Sm90(cluster),
                    GroupGemmSwigluBwdSm90(cluster), GroupGemmSwigluBwdSm90(cluster, "smem"),
                    GroupGemmSwigluBwdGatherSm90(cluster), GroupGemmWgradSm90(cluster),
-                   GroupGemmWgradGatherSm90(cluster), GroupGemmWgradGatherSm90(cluster, dw_m_major=True)):
+                   GroupGemmWgradGatherSm90(cluster), GroupGemmWgradGatherSm90(cluster, dw_m_major=True),
+                   GroupGemmSwigluSm90(cluster), GroupGemmSwigluGatherSm90(cluster, store_preact=False)):
         assert (kernel.cluster_m, kernel.cluster_size) == (2, 2)
-    for cls in (GroupGemmRowScaleRemoteSm90, GroupGemmSwigluSm90, GroupGemmSwigluGatherSm90):
+    for cls in (GroupGemmRowScaleRemoteSm90, GroupGemmSwigluRemoteSm90):  # remote groups: the CTA's own descriptors
         with pytest.raises(ValueError, match=f"{cls.__name__}: GroupGemmConfig.cluster_m must be 1"):
             cls(GroupGemmConfig(128, 128, 132, cluster_m=2))
 

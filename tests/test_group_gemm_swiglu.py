@@ -509,6 +509,37 @@ def test_banded_raster_swiglu_kernels_equal_the_m_major_raster(band_m, tall_m_ma
         assert not outs[0][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"
 
 
+@gpu
+@pytest.mark.parametrize("band_m,f", [(0, 600), (4, 600), (16, 512)])
+def test_weight_sharing_cluster_swiglu_kernels_equal_the_single_cta_kernels(band_m, f):
+    # GroupGemmConfig.cluster_m = 2 of the fused SwiGLU, plain and gathered: clusters of two CTAs computing two M
+    # tiles of one group at one n tile, each loading half of every gate and up tile into both by TMA multicast.
+    # Groups of 3, 0, 1, 9, 2, 0, 5, 1 M tiles (lone last tiles: the cluster's CTAs compute two n tiles of it,
+    # each loading its gate and up tiles whole; F = 600: 5 n tiles, the last 88 columns wide, so a lone tile's
+    # last step puts the second CTA past F), the 200 rows past the last group, bands of 2 or 8 pairs with partial
+    # bands at group ends; 4 CTAs (2 clusters, many pairs each): h, gate and up bitwise the kernels without
+    # clusters
+    from csrc_cute.group_gemm.config import GroupGemmConfig
+    from csrc_cute.group_gemm.host import compile_op
+
+    lengths = [384, 0, 128, 1152, 256, 0, 640, 128]  # epn = 5, B = 3
+    n_total = sum(lengths) + 200
+    x, wgh, wgs, wuh, wus, cu = random_swiglu_problem(lengths, 5, kd=320, nd=f, n_total=n_total, seed=69)
+    tokens = random_tokens(1000, 320, seed=70)
+    row_src = random_row_src(cu, n_total, tokens.shape[0], 71, all_padding=(2,))
+    for op, a in (("swiglu", (x,)), ("swiglu_gather", (tokens, row_src))):
+        outs = {}
+        for cluster_m in (1, 2):
+            bufs = [torch.full((n_total, f), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+            compile_op(op, 320, f, 128, 4, GroupGemmConfig(128, 128, 4, False, band_m, cluster_m=cluster_m))(
+                *a, wgh, wgs, wuh, wus, cu, *bufs)
+            torch.cuda.synchronize()
+            outs[cluster_m] = bufs
+        for name, want, got in zip(("h", "gate", "up"), outs[1], outs[2]):
+            assert torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0)), f"{op} {name} differs"
+        assert not outs[2][0][:sum(lengths)].isnan().any(), f"{op}: rows of the groups unwritten"
+
+
 def _nan_swiglu_bwd_outputs(n, f, tile_n):
     """NaN-filled outputs of a SwiGLU-backward kernel of ``tile_n`` columns: g_gate, g_up, h_w [n, f] bf16 and the
     route-weight partial sums [n, ceil(f / tile_n)] fp32."""

@@ -67,8 +67,8 @@ class GroupGemmSm90Base(BTileLoads, TileWalk):
         if self.cluster_m > 1 and not self.multicast_b:
             raise ValueError(
                 f"{type(self).__name__}: GroupGemmConfig.cluster_m must be 1 for this kernel (got "
-                f"{self.cluster_m}): only the forward, dgrad, dgrad2, row-scale, SwiGLU-backward and wgrad "
-                f"kernels share their B tiles in clusters (TMA multicast)"
+                f"{self.cluster_m}): only the forward, dgrad, dgrad2, row-scale, fused SwiGLU, SwiGLU-backward "
+                f"and wgrad kernels share their B tiles in clusters (TMA multicast)"
             )
         if self.dynamic and not self.dynamic_walk:
             raise ValueError(f"{type(self).__name__}: GroupGemmConfig.dynamic must be False for this kernel (its "

@@ -43,6 +43,11 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
     global memory).
     """
 
+    # GroupGemmConfig.cluster_m = 2: two M tiles of one group share its gate and up tiles (``pair_tile``), each
+    # CTA loading half of both and multicasting it; B is two thirds of a stage's bytes at 128 x 128 (256 weight
+    # columns against 128 rows)
+    multicast_b = True
+
     def __init__(self, config: GroupGemmConfig, store_preact: bool = True):
         self.store_preact = bool(store_preact)
         # Stages are sized for A + both B tiles: ask _init_common for a tile twice as wide.
@@ -56,6 +61,10 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         )
         self.tile_n = config.tile_n  # columns of h (and of gate, of up) per tile
         self.b_modes = [2, 1, 0]
+
+    def output_rows(self, p):
+        """The rows of the outputs (``pair_tile``): h's (N), also for a gathered A of S rows."""
+        return cute.size(p.mH, mode=[0])
 
     @property
     def mma_tile_n(self) -> int:
@@ -114,7 +123,7 @@ class GroupGemmSwigluSm90(RowTileScheduler, GroupGemmSm90Base):
         tma_h, mH = self._tma_store_c(h)
         tma_g, mG = self._tma_store_c(gate)
         tma_u, mU = self._tma_store_c(up)
-        num_n_tiles, num_tiles = self._row_tiles(x if cutlass.const_expr(row_src is None) else h, h)
+        num_n_tiles, num_tiles = self._row_tiles(x if cutlass.const_expr(row_src is None) else h, h, cu_seqlens)
         self._make_shared_storage(b_buffers=("sB",), with_c=True)
         if cutlass.const_expr(remote_experts is None):
             bg_view, bu_view = None, None
