@@ -24,7 +24,7 @@ class GroupGemmConfig(tuple):
     every #CTAs-th tile from their block index (``walk.TileWalk``), so an SM that runs its tiles slower does
     not finish the launch last with a fixed share of them; no op chooses it yet (docs/design-notes.md,
     session 29: the pingpong kernels ran more cycles with it). ``cluster_m`` (1 or 2; the forward, dgrad,
-    dgrad2, row-scale and SwiGLU-backward kernels and the wgrads, gathered ones included, not with
+    dgrad2, row-scale, fused SwiGLU and SwiGLU-backward kernels and the wgrads, gathered ones included, not with
     ``cluster_n`` = 2 nor ``dynamic``): 2 launches clusters of two CTAs that compute two M tiles of one group
     at the same N tile (the row kernels: a group's tiles in pairs, an odd group's last one at two n tiles, one a
     CTA, ``RowTileScheduler.pair_tile``; the wgrads: two m tiles of Kd of one work item, ``work_item``), each
