@@ -595,13 +595,15 @@ def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
     """On an H100 SXM (HBM bandwidth 3.35 TB/s: the dgrad2 and the row scale take cooperative tiles, the dgrad, the
     wgrads and the SwiGLU backwards (at 128 x 192) clusters sharing B) the tiles of the families swept there win
     those sweeps (``check_tile_choices_win_sweeps``); the dgrad's, the row scale's and the SwiGLU backward's with the
-    scheduler warp (the default) against the same tiles without it (session 44), and the dgrad's, the SwiGLU
-    backward's and the wgrad's with their pingpong consumers reading the scheduler's ring (session 45)."""
+    scheduler warp (the default) against the same tiles without it (session 44), the dgrad's, the SwiGLU
+    backward's and the wgrad's with their pingpong consumers reading the scheduler's ring (session 45), and the fused
+    SwiGLU's, plain and gathered, against the same tile sharing its gate and up tiles in clusters (session 49)."""
     from csrc_cute.group_gemm import (
         select_config,
         select_dgrad_config,
         select_hbm_rows_config,
         select_swiglu_bwd_config,
+        select_swiglu_config,
         select_wgrad_config,
     )
 
@@ -611,8 +613,10 @@ def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
     swiglu_bwd = select_swiglu_bwd_config(128, 2048, hbm_gbs=h100)
     chosen = dict(fwd=select_config(128, 2048), dgrad=select_dgrad_config(128, 7168, hbm_gbs=h100), dgrad2=rows,
                   row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad, wgrad_gather_t=wgrad, swiglu_bwd=swiglu_bwd,
-                  swiglu_bwd_gather=swiglu_bwd)
-    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session45_h100_pingpong_ring.json",
+                  swiglu_bwd_gather=swiglu_bwd, swiglu=select_swiglu_config(128, 2048),
+                  swiglu_gather=select_swiglu_config(128, 2048))
+    check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session49_h100_swiglu_clusters.json",
+                                                            "bench_tiles_session45_h100_pingpong_ring.json",
                                                             "bench_tiles_session44_h100_scheduler_ab.json",
                                                             "bench_tiles_session37_h100_dgrad_clusters.json",
                                                             "bench_tiles_session37_h100_wgrad_clusters.json",
