@@ -232,6 +232,13 @@ def select_dgrad_config(pad: int, nd: int, num_sms: int = H100_H200_NUM_SMS,
     return wide
 
 
+# The fused SwiGLU (plain and gathered) runs without clusters. Sharing its gate and up tiles in clusters of two CTAs
+# (cluster_m = 2, session 49; B is two thirds of a stage's bytes) took, on an H100 80GB HBM3 at the power cap,
+# 1.00/0.99/1.00x (plain) and 0.98/0.98/0.99x (gathered) the unclustered tile's time at 48 equal / 16 x 4096 / 48
+# skewed groups (results/bench_tiles_session49_h100_swiglu_clusters.json), and the layer's step with its gathered
+# SwiGLU clustered 27.31 against 27.30 ms (results/bench_peers_session49_h100_swiglu_cluster_layer_ab.json): within
+# the spread, so the simpler launch stays. Not yet swept on an H200, where that kernel ran the layer's step at its
+# lowest clock (1.17 GHz, docs/design-notes.md, session 24).
 def select_swiglu_config(pad: int, f: int, num_sms: int = H100_H200_NUM_SMS) -> GroupGemmConfig:
     """Tile of the fused gate/up kernel: tile_M as the forward's; tile_N = 128 columns of h, so a tile
     computes 128 columns of gate *and* of up (one 64 x 256 fp32 accumulator per consumer warp group,
