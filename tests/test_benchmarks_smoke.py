@@ -611,10 +611,10 @@ def test_tile_choices_are_the_fastest_of_the_committed_h100_sweeps():
     wgrad = select_wgrad_config(128, 7168, 2048, hbm_gbs=h100)
     rows = select_hbm_rows_config(128, 7168, hbm_gbs=h100)
     swiglu_bwd = select_swiglu_bwd_config(128, 2048, hbm_gbs=h100)
+    swiglu = select_swiglu_config(128, 2048)
     chosen = dict(fwd=select_config(128, 2048), dgrad=select_dgrad_config(128, 7168, hbm_gbs=h100), dgrad2=rows,
                   row_scale=rows, wgrad=wgrad, wgrad_gather=wgrad, wgrad_gather_t=wgrad, swiglu_bwd=swiglu_bwd,
-                  swiglu_bwd_gather=swiglu_bwd, swiglu=select_swiglu_config(128, 2048),
-                  swiglu_gather=select_swiglu_config(128, 2048))
+                  swiglu_bwd_gather=swiglu_bwd, swiglu=swiglu, swiglu_gather=swiglu)
     check_tile_choices_win_sweeps("NVIDIA H100 80GB HBM3", ("bench_tiles_session49_h100_swiglu_clusters.json",
                                                             "bench_tiles_session45_h100_pingpong_ring.json",
                                                             "bench_tiles_session44_h100_scheduler_ab.json",
