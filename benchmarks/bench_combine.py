@@ -3,6 +3,7 @@ shape, 1 GPU: per CTA count x (threads per CTA, U 16-byte chunks per lane per se
 
     python benchmarks/bench_combine.py [--out DIR] [--S 8192 --H 7168 --K 8 --epn 48 --P 128]
                                        [--ctas 132,264,528,1056] [--variants 512:8:4,512:4:4,...]
+                                       [--peer] [--after-gemm-ms 20]
     python benchmarks/bench_combine.py --smoke [--out DIR]   (CPU: compiles each variant for sm_90a, no timing)
 
 Why: at R = 1 the layer's combine is this one kernel, a pure memory stream (every routed row read once, out[s]
@@ -20,6 +21,13 @@ writing its results, and a variant that differs is not timed). Then the others a
 each round --warmup calls then --iters back to back, median of --repeats rounds). Bytes: every routed row
 read once, out written once, the plan's three int32 tables read (common.combine_pull_bytes); the copy
 roof is a device-to-device copy measured in the same run (read + write counted).
+--peer: SonicMoE's one-rank combine (`token_gather_and_sum_varlen_K_triton`, the kernel its MoE runs in forward and
+backward; Triton, autotuned on its first call) on the same rows and plan, in the same rounds (with peers.sh on
+the device; its sum is a tree over k, so it is checked against torch's within one bf16 ulp of the row, not bit for bit).
+--after-gemm-ms G: each timed round of a variant first keeps the GPU busy with bf16 matmuls for about G ms, then
+times --iters calls: the clock and power state of the layer, where the combine runs between GEMMs at the board's
+power cap (in the layer's profiled step on an H100 the default took 0.408 ms a pass where it takes 0.361 here in a
+burst, and SonicMoE's 0.352: results/bench_peers_session49_h100_swiglu_cluster_layer_ab.json).
 Writes bench_combine.json (and a PNG with matplotlib).
 --smoke: no GPU; each (nt, u, nb) compiled for sm_90a at the layer shape in compile_check's child, with
 ptxas' registers and spill bytes per variant (what decides which variants the sweep keeps).
@@ -43,6 +51,7 @@ from csrc_cute.combine import _NB_LOCAL, _NT_PULL, _U_PULL, _compile_pull  # noq
 from csrc_cute.dispatch import align_up  # noqa: E402
 
 DEFAULT = (_NT_PULL, _U_PULL, _NB_LOCAL)  # what combine_local launches
+PEER = "sonicmoe"  # the results' name of the peer's kernel (ctas, nt, u, nb: None)
 # (nt, u, nb) that compile without spills at the layer shape (sm_90a, ptxas 13.0; `--smoke` reports them):
 # U = 16 spills at 512 threads, so it is left out
 VARIANTS = "512:8:4,512:4:4,512:4:8,256:4:4,512:2:8,256:8:4"
@@ -69,6 +78,59 @@ def reference(rows: torch.Tensor, dst_rank: torch.Tensor, dst_row: torch.Tensor)
     for k in range(dst_row.shape[1]):
         acc += torch.where((dst_rank[:, k] == 0)[:, None], rows[dst_row[:, k].long()].float(), 0.0)
     return acc.to(rows.dtype)
+
+
+def peer_inputs(plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M_perm [S*K], M_offset [S+1]) int32 of SonicMoE's token_gather_and_sum for a one-rank plan whose entries are
+    all present: token s sums rows M_perm[M_offset[s]:M_offset[s+1]], its K rows in k order."""
+    dst_rank, dst_row = plan[0], plan[1]
+    if bool((dst_rank != 0).any()):
+        raise ValueError("peer_inputs: the peer's kernel takes no absent entries (dst_rank must be 0 everywhere)")
+    S, K = dst_row.shape
+    return (dst_row.reshape(-1).int().contiguous(),
+            torch.arange(0, S * K + 1, K, dtype=torch.int32, device=dst_row.device))
+
+
+def peer_launcher(rows, plan, out):
+    """One call of SonicMoE's one-rank combine on `plan` (unweighted: our rows carry their route weight already)."""
+    from sonicmoe.functional.reduction_over_k_gather import token_gather_and_sum_varlen_K_triton
+
+    S, K = plan[1].shape
+    m_perm, m_offset = peer_inputs(plan)
+    return lambda: token_gather_and_sum_varlen_K_triton(rows, None, out, m_perm, m_offset, S, K, rows.shape[1], False)
+
+
+def within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether bf16 `got` is within one bf16 ulp of `want` everywhere (a sum in another order rounds once too)."""
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return bool(((got.float() - want.float()).abs() <= ulp * 2 ** 0.5).all())
+
+
+def matmul_heater(ms: float):
+    """A call that keeps the GPU in bf16 matmuls for about `ms` ms (no sync): 8192^3 products back to back."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    one = cuda_time_ms(lambda: a @ b, iters=5, repeats=3, warmup=2)
+    n = max(1, round(ms / one))
+
+    def heat():
+        for _ in range(n):
+            a @ b
+    return heat
+
+
+def after_heat_ms(call, heat, iters: int, warmup: int) -> float:
+    """Mean time of `iters` calls launched right after `heat()` (CUDA events around the calls only)."""
+    for _ in range(warmup):
+        call()
+    heat()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        call()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / iters
 
 
 def launcher(rows, plan, out, status, ncta: int, nt: int, u: int, nb: int):
@@ -111,18 +173,32 @@ def run(opts) -> dict:
     for k in failed:
         print(f"FAIL {k}", flush=True)
     calls = {cfg: launcher(rows, plans["full"], out, status, *cfg) for cfg in grid if cfg not in differ}
-    timed = time_round_robin(calls, lambda c: cuda_time_ms(c, iters=opts.iters, repeats=1, warmup=opts.warmup),
-                             opts.repeats)
+    if opts.peer:
+        peer_out = torch.empty_like(out)
+        calls[PEER] = peer_launcher(rows, plans["full"], peer_out)
+        calls[PEER]()  # Triton's autotuning runs here, on the same rows
+        checks[f"full: {PEER} within 1 ulp of torch"] = ok = within_one_ulp(peer_out, reference(rows, *plans["full"][:2]))
+        if not ok:
+            print(f"FAIL full: {PEER} within 1 ulp of torch", flush=True)
+            del calls[PEER]
+    if opts.after_gemm_ms > 0:
+        heat = matmul_heater(opts.after_gemm_ms)
+        timed = time_round_robin(calls, lambda c: after_heat_ms(c, heat, opts.iters, opts.warmup), opts.repeats)
+    else:
+        timed = time_round_robin(calls, lambda c: cuda_time_ms(c, iters=opts.iters, repeats=1, warmup=opts.warmup),
+                                 opts.repeats)
     roof = copy_roof_gbs()
     nbytes = combine_pull_bytes(S * K, S, S * K, H * rows.element_size())
     base_ms = timed.get(base)
-    results = [dict(ctas=c, nt=nt, u=u, nb=nb, ms=ms, gbs=nbytes / ms / 1e6, of_copy_roof=nbytes / ms / 1e6 / roof,
+    results = [dict(impl=PEER if cfg == PEER else "ours",
+                    **dict(zip(("ctas", "nt", "u", "nb"), (None,) * 4 if cfg == PEER else cfg)), ms=ms,
+                    gbs=nbytes / ms / 1e6, of_copy_roof=nbytes / ms / 1e6 / roof,
                     speedup_vs_layer_default=base_ms / ms if base_ms else None)
-               for (c, nt, u, nb), ms in timed.items()]
+               for cfg, ms in timed.items()]
     return dict(run_info(), S=S, H=H, K=K, epn=opts.epn, P=opts.P, nvs=nvs, dtype="bfloat16", bytes=nbytes,
                 layer_default=dict(zip(("ctas", "nt", "u", "nb"), base)), copy_roof_gbs=roof, iters=opts.iters,
-                repeats=opts.repeats, warmup=opts.warmup, checks=checks, all_checks_ok=not failed, smoke=False,
-                results=results)
+                repeats=opts.repeats, warmup=opts.warmup, after_gemm_ms=opts.after_gemm_ms, checks=checks,
+                all_checks_ok=all(checks.values()), smoke=False, results=results)
 
 
 def compile_variant(S: int, H: int, K: int, nvs: int, ncta: int, nt: int, u: int, nb: int) -> None:
@@ -153,18 +229,24 @@ def smoke(opts) -> dict:
                 arch="sm_90a", smoke=True, device="cpu", results=results)
 
 
+def row_label(r: dict) -> str:
+    """A result row's name: the peer's, or threads per CTA / U / NB of ours."""
+    return r["impl"] if r.get("impl", "ours") != "ours" else f"{r['nt']}/{r['u']}/{r['nb']}"
+
+
 def print_table(payload: dict) -> None:
+    after = payload.get("after_gemm_ms") or 0
     print(f"combine_local S={payload['S']} H={payload['H']} K={payload['K']} NvS={payload['nvs']}: "
           f"{payload['bytes'] / 1e9:.3f} GB a call; copy roof {payload['copy_roof_gbs']:.0f} GB/s; "
-          f"layer default {tuple(payload['layer_default'].values())}")
-    print(f"{'ctas':>5} {'nt':>4} {'u':>2} {'nb':>2} | {'ms':>7} {'GB/s':>6} {'roof':>5} {'x dflt':>6}")
+          f"layer default {tuple(payload['layer_default'].values())}"
+          + (f"; each timed after {after:g} ms of matmuls" if after else ""))
+    print(f"{'ctas':>5} {'nt/u/nb':>10} | {'ms':>7} {'GB/s':>6} {'roof':>5} {'x dflt':>6}")
     for r in payload["results"]:
         x = "" if r["speedup_vs_layer_default"] is None else f"{r['speedup_vs_layer_default']:6.3f}"
-        print(f"{r['ctas']:5d} {r['nt']:4d} {r['u']:2d} {r['nb']:2d} | {r['ms']:7.4f} {r['gbs']:6.0f} "
-              f"{100 * r['of_copy_roof']:4.1f}% {x}")
+        print(f"{r['ctas'] or '':>5} {row_label(r):>10} | {r['ms']:7.4f} {r['gbs']:6.0f} {100 * r['of_copy_roof']:4.1f}% {x}")
     if payload["results"]:
         best = min(payload["results"], key=lambda r: r["ms"])
-        print(f"fastest: ctas={best['ctas']} nt={best['nt']} u={best['u']} nb={best['nb']} {best['ms']:.4f} ms")
+        print(f"fastest: {best['ctas'] or ''} {row_label(best)} {best['ms']:.4f} ms")
     print(f"checks {'all ok' if payload['all_checks_ok'] else 'FAILED'}")
 
 
@@ -174,15 +256,18 @@ def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     res = payload["results"]
-    labels = list(dict.fromkeys(f"{r['nt']}/{r['u']}/{r['nb']}" for r in res))
-    gbs = {(r["ctas"], f"{r['nt']}/{r['u']}/{r['nb']}"): r["gbs"] for r in res}
-    series = {f"{c} CTAs": [gbs.get((c, lab), 0.0) for lab in labels] for c in dict.fromkeys(r["ctas"] for r in res)}
+    labels = list(dict.fromkeys(row_label(r) for r in res))
+    gbs = {(r["ctas"], row_label(r)): r["gbs"] for r in res}
+    series = {f"{c} CTAs" if c else "peer": [gbs.get((c, lab), 0.0) for lab in labels]
+              for c in dict.fromkeys(r["ctas"] for r in res)}
     fig, ax = plt.subplots(figsize=(max(7, len(labels) * 1.2), 4))
     bars(ax, labels, series, "GB/s (rows in + out)")
     ax.axhline(payload["copy_roof_gbs"], color="k", ls="--", lw=0.8, label="copy roof")
     ax.legend(fontsize=8)
     ax.set_xlabel("threads per CTA / U / NB")
-    ax.set_title(f"combine_local S={payload['S']} H={payload['H']} K={payload['K']}\n" + caption(payload), fontsize=9)
+    after = f", each timed after {payload['after_gemm_ms']:g} ms of matmuls" if payload.get("after_gemm_ms") else ""
+    ax.set_title(f"combine_local S={payload['S']} H={payload['H']} K={payload['K']}{after}\n" + caption(payload),
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -197,6 +282,9 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=50, help="calls per timed round")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (median), each timing every variant once")
     ap.add_argument("--warmup", type=int, default=5, help="calls before each timed round")
+    ap.add_argument("--peer", action="store_true", help="time SonicMoE's one-rank combine in the same rounds")
+    ap.add_argument("--after-gemm-ms", dest="after_gemm_ms", type=float, default=0.0,
+                    help="time each round's calls right after this many ms of bf16 matmuls (the layer's clock state)")
     ap.add_argument("--smoke", action="store_true", help="CPU: compile each variant for sm_90a, ptxas statistics")
     opts = ap.parse_args(argv)
     if opts.smoke:

@@ -337,6 +337,26 @@ def test_bench_combine_plan_and_reference():
     assert got.dtype == torch.bfloat16 and got[0].tolist() == [1.0 + 2.0 ** -7] * 8 and got[1].tolist() == [0.0] * 8
 
 
+def test_bench_combine_peer_inputs_and_one_ulp_check():
+    """The peer's (SonicMoE's token_gather_and_sum) inputs for a plan: its formula, out[s] = sum over j in
+    [M_offset[s], M_offset[s+1]) of rows[M_perm[j]], evaluated in torch, is our reference on the same plan; a plan
+    with an absent entry is refused by name. The 1-ulp check: 1 + 2^-7 (one bf16 ulp above 1) passes against 1, 1 +
+    2^-6 does not, and zeros compare equal."""
+    from benchmarks.bench_combine import one_rank_plan, peer_inputs, reference, within_one_ulp
+
+    plan = one_rank_plan(64, 8, 700, torch.Generator().manual_seed(1))
+    rows = torch.randn(700, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
+    m_perm, m_offset = peer_inputs(plan)
+    assert m_perm.dtype == m_offset.dtype == torch.int32 and m_offset.tolist() == list(range(0, 64 * 8 + 1, 8))
+    peer = torch.stack([rows[m_perm[m_offset[s]:m_offset[s + 1]].long()].float().sum(0) for s in range(64)])
+    assert torch.equal(peer.bfloat16(), reference(rows, *plan[:2]))
+    with pytest.raises(ValueError, match="dst_rank must be 0"):
+        peer_inputs(one_rank_plan(64, 8, 700, torch.Generator().manual_seed(1), absent=0.3))
+    one = torch.tensor([1.0, 0.0, -3.0], dtype=torch.bfloat16)
+    assert within_one_ulp(torch.tensor([1.0 + 2.0 ** -7, 0.0, -3.0], dtype=torch.bfloat16), one)
+    assert not within_one_ulp(torch.tensor([1.0 + 2.0 ** -6, 0.0, -3.0], dtype=torch.bfloat16), one)
+
+
 def test_busy_union_of_overlapping_items_and_gaps():
     """Items worked by hand (us): a [0, 10], b [4, 6] inside a, c [8, 14] overlapping a's end, then a 6 us gap,
     d [20, 25], a 5 us gap, e [30, 31]: span 31, busy 14 + 5 + 1 = 20, the gaps longest first named by the
