@@ -7,9 +7,9 @@ shape, 1 GPU: per CTA count x (threads per CTA, U 16-byte chunks per lane per se
     python benchmarks/bench_combine.py --smoke [--out DIR]   (CPU: compiles each variant for sm_90a, no timing)
 
 Why: at R = 1 the layer's combine is this one kernel, a pure memory stream (every routed row read once, out[s]
-written once) at 84-86% of the device copy's bandwidth (docs/design-notes.md, session 28); its launch shape
-(combine.py's _NT_PULL, _U_PULL, _NB_LOCAL and the layer's 2 x SMs CTAs) was never swept, and in ptxas' code of
-the default only ~5 16-byte loads per thread are outstanding at once (the adds are interleaved with the loads).
+written once); its launch shape is combine.py's _NT_PULL, _U_LOCAL, _NB_LOCAL and the layer's 2 x SMs CTAs. Swept
+first in session 31 (the then default, 8 chunks x 4 rows, had only ~5 16-byte loads a thread outstanding: ptxas
+interleaved them with the adds), then in session 50 against SonicMoE's kernel, which led to 2 chunks x 8 rows.
 
 Inputs: rows [NvS, H] bf16 random (NvS as the layer's, S*K + (P-1)*epn rounded up to P); a one-rank plan,
 each token's K entries at distinct random rows (dst_rank 0, dst_row a slice of a random permutation,
@@ -47,14 +47,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_comm import copy_roof_gbs  # noqa: E402
 from benchmarks.common import (apply_smoke_defaults, combine_pull_bytes, cuda_time_ms, run_info,  # noqa: E402
                                time_round_robin, write_json)
-from csrc_cute.combine import _NB_LOCAL, _NT_PULL, _U_PULL, _compile_pull  # noqa: E402
+from csrc_cute.combine import _NB_LOCAL, _NT_PULL, _U_LOCAL, _compile_pull  # noqa: E402
 from csrc_cute.dispatch import align_up  # noqa: E402
 
-DEFAULT = (_NT_PULL, _U_PULL, _NB_LOCAL)  # what combine_local launches
+DEFAULT = (_NT_PULL, _U_LOCAL, _NB_LOCAL)  # what combine_local launches
 PEER = "sonicmoe"  # the results' name of the peer's kernel (ctas, nt, u, nb: None)
 # (nt, u, nb) that compile without spills at the layer shape (sm_90a, ptxas 13.0; `--smoke` reports them):
 # U = 16 spills at 512 threads, so it is left out
-VARIANTS = "512:8:4,512:4:4,512:4:8,256:4:4,512:2:8,256:8:4"
+VARIANTS = "512:2:8,512:8:4,512:4:8,512:1:8,256:2:8,256:8:4"
 CTAS = "132,264,528,1056"
 SMOKE = dict(ctas="264")
 

@@ -84,10 +84,13 @@ _NT_GATHER = 256
 # (blocks of NB, then of NB/2, ..., 1 row; every load of a block is issued before its adds)
 _U_PRESUM, _D_PRESUM = 4, 6   # 16 warps * 6 slots * 2 KiB = 192 KiB of shared memory per CTA
 _U_PULL, _NB_PULL = 8, 1
-# the one-pass combine of one rank reads a token's K rows, 4 rows' loads issued before their adds (ptxas
-# interleaves them with the adds: in its sm_90a code of the layer shape at most ~5 16-byte loads of a
-# thread are outstanding; benchmarks/bench_combine.py sweeps NT, U and NB through _compile_pull)
-_NB_LOCAL = 4
+# the one-pass combine of one rank: 2 chunks a lane, a token's 8 rows' loads issued before their adds (16 16-byte
+# loads of a thread outstanding, 46 registers: two 512-thread CTAs an SM). The earlier 8 chunks x 4 rows (99
+# registers: one CTA an SM, and ptxas interleaved the loads with the adds, ~5 outstanding) ran as fast in a burst
+# but 9% slower in the layer's step: on an H100 80GB HBM3 (session 50, results/bench_combine_session50_h100*.json,
+# bench_peers_session50_h100_combine_layer_ab.json) 0.403 against 0.369 ms a pass in the profiled step (SonicMoE's
+# combine 0.352), 0.373 against 0.366 ms alone. benchmarks/bench_combine.py sweeps NT, U and NB through _compile_pull.
+_U_LOCAL, _NB_LOCAL = 2, 8
 _CHAIN_MAX = 32
 _NO_NVS = 2 ** 31 - 64  # row bound when the caller gives no nvs
 
@@ -390,11 +393,12 @@ def _compile_presum(NVS: int, H: int, dtype: torch.dtype, ncta: int, nt: int = _
 
 @compiler
 def _compile_pull(S: int, H: int, K: int, R: int, NVS: int, dtype: torch.dtype, ncta: int, local: bool = False,
-                  nt: int = _NT_PULL, u: int = _U_PULL, nb: int | None = None):
+                  nt: int = _NT_PULL, u: int | None = None, nb: int | None = None):
     """nt threads per CTA, u 16-byte chunks per lane per segment, nb (a power of two) rows read at once
-    (default: _NB_LOCAL for the one-pass local variant, else _NB_PULL); the public wrappers take the defaults,
-    benchmarks/bench_combine.py sweeps them."""
+    (defaults: _U_LOCAL and _NB_LOCAL for the one-pass local variant, else _U_PULL and _NB_PULL); the public
+    wrappers take the defaults, benchmarks/bench_combine.py sweeps them."""
     dt = ROW_DTYPES[dtype]
+    u = (_U_LOCAL if local else _U_PULL) if u is None else u
     nb = (_NB_LOCAL if local else _NB_PULL) if nb is None else nb
     if nt % 32 or not 32 <= nt <= 1024 or u < 1 or nb < 1 or nb & (nb - 1):
         raise ValueError(f"combine pull: nt={nt} must be a multiple of 32 in [32, 1024], u={u} >= 1 and "
