@@ -45,8 +45,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_comm import copy_roof_gbs  # noqa: E402
-from benchmarks.common import (apply_smoke_defaults, combine_pull_bytes, cuda_time_ms, run_info,  # noqa: E402
-                               time_round_robin, write_json)
+from benchmarks.common import (apply_smoke_defaults, combine_pull_bytes, cuda_time_ms, events_ms,  # noqa: E402
+                               run_info, time_round_robin, write_json)
 from csrc_cute.combine import _NB_LOCAL, _NT_PULL, _U_LOCAL, _compile_pull  # noqa: E402
 from csrc_cute.dispatch import align_up  # noqa: E402
 
@@ -124,13 +124,7 @@ def after_heat_ms(call, heat, iters: int, warmup: int) -> float:
     for _ in range(warmup):
         call()
     heat()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        call()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / iters
+    return events_ms(call, iters)
 
 
 def launcher(rows, plan, out, status, ncta: int, nt: int, u: int, nb: int):
@@ -177,7 +171,8 @@ def run(opts) -> dict:
         peer_out = torch.empty_like(out)
         calls[PEER] = peer_launcher(rows, plans["full"], peer_out)
         calls[PEER]()  # Triton's autotuning runs here, on the same rows
-        checks[f"full: {PEER} within 1 ulp of torch"] = ok = within_one_ulp(peer_out, reference(rows, *plans["full"][:2]))
+        ok = within_one_ulp(peer_out, reference(rows, *plans["full"][:2]))
+        checks[f"full: {PEER} within 1 ulp of torch"] = ok
         if not ok:
             print(f"FAIL full: {PEER} within 1 ulp of torch", flush=True)
             del calls[PEER]
@@ -243,7 +238,8 @@ def print_table(payload: dict) -> None:
     print(f"{'ctas':>5} {'nt/u/nb':>10} | {'ms':>7} {'GB/s':>6} {'roof':>5} {'x dflt':>6}")
     for r in payload["results"]:
         x = "" if r["speedup_vs_layer_default"] is None else f"{r['speedup_vs_layer_default']:6.3f}"
-        print(f"{r['ctas'] or '':>5} {row_label(r):>10} | {r['ms']:7.4f} {r['gbs']:6.0f} {100 * r['of_copy_roof']:4.1f}% {x}")
+        print(f"{r['ctas'] or '':>5} {row_label(r):>10} | {r['ms']:7.4f} {r['gbs']:6.0f} "
+              f"{100 * r['of_copy_roof']:4.1f}% {x}")
     if payload["results"]:
         best = min(payload["results"], key=lambda r: r["ms"])
         print(f"fastest: {best['ctas'] or ''} {row_label(best)} {best['ms']:.4f} ms")

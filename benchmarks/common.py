@@ -83,13 +83,7 @@ def run_sustained(calls: dict, burst_ms: dict, seconds: float, idle_s: float, cu
         n = max(1, math.ceil(seconds * 1e3 / burst_ms[name]))
         t0 = time.time()
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                call()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / n
+            ms = events_ms(call, n)
         else:
             for _ in range(n):
                 call()
@@ -119,16 +113,19 @@ def cuda_time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> floa
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / iters)
-    return sorted(times)[len(times) // 2]
+    times = sorted(events_ms(fn, iters) for _ in range(repeats))
+    return times[len(times) // 2]
+
+
+def events_ms(call, n: int) -> float:
+    """Mean time (ms) of ``n`` back-to-back calls of ``call``, from CUDA events recorded around them."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        call()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / n
 
 
 def rotated(names: list, turn: int) -> list:
