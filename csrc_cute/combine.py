@@ -87,7 +87,7 @@ _U_PULL, _NB_PULL = 8, 1
 # the one-pass combine of one rank: 2 chunks a lane, a token's 8 rows' loads issued before their adds (16 16-byte
 # loads of a thread outstanding, 46 registers: two 512-thread CTAs an SM). The earlier 8 chunks x 4 rows (99
 # registers: one CTA an SM, and ptxas interleaved the loads with the adds, ~5 outstanding) ran as fast in a burst
-# but 9% slower in the layer's step: on an H100 80GB HBM3 (session 50, results/bench_combine_session50_h100*.json,
+# but 9% slower in the layer's step: on an H100 80GB HBM3 (session 50, results/bench_combine_session50_h100.json,
 # bench_peers_session50_h100_combine_layer_ab.json) 0.403 against 0.369 ms a pass in the profiled step (SonicMoE's
 # combine 0.352), 0.373 against 0.366 ms alone. benchmarks/bench_combine.py sweeps NT, U and NB through _compile_pull.
 _U_LOCAL, _NB_LOCAL = 2, 8
