@@ -25,9 +25,10 @@ roof is a device-to-device copy measured in the same run (read + write counted).
 backward; Triton, autotuned on its first call) on the same rows and plan, in the same rounds (with peers.sh on
 the device; its sum is a tree over k, so it is checked against torch's within one bf16 ulp of the row, not bit for bit).
 --after-gemm-ms G: each timed round of a variant first keeps the GPU busy with bf16 matmuls for about G ms, then
-times --iters calls: the clock and power state of the layer, where the combine runs between GEMMs at the board's
-power cap (in the layer's profiled step on an H100 the default took 0.408 ms a pass where it takes 0.361 here in a
-burst, and SonicMoE's 0.352: results/bench_peers_session49_h100_swiglu_cluster_layer_ab.json).
+times --iters calls: meant as the layer's clock and power state, where the combine runs between GEMMs at the board's
+power cap (the 8-chunk x 4-row launch, the default before session 50, took 0.403-0.408 ms a pass in H100 layer steps
+against 0.373 alone). It did not reproduce that: on an H100 every variant's time moved less than 1% with it
+(results/bench_combine_session50_h100_after_gemm.json), so the layer's own step (bench_peers) decides.
 Writes bench_combine.json (and a PNG with matplotlib).
 --smoke: no GPU; each (nt, u, nb) compiled for sm_90a at the layer shape in compile_check's child, with
 ptxas' registers and spill bytes per variant (what decides which variants the sweep keeps).
@@ -51,7 +52,8 @@ from csrc_cute.combine import _NB_LOCAL, _NT_PULL, _U_LOCAL, _compile_pull  # no
 from csrc_cute.dispatch import align_up  # noqa: E402
 
 DEFAULT = (_NT_PULL, _U_LOCAL, _NB_LOCAL)  # what combine_local launches
-PEER = "sonicmoe"  # the results' name of the peer's kernel (ctas, nt, u, nb: None)
+LAUNCH_KEYS = ("ctas", "nt", "u", "nb")  # a variant's launch, as a result row names it
+PEER = "sonicmoe"  # the results' name of the peer's kernel (its LAUNCH_KEYS: None)
 # (nt, u, nb) that compile without spills at the layer shape (sm_90a, ptxas 13.0; `--smoke` reports them):
 # U = 16 spills at 512 threads, so it is left out
 VARIANTS = "512:2:8,512:8:4,512:4:8,512:1:8,256:2:8,256:8:4"
@@ -149,11 +151,12 @@ def run(opts) -> dict:
     layer_ctas = 2 * torch.cuda.get_device_properties(0).multi_processor_count  # EPGroup's comm_sms at R = 1
     grid = [(c, *v) for c in opts.ctas for v in opts.variants]
     base = (layer_ctas, *DEFAULT)
+    refs = {name: reference(rows, *plan[:2]) for name, plan in plans.items()}
     checks, differ = {}, set()
     for name, plan in plans.items():
         launcher(rows, plan, out, status, *base)()
         want = out.clone()
-        checks[f"{name}: default == torch"] = torch.equal(want, reference(rows, *plan[:2]))
+        checks[f"{name}: default == torch"] = torch.equal(want, refs[name])
         for cfg in grid:
             out.fill_(float("nan"))
             launcher(rows, plan, out, status, *cfg)()
@@ -161,21 +164,18 @@ def run(opts) -> dict:
             if not same:
                 differ.add(cfg)
     checks["status word 0"] = int(status.item()) == 0
-    failed = [k for k, ok in checks.items() if not ok]
-    print(f"checked {len(grid)} variants against the default on {len(plans)} plans: {len(differ)} differ from it "
-          "(those are not timed)", flush=True)
-    for k in failed:
-        print(f"FAIL {k}", flush=True)
     calls = {cfg: launcher(rows, plans["full"], out, status, *cfg) for cfg in grid if cfg not in differ}
     if opts.peer:
         peer_out = torch.empty_like(out)
-        calls[PEER] = peer_launcher(rows, plans["full"], peer_out)
-        calls[PEER]()  # Triton's autotuning runs here, on the same rows
-        ok = within_one_ulp(peer_out, reference(rows, *plans["full"][:2]))
-        checks[f"full: {PEER} within 1 ulp of torch"] = ok
-        if not ok:
-            print(f"FAIL full: {PEER} within 1 ulp of torch", flush=True)
-            del calls[PEER]
+        peer = peer_launcher(rows, plans["full"], peer_out)
+        peer()  # Triton's autotuning runs here, on the same rows
+        checks[f"full: {PEER} within 1 ulp of torch"] = ok = within_one_ulp(peer_out, refs["full"])
+        if ok:
+            calls[PEER] = peer
+    print(f"checked {len(grid)} variants against the default on {len(plans)} plans: {len(differ)} differ from it "
+          "(those are not timed)", flush=True)
+    for k in (k for k, ok in checks.items() if not ok):
+        print(f"FAIL {k}", flush=True)
     if opts.after_gemm_ms > 0:
         heat = matmul_heater(opts.after_gemm_ms)
         timed = time_round_robin(calls, lambda c: after_heat_ms(c, heat, opts.iters, opts.warmup), opts.repeats)
@@ -186,12 +186,12 @@ def run(opts) -> dict:
     nbytes = combine_pull_bytes(S * K, S, S * K, H * rows.element_size())
     base_ms = timed.get(base)
     results = [dict(impl=PEER if cfg == PEER else "ours",
-                    **dict(zip(("ctas", "nt", "u", "nb"), (None,) * 4 if cfg == PEER else cfg)), ms=ms,
+                    **(dict.fromkeys(LAUNCH_KEYS) if cfg == PEER else dict(zip(LAUNCH_KEYS, cfg))), ms=ms,
                     gbs=nbytes / ms / 1e6, of_copy_roof=nbytes / ms / 1e6 / roof,
                     speedup_vs_layer_default=base_ms / ms if base_ms else None)
                for cfg, ms in timed.items()]
     return dict(run_info(), S=S, H=H, K=K, epn=opts.epn, P=opts.P, nvs=nvs, dtype="bfloat16", bytes=nbytes,
-                layer_default=dict(zip(("ctas", "nt", "u", "nb"), base)), copy_roof_gbs=roof, iters=opts.iters,
+                layer_default=dict(zip(LAUNCH_KEYS, base)), copy_roof_gbs=roof, iters=opts.iters,
                 repeats=opts.repeats, warmup=opts.warmup, after_gemm_ms=opts.after_gemm_ms, checks=checks,
                 all_checks_ok=all(checks.values()), smoke=False, results=results)
 
