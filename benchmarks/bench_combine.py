@@ -103,7 +103,10 @@ def peer_launcher(rows, plan, out):
 
 
 def within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether bf16 `got` is within one bf16 ulp of `want` everywhere (a sum in another order rounds once too)."""
+    """Whether bf16 `got` is within one bf16 ulp of `want` everywhere (a sum in another order rounds once too).
+    The bound is sqrt(2) x eps x |want|: eps x |want| is at least the ulp of `want`'s binade, and the sqrt(2) is
+    slack for the two fp32 sums differing before either is rounded (the tree's partial sums round elsewhere than
+    the k chain's)."""
     ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
     return bool(((got.float() - want.float()).abs() <= ulp * 2 ** 0.5).all())
 
