@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from csrc_cute.group_gemm.config import HBM_GBS_ENV
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
@@ -166,11 +168,15 @@ def run_info() -> dict:
                                     text=True).stdout.strip()
         except OSError:
             pass
-    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+    info = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
                 gpus=torch.cuda.device_count(), torch=torch.__version__,
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 commit=commit if COMMIT_RE.fullmatch(commit) else "unknown",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    tiles_hbm = os.environ.get(HBM_GBS_ENV, "").strip()
+    if tiles_hbm:  # the GEMMs ran the tiles of a device of this HBM bandwidth, not the GPU's own (config.py)
+        info["tiles_hbm_gbs"] = tiles_hbm
+    return info
 
 
 def apply_smoke_defaults(args, argv: list[str] | None, smoke: dict) -> None:

@@ -955,3 +955,14 @@ def test_run_info_records_the_commit_a_device_script_names(monkeypatch):
                             ("72cba59+lsu-prefetch", "72cba59+lsu-prefetch"), ("not a commit", "unknown")):
         monkeypatch.setenv("MOONEP_COMMIT", given)
         assert run_info()["commit"] == recorded
+
+
+def test_run_info_names_the_hbm_bandwidth_the_tiles_were_chosen_for(monkeypatch):
+    # a run with $MOONEP_HBM_GBS set (the tiles of another device's HBM, config.tiles_hbm_gbs) says so in its JSON;
+    # one without it has no such field
+    from benchmarks.common import run_info
+
+    monkeypatch.delenv("MOONEP_HBM_GBS", raising=False)
+    assert "tiles_hbm_gbs" not in run_info()
+    monkeypatch.setenv("MOONEP_HBM_GBS", "3350")
+    assert run_info()["tiles_hbm_gbs"] == "3350"

@@ -183,6 +183,29 @@ def test_hbm_gbs_of_device_properties():
     assert hbm_gbs_of(SimpleNamespace()) is None  # a torch without these fields
 
 
+def test_tiles_hbm_gbs_takes_the_environment_over_the_device(monkeypatch):
+    from csrc_cute.group_gemm.config import HBM_GBS_ENV, tiles_hbm_gbs
+
+    h100, h200 = 3352.3, 4915.2
+    monkeypatch.delenv(HBM_GBS_ENV, raising=False)
+    assert tiles_hbm_gbs(h200) == h200 and tiles_hbm_gbs(None) is None
+    monkeypatch.setenv(HBM_GBS_ENV, " ")  # blank: as unset
+    assert tiles_hbm_gbs(h200) == h200
+    # an H200 told the H100's bandwidth picks the H100's tiles (the A/B the variable is for), and a device that
+    # reports no memory clock can be given one
+    monkeypatch.setenv(HBM_GBS_ENV, "3350")
+    assert tiles_hbm_gbs(h200) == 3350.0 and tiles_hbm_gbs(None) == 3350.0
+    assert select_wgrad_config(128, 7168, 2048, 132, tiles_hbm_gbs(h200)) == select_wgrad_config(
+        128, 7168, 2048, 132, h100)
+    assert select_wgrad_config(128, 7168, 2048, 132, tiles_hbm_gbs(h200)).cluster_m == 2
+    monkeypatch.setenv(HBM_GBS_ENV, "1e9")  # the H200's side on an H100
+    assert select_wgrad_config(128, 7168, 2048, 132, tiles_hbm_gbs(h100)).cluster_m == 1
+    for bad in ("fast", "0", "-3350", "nan", "inf", "3350GB/s"):
+        monkeypatch.setenv(HBM_GBS_ENV, bad)
+        with pytest.raises(ValueError, match=rf"^\$MOONEP_HBM_GBS must be a positive number of GB/s .* got '{bad}'$"):
+            tiles_hbm_gbs(h200)
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [

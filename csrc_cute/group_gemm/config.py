@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 
 class GroupGemmConfig(tuple):
     """Static tile configuration: (tile_m, tile_n, num_sms, pingpong, band_m, tall_m_major, cluster_n,
@@ -119,6 +122,29 @@ def _row_band(nd: int, tile_n: int, band: tuple[int, bool]) -> tuple[int, bool]:
 # and the wgrads run without weight-sharing clusters: the H200's ~4.8 TB/s does, the H100 SXM's ~3.35 TB/s does
 # not (select_wgrad_config, select_hbm_rows_config, select_dgrad_config).
 PINGPONG_MIN_HBM_GBS = 4000.0
+
+# The environment variable that names the peak HBM bandwidth (GB/s) the choices gated on PINGPONG_MIN_HBM_GBS are
+# made for, in place of the device's (read with the device's properties, once a process; host._device_info).
+# Why: those gates were measured on an H100 and an H200 only, so a user of another part (or of one whose
+# properties report no memory clock) can pick a side; and an A/B of the two sides runs on one GPU with one kernel
+# cache (3350 on an H200 runs the H100's tiles; a copied tree with the constant edited recompiled every kernel).
+HBM_GBS_ENV = "MOONEP_HBM_GBS"
+
+
+def tiles_hbm_gbs(device_gbs: float | None) -> float | None:
+    """The peak HBM bandwidth (GB/s; None: unknown) the tiles are chosen for: ``$MOONEP_HBM_GBS`` where set (a
+    positive finite number), else ``device_gbs``, the device's."""
+    value = os.environ.get(HBM_GBS_ENV, "").strip()
+    if not value:
+        return device_gbs
+    try:
+        gbs = float(value)
+    except ValueError:
+        gbs = math.nan
+    if not (math.isfinite(gbs) and gbs > 0):
+        raise ValueError(f"${HBM_GBS_ENV} must be a positive number of GB/s (the peak HBM bandwidth the GEMM "
+                         f"tiles are chosen for), got {value!r}")
+    return gbs
 
 
 def _slow_hbm(hbm_gbs: float | None) -> bool:

@@ -28,6 +28,7 @@ from .config import (
     select_swiglu_config,
     select_wgrad_config,
     select_wide_rows_config,
+    tiles_hbm_gbs,
 )
 # ---------------------------------------------------------------------------------------------------
 # Compilation (once per static key)
@@ -446,12 +447,14 @@ def hbm_gbs_of(props) -> float | None:
 
 
 def _device_info(device: torch.device) -> tuple[tuple[int, int], int, float | None]:
-    """(compute capability, SMs, peak HBM GB/s or None) of ``device``, read once."""
+    """(compute capability, SMs, peak HBM GB/s or None: the tiles are chosen for ``$MOONEP_HBM_GBS`` where set,
+    ``config.tiles_hbm_gbs``) of ``device``, read once a process."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     info = _DEVICE_INFO.get(idx)
     if info is None:
         props = torch.cuda.get_device_properties(idx)
-        info = _DEVICE_INFO[idx] = ((props.major, props.minor), props.multi_processor_count, hbm_gbs_of(props))
+        info = _DEVICE_INFO[idx] = ((props.major, props.minor), props.multi_processor_count,
+                                     tiles_hbm_gbs(hbm_gbs_of(props)))
     return info
 
 
