@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from csrc_cute.group_gemm.config import HBM_GBS_ENV
+from csrc_cute.group_gemm.config import tiles_hbm_gbs
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
@@ -173,8 +173,8 @@ def run_info() -> dict:
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 commit=commit if COMMIT_RE.fullmatch(commit) else "unknown",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    tiles_hbm = os.environ.get(HBM_GBS_ENV, "").strip()
-    if tiles_hbm:  # the GEMMs ran the tiles of a device of this HBM bandwidth, not the GPU's own (config.py)
+    tiles_hbm = tiles_hbm_gbs(None)  # $MOONEP_HBM_GBS, read as the GEMM host reads it (None where unset)
+    if tiles_hbm is not None:  # the GEMMs ran the tiles of a device of this HBM bandwidth, not the GPU's own
         info["tiles_hbm_gbs"] = tiles_hbm
     return info
 

@@ -965,4 +965,4 @@ def test_run_info_names_the_hbm_bandwidth_the_tiles_were_chosen_for(monkeypatch)
     monkeypatch.delenv("MOONEP_HBM_GBS", raising=False)
     assert "tiles_hbm_gbs" not in run_info()
     monkeypatch.setenv("MOONEP_HBM_GBS", "3350")
-    assert run_info()["tiles_hbm_gbs"] == "3350"
+    assert run_info()["tiles_hbm_gbs"] == 3350.0
