@@ -55,9 +55,12 @@ Timing: CUDA events (wall clock on the CPU), median over --repeats of the mean o
 the GEMM families' implementations in rotated rounds, one round timing each once, so that ours and QuACK share
 the GPU's clock and power state. ``--sustained-s S`` (GEMM section): each implementation of each family and layout
 also launched back to back for about S seconds after ``--idle-s`` idle (common.run_sustained, the order rotated
-per row), its time per call at the board's power cap (`*_sustained_ms`, with clock, power and energy per call)
-beside the burst: the burst's 5 x 3 calls run near the boost clock, where kernels that did not change moved by up
-to 15% between runs (the wgrad at 48 equal groups: ours 0.87x QuACK's speed in session 32's burst,
+per row), its time per call at the board's power cap (`*_sustained_ms`, with clock, power, energy and M SM
+cycles per call, and `ours_over_<impl>_cycles`, the other's cycles over ours') beside the burst: the burst's
+5 x 3 calls run before the board settles and record no clock (on the H100s of sessions 42-53 each call's cycles
+at the cap put them at 1.12-1.77 GHz, not the 1.98 GHz boost: benchmarks/gemm_clocks.py,
+results/gemm_clocks_session54_h100_all.json.gz), and kernels that did not change moved by up to 15% between
+runs (the wgrad at 48 equal groups: ours 0.87x QuACK's speed in session 32's burst,
 results/bench_peers_session32_h100_gemm.json, and 1.00x in session 31's bench_tiles burst); a training step runs
 at the cap (until 4cde1fc QuACK was timed in a second pass, after SonicMoE's layer runs:
 the same QuACK dgrad at 16 x 4096 took 2.50 ms there and 2.81 ms in a bench_tiles run of the same session on
@@ -717,13 +720,18 @@ def layer_ratios(rows: dict, fwd_flops: float) -> None:
 
 
 def gemm_ratios(rows: dict) -> None:
-    """rows[*]["ours_over_<impl>"] = impl's time / ours' (equivalently ours' TFLOP/s / impl's), in the burst; and
-    where the row was run sustained (--sustained-s), rows[*]["ours_over_<impl>_sustained"] at the power cap."""
+    """rows[*]["ours_over_<impl>"] = impl's time / ours' (equivalently ours' TFLOP/s / impl's), in the burst; where
+    the row was run sustained (--sustained-s), rows[*]["ours_over_<impl>_sustained"] at the power cap, and where
+    those runs had clock samples, rows[*]["ours_over_<impl>_cycles"] = impl's M cycles per call there / ours'
+    (``common.mcycles``: how much of the time ratio is the kernels' work, not the clocks the cap gave them)."""
     for r in rows.values():
         for impl in ("quack", "torch"):
             r[f"ours_over_{impl}"] = speedup(r.get("ours_ms"), r.get(f"{impl}_ms"))
             if "ours_sustained_ms" in r:
                 r[f"ours_over_{impl}_sustained"] = speedup(r["ours_sustained_ms"], r.get(f"{impl}_sustained_ms"))
+            if "ours_sustained_mcycles" in r:
+                r[f"ours_over_{impl}_cycles"] = speedup(r["ours_sustained_mcycles"],
+                                                        r.get(f"{impl}_sustained_mcycles"))
 
 
 def issue_targets(layer: dict, gemm: dict) -> dict:
@@ -818,10 +826,12 @@ def table(payload: dict) -> list[str]:
                          + " ".join(fmt(r.get(f"ours_over_{i}"), 11, 3) for i in impls if i != "ours"))
         if any("ours_sustained_ms" in r for r in gemm.values()):
             lines.append(f"GEMM ms per call at the power cap (--sustained-s {payload.get('sustained_s')}; "
-                         "ours/x = x's time / ours)")
+                         "ours/x = x's time / ours; cycles: x's M SM cycles per call / ours')")
             for name, r in gemm.items():
                 lines.append(f"{name:>31} | " + " ".join(cell(r, i, "sustained_ms", 9, 3) for i in impls) + " | "
-                             + " ".join(fmt(r.get(f"ours_over_{i}_sustained"), 11, 3) for i in impls if i != "ours"))
+                             + " ".join(fmt(r.get(f"ours_over_{i}_sustained"), 11, 3) for i in impls if i != "ours")
+                             + " | cycles " + " ".join(fmt(r.get(f"ours_over_{i}_cycles"), 6, 3)
+                                                       for i in impls if i != "ours"))
         errs = [f"  {n} {i}: {r[f'{i}_error']}" for n, r in gemm.items() for i in impls if f"{i}_error" in r]
         lines += errs
     targets = payload.get("targets") or {}

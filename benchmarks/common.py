@@ -77,8 +77,10 @@ def run_sustained(calls: dict, burst_ms: dict, seconds: float, idle_s: float, cu
     nvidia-smi sampling the SM clock and the power (``ClockSampler``): name -> its time per call over the whole
     run (``sustained_ms``; CUDA events, or the wall clock where ``cuda`` is False) and, over the run's second half
     (where a kernel that draws the board's cap has settled at it), the mean clock, power, energy per call (power x
-    time) and clock-limit reasons (none without samples). Why: a burst runs near the boost clock, but a training
-    step holds the board at its power cap, where a kernel's time follows its energy (results/bench_sustained.json)."""
+    time), M cycles per call (``mcycles``) and clock-limit reasons (none without samples). Why: a burst runs before
+    the board has settled, but a training step holds it at its power cap, where a kernel's time follows its energy
+    (results/bench_sustained.json); the cycles say how much of a difference in time is the kernel's work and how
+    much the clock its power left it."""
     sampler, runs = ClockSampler(), {}
     for name, call in calls.items():
         time.sleep(idle_s)
@@ -98,8 +100,15 @@ def run_sustained(calls: dict, burst_ms: dict, seconds: float, idle_s: float, cu
         out[name] = dict(sustained_ms=ms)
         if late is not None:
             out[name].update(sustained_clock_mhz=late["clock_mhz"], sustained_power_w=late["power_w"],
-                             sustained_mj=late["power_w"] * ms, sustained_reasons=late["reasons"])
+                             sustained_mj=late["power_w"] * ms, sustained_mcycles=mcycles(ms, late["clock_mhz"]),
+                             sustained_reasons=late["reasons"])
     return out
+
+
+def mcycles(ms: float, clock_mhz: float) -> float:
+    """A call's cost in millions of SM cycles: its time (ms) at a mean SM clock (MHz). It does not move with the
+    clock as far as the call is bound by the SMs (not by HBM, whose bandwidth does not scale with the SM clock)."""
+    return ms * clock_mhz / 1e3
 
 
 def sustained_text(cell: dict) -> str:
@@ -107,7 +116,7 @@ def sustained_text(cell: dict) -> str:
     if "sustained_clock_mhz" not in cell:
         return f"sustained {cell['sustained_ms']:7.3f} ms (no clock samples)"
     return (f"sustained {cell['sustained_ms']:7.3f} ms {cell['sustained_clock_mhz']:6.0f} MHz "
-            f"{cell['sustained_power_w']:5.0f} W {cell['sustained_mj']:7.1f} mJ")
+            f"{cell['sustained_power_w']:5.0f} W {cell['sustained_mj']:7.1f} mJ {cell['sustained_mcycles']:6.2f} Mcyc")
 
 
 def cuda_time_ms(fn, iters: int = 20, repeats: int = 5, warmup: int = 3) -> float:

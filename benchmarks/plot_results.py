@@ -281,6 +281,30 @@ def plot_sustained(path: str) -> None:
     plt.close(fig)
 
 
+def plot_gemm_clocks(path: str) -> None:
+    """gemm_clocks: per GEMM cell of each source run, QuACK's time over ours in the burst and at the cap and its
+    cycles over ours at the cap; below, the SM clock each one's burst time implies."""
+    d = json.load(open(path))
+    cells = [(f"{run['name']} {name}", c) for run in d["runs"] for name, c in run["cells"].items()]
+    if not cells:
+        return
+    labels = [label for label, _ in cells]
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(max(9, len(cells) * 0.45), 8))
+    bars(ax0, labels, {f"QuACK/ours {k}": [c[k] for _, c in cells] for k in ("burst", "cap", "cycles")}, "ratio")
+    ax0.axhline(1.0, color="k", lw=0.6)
+    ax0.set_ylim(min(0.85, min(min(c[k] for k in ("burst", "cap", "cycles")) for _, c in cells) - 0.02), None)
+    gpus = ", ".join(sorted({str(run["gpu"]) for run in d["runs"]}))
+    ax0.set_title(f"GEMM cells of {len(d['runs'])} bench_peers runs ({gpus}); cycles = ms x mean SM clock at the "
+                  f"cap\ngemm_clocks at commit {d['commit'][:10]}, {d['date']}", fontsize=9)
+    bars(ax1, labels, {f"{impl} burst-implied clock": [c[impl]["burst_implied_mhz"] for _, c in cells]
+                       for impl in ("ours", "quack")}, "MHz (cycles at the cap / burst ms)")
+    implied = [c[impl]["burst_implied_mhz"] for _, c in cells for impl in ("ours", "quack")]
+    ax1.set_ylim(0.9 * min(implied), 1.05 * max(implied))
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     for name, plot in (("bench_gemm.json", plot_gemm), ("bench_planner.json", plot_planner),
                        ("bench_comm.json", plot_comm), ("bench_e2e.json", plot_e2e),

@@ -236,6 +236,7 @@ def test_bench_peers_smoke_without_peers(peers_smoke):
         assert r["ours_tflops"] > 0 and r["ours_over_torch"] > 0 and r["ours_over_quack"] is None
         # --sustained-s (the smoke's 5 ms, wall clock on the CPU): each implementation's time per call, no clock
         assert r["ours_sustained_ms"] > 0 and r["torch_sustained_ms"] > 0 and "ours_sustained_clock_mhz" not in r
+        assert "ours_over_torch_cycles" not in r  # no clock, no cycles
         assert r["ours_over_torch_sustained"] == r["torch_sustained_ms"] / r["ours_sustained_ms"]
     assert d["sustained_s"] == 0.005 and d["targets"]["fwd / quack at the power cap (worst layout)"]["met"] is None
     lines = stdout.strip().splitlines()
@@ -817,6 +818,7 @@ def test_bench_tiles_sustained_runs_each_timed_candidate_and_reports_its_energy(
         cell = rows["k"][name]
         assert cell["sustained_ms"] == 2.0 and cell["sustained_power_w"] == 600.0
         assert cell["sustained_clock_mhz"] == 1500.0 and cell["sustained_mj"] == 1200.0
+        assert cell["sustained_mcycles"] == 3.0  # 2 ms at 1500 MHz: 3 M SM cycles a call
         assert cell["sustained_reasons"] == ["0x4"]
     assert "sustained_ms" not in rows["k"]["c"]
 
